@@ -1,0 +1,278 @@
+"""Typed, frozen configuration for the whole optimizer stack, validated once at construction.
+
+The names here are optstack's own; Megatron's field names live only in ``optstack.megatron``, which
+translates to these. Every invalid value is a ``ValueError`` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "AdamConfig",
+    "DistributedConfig",
+    "LionConfig",
+    "LossScaleConfig",
+    "MuonConfig",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "SGDConfig",
+    "dtype_from_name",
+]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_from_name(name: str, field_name: str = "dtype") -> torch.dtype:
+    """'fp32' | 'bf16' | 'fp16' -> torch dtype (a ValueError naming ``field_name`` otherwise)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"{field_name} must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def _finite(name: str, value: float, *, lo: float | None = None, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+
+
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _beta(name: str, value: float) -> None:
+    _finite(name, value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Loss scaling. ``mode=None`` picks the usual default: dynamic for fp16, none otherwise."""
+
+    mode: Literal["none", "constant", "dynamic"] | None = None
+    initial: float = 2.0**32
+    min_scale: float = 1.0
+    window: int = 1000
+    hysteresis: int = 2
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice("loss_scale.mode", self.mode, (None, "none", "constant", "dynamic"))
+        _finite("loss_scale.initial", self.initial, lo=0.0, lo_open=True)
+        _finite("loss_scale.min_scale", self.min_scale, lo=0.0, lo_open=True)
+        if self.min_scale > self.initial:
+            raise ValueError(
+                f"loss_scale.min_scale ({self.min_scale}) must be <= loss_scale.initial ({self.initial})"
+            )
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"loss_scale.window must be an int >= 1, got {self.window!r}")
+        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int) or self.hysteresis < 1:
+            raise ValueError(f"loss_scale.hysteresis must be an int >= 1, got {self.hysteresis!r}")
+        _finite("loss_scale.growth_factor", self.growth_factor, lo=1.0, lo_open=True)
+        _finite("loss_scale.backoff_factor", self.backoff_factor, lo=0.0, lo_open=True)
+        if self.backoff_factor >= 1.0:
+            raise ValueError(f"loss_scale.backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+
+    def resolved_mode(self, precision: Precision) -> Literal["none", "constant", "dynamic"]:
+        if self.mode is not None:
+            return self.mode
+        return "dynamic" if precision == "fp16" else "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamConfig:
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    exp_avg_dtype: Precision = "fp32"
+    exp_avg_sq_dtype: Precision = "fp32"
+
+    def __post_init__(self) -> None:
+        _beta("adam.beta1", self.beta1)
+        _beta("adam.beta2", self.beta2)
+        _finite("adam.eps", self.eps, lo=0.0)
+        dtype_from_name(self.exp_avg_dtype, "adam.exp_avg_dtype")
+        dtype_from_name(self.exp_avg_sq_dtype, "adam.exp_avg_sq_dtype")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGDConfig:
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _beta("sgd.momentum", self.momentum)
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("sgd.nesterov needs sgd.momentum > 0, got momentum=0.0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LionConfig:
+    beta1: float = 0.9
+    beta2: float = 0.99
+
+    def __post_init__(self) -> None:
+        _beta("lion.beta1", self.beta1)
+        _beta("lion.beta2", self.beta2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonConfig:
+    """Muon's hyperparameters; parameters Muon cannot take go to ``scalar_algorithm``."""
+
+    momentum: float = 0.95
+    nesterov: bool = False
+    ns_steps: int = 5
+    coefficients: str = "quintic"
+    scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    extra_scale_factor: float = 1.0
+    split_qkv: bool = True
+    matmul_precision: Literal["highest", "high", "medium"] = "medium"
+    scalar_algorithm: str = "adamw"
+
+    def __post_init__(self) -> None:
+        _beta("muon.momentum", self.momentum)
+        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int) or self.ns_steps < 1:
+            raise ValueError(f"muon.ns_steps must be an int >= 1, got {self.ns_steps!r}")
+        _choice("muon.coefficients", self.coefficients, ("quintic", "simple", "polar_express"))
+        _choice("muon.scale_mode", self.scale_mode, ("spectral", "unit_rms_norm", "shape_scaling"))
+        _finite("muon.extra_scale_factor", self.extra_scale_factor, lo=0.0, lo_open=True)
+        _choice("muon.matmul_precision", self.matmul_precision, ("highest", "high", "medium"))
+        if self.scalar_algorithm == "muon":
+            raise ValueError("muon.scalar_algorithm must not be 'muon' (it takes what Muon cannot)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How optimizer state is spread across data-parallel ranks.
+
+    sharding: ``replicated`` (every rank holds everything), ``zero1`` (each rank owns an equal slice of every
+    bucket), ``layerwise`` (whole parameters assigned to ranks; what Muon needs).
+    """
+
+    sharding: Literal["replicated", "zero1", "layerwise"] = "replicated"
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None
+    grad_dtype: Precision | None = None
+    average_in_collective: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("distributed.sharding", self.sharding, ("replicated", "zero1", "layerwise"))
+        if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
+            raise ValueError(f"distributed.bucket_size must be an int >= 1 or None, got {self.bucket_size!r}")
+        if self.grad_dtype is not None:
+            dtype_from_name(self.grad_dtype, "distributed.grad_dtype")
+        if self.overlap_param_gather and self.sharding != "zero1":
+            raise ValueError(
+                "distributed.overlap_param_gather needs distributed.sharding='zero1', "
+                f"got sharding={self.sharding!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """CPU offload of optimizer state: the first ``fraction`` of elements (in group order) live on the host."""
+
+    fraction: float = 0.0
+    overlap_transfers: bool = False
+
+    def __post_init__(self) -> None:
+        _finite("offload.fraction", self.fraction)
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"offload.fraction must be in [0, 1], got {self.fraction!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Everything ``build_optimizer`` needs besides the model and the rules.
+
+    Args:
+        algorithm: registry name ("adamw", "adam", "sgd", "lion", "muon", "torch.optim.<Class>", "pkg.mod:Class").
+        lr / min_lr: the base (max) and final learning rate; groups may override through rules.
+        weight_decay: base weight decay; each group gets it times its ``wd_mult``.
+        decoupled_lr / decoupled_min_lr: LR for embedding/output parameters (standard rules).
+        mup_width_mult: MuP width multiplier (1 = no MuP rules).
+        precision: dtype of the model parameters; bf16/fp16 keep fp32 master weights.
+        clip_grad: clip the global grad norm to this (0 = no clipping).
+        grad_norm_skip_threshold: skip the step when the grad norm exceeds this (None = never).
+        log_num_zeros_in_grad: count zero gradient elements each step.
+    """
+
+    algorithm: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    apply_wd_to_qk_layernorm: bool = False
+    mup_width_mult: float = 1.0
+    precision: Precision = "fp32"
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    clip_grad: float = 1.0
+    norm_type: float = 2.0
+    grad_norm_skip_threshold: float | None = None
+    log_num_zeros_in_grad: bool = False
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    sgd: SGDConfig = field(default_factory=SGDConfig)
+    lion: LionConfig = field(default_factory=LionConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.algorithm, str) or not self.algorithm:
+            raise ValueError(f"algorithm must be a non-empty registry name, got {self.algorithm!r}")
+        _finite("lr", self.lr, lo=0.0)
+        _finite("min_lr", self.min_lr, lo=0.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        _finite("weight_decay", self.weight_decay, lo=0.0)
+        if self.decoupled_lr is not None:
+            _finite("decoupled_lr", self.decoupled_lr, lo=0.0)
+        if self.decoupled_min_lr is not None:
+            _finite("decoupled_min_lr", self.decoupled_min_lr, lo=0.0)
+            if self.decoupled_lr is None:
+                raise ValueError("decoupled_min_lr is set but decoupled_lr is None; set decoupled_lr too")
+            if self.decoupled_min_lr > self.decoupled_lr:
+                raise ValueError(
+                    f"decoupled_min_lr ({self.decoupled_min_lr}) must be <= decoupled_lr ({self.decoupled_lr})"
+                )
+        _finite("mup_width_mult", self.mup_width_mult, lo=0.0, lo_open=True)
+        dtype_from_name(self.precision, "precision")
+        _finite("clip_grad", self.clip_grad, lo=0.0)
+        if self.norm_type != math.inf:
+            _finite("norm_type", self.norm_type, lo=0.0, lo_open=True)
+        if self.grad_norm_skip_threshold is not None:
+            _finite("grad_norm_skip_threshold", self.grad_norm_skip_threshold, lo=0.0, lo_open=True)
+        if self.algorithm == "muon" and self.precision == "fp16":
+            raise ValueError(
+                "precision='fp16' is not supported with algorithm='muon' (Newton-Schulz overflows in fp16); "
+                "use precision='bf16' or 'fp32'"
+            )
+        if self.loss_scale.resolved_mode(self.precision) != "none" and self.precision == "fp32":
+            raise ValueError(
+                f"loss_scale.mode={self.loss_scale.mode!r} needs precision 'fp16' or 'bf16', got 'fp32'"
+            )
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.precision, "precision")
+
+    def with_changes(self, **changes: Any) -> OptimizerConfig:
+        """A copy with top-level fields replaced (validated again)."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"OptimizerConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+        return replace(self, **changes)
