@@ -1,0 +1,178 @@
+"""Partition resolved parameters into deterministic optimizer param groups. Pure: no collectives, no globals.
+
+Parameters whose merged settings and expert flag are equal share a ``GroupKey``. Keys sort the same way
+on every rank: the key with no settings first, then by the settings' repr, dense before expert. When ranks
+hold different parameters (pipeline stages, experts), ``optstack.distributed.group_keys.union_group_keys``
+unions the keys so every rank builds the same groups, some empty, and passes them here as ``keys``.
+
+Example::
+
+    resolved = resolve(model, rules)
+    groups = build_param_groups(model, resolved, lr=3e-4, min_lr=3e-5)
+    torch.optim.AdamW(groups)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import total_ordering
+from typing import Any
+
+from optstack.rules import LR_KEYS, NamedParams, Resolved, named_parameters_of
+from optstack.rules.resolve import is_number
+
+__all__ = ["GroupKey", "group_keys", "build_param_groups", "param_group_table", "GROUP_FIELDS"]
+
+#: Fields every group carries besides its settings (the settings may override the last four).
+GROUP_FIELDS = ("params", "param_names", "is_expert_parallel", "default_config", "wd_mult", "lr_mult",
+                "max_lr", "min_lr")
+
+
+@total_ordering
+@dataclass(frozen=True)
+class GroupKey:
+    """What makes a param group: merged settings (sorted by key) and the expert flag. Hashable, picklable.
+
+    Attributes:
+        settings: ``((key, value), ...)`` sorted by key; empty for parameters no rule matched.
+        is_expert: expert-parallel parameters get their own groups (they reduce over another group).
+    """
+
+    settings: tuple[tuple[str, Any], ...] = ()
+    is_expert: bool = False
+
+    def __post_init__(self) -> None:
+        # Canonical form, so two keys built from the same mapping in any order are equal.
+        settings = tuple(sorted((tuple(kv) for kv in self.settings), key=lambda kv: kv[0]))
+        names = [k for k, _ in settings]
+        if len(set(names)) != len(names) or not all(isinstance(k, str) for k in names):
+            raise ValueError(f"GroupKey settings need distinct string keys, got {self.settings!r}")
+        object.__setattr__(self, "settings", settings)
+        object.__setattr__(self, "is_expert", bool(self.is_expert))
+
+    @classmethod
+    def of(cls, resolved: Resolved) -> GroupKey:
+        """The key of one resolved parameter."""
+        return cls(tuple(resolved.settings.items()), resolved.is_expert)
+
+    @property
+    def default_config(self) -> bool:
+        """True when no LR key (max_lr, min_lr, lr_mult) is overridden (Megatron logs such groups' lr)."""
+        return not any(k in LR_KEYS for k, _ in self.settings)
+
+    def _order(self) -> tuple[bool, str, bool]:
+        # repr, not the values: values of different types do not compare, and repr is the same on every rank.
+        return (bool(self.settings), repr(self.settings), self.is_expert)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, GroupKey):
+            return NotImplemented
+        return self._order() < other._order()
+
+    def __str__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in self.settings) or "defaults"
+        return f"{body}{' [expert]' if self.is_expert else ''}"
+
+
+def group_keys(resolved: Mapping[str, Resolved]) -> list[GroupKey]:
+    """The distinct keys of ``resolved``, in group order."""
+    return sorted({GroupKey.of(r) for r in resolved.values()})
+
+
+def build_param_groups(
+    named_params: NamedParams,
+    resolved: Mapping[str, Resolved],
+    *,
+    lr: float,
+    min_lr: float,
+    keys: Sequence[GroupKey] | None = None,
+) -> list[dict[str, Any]]:
+    """One param-group dict per key, in key order; parameters keep model order within a group.
+
+    Args:
+        named_params: the same parameters ``resolved`` came from (module, chunks or pairs).
+        resolved: ``resolve(named_params, rules)``.
+        lr: the base ``max_lr`` for groups that do not override it.
+        min_lr: the base ``min_lr``.
+        keys: the groups to build, in order (e.g. the cross-rank union); groups without local parameters
+            are built empty. Default: ``group_keys(resolved)``.
+
+    Returns:
+        Dicts with ``params``, ``param_names``, ``is_expert_parallel``, ``default_config``, ``wd_mult=1.0``,
+        ``lr_mult=1.0``, ``max_lr=lr``, ``min_lr=min_lr``, then the key's settings (which win).
+
+    Raises:
+        ValueError: on a bad ``lr``/``min_lr``, duplicate ``keys``, a parameter whose key is not in ``keys``,
+            or ``resolved`` not matching ``named_params``.
+    """
+    for field, value in (("lr", lr), ("min_lr", min_lr)):
+        if not is_number(value) or value < 0:
+            raise ValueError(f"build_param_groups: {field} must be a finite number >= 0, got {value!r}")
+    keys = group_keys(resolved) if keys is None else list(keys)
+    if len(set(keys)) != len(keys):
+        dupes = sorted({str(k) for k in keys if keys.count(k) > 1})
+        raise ValueError(f"build_param_groups: keys must be distinct; repeated: {dupes}")
+    index = {k: i for i, k in enumerate(keys)}
+    members: list[list[tuple[str, Any]]] = [[] for _ in keys]
+    seen: set[str] = set()
+    for name, param in named_parameters_of(named_params):
+        if not param.requires_grad:
+            continue  # frozen parameters belong to no group, whatever `resolved` says
+        r = resolved.get(name)
+        if r is None:
+            raise ValueError(
+                f"trainable parameter {name!r} is missing from `resolved`; resolve the same parameters "
+                "(the same module / chunks) that you pass here"
+            )
+        key = GroupKey.of(r)
+        if key not in index:
+            raise ValueError(
+                f"parameter {name!r} has group key {key} which is not in `keys`; pass keys that include "
+                "every local key (e.g. union_group_keys(group_keys(resolved), comm))"
+            )
+        members[index[key]].append((name, param))
+        seen.add(name)
+    missing = [n for n in resolved if n not in seen]
+    if missing:
+        raise ValueError(
+            f"`resolved` names parameters that are not trainable parameters of named_params: {missing[:5]}; "
+            "resolve the same parameters you pass here, after freezing"
+        )
+    groups = []
+    for key, group_members in zip(keys, members, strict=True):
+        group: dict[str, Any] = {
+            "params": [p for _, p in group_members],
+            "param_names": [n for n, _ in group_members],
+            "is_expert_parallel": key.is_expert,
+            "default_config": key.default_config,
+            "wd_mult": 1.0,
+            "lr_mult": 1.0,
+            "max_lr": lr,
+            "min_lr": min_lr,
+        }
+        group.update(key.settings)
+        groups.append(group)
+    return groups
+
+
+def param_group_table(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per parameter, for dumps and CLIs: name, group index, shape, numel, expert flag, settings.
+
+    ``settings`` holds every group field except ``params`` and ``param_names`` (and anything a scheduler
+    or optimizer added, such as ``lr``), as plain Python values.
+    """
+    rows = []
+    for gi, group in enumerate(groups):
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(group["params"]))]
+        for name, p in zip(names, group["params"], strict=True):
+            rows.append({
+                "name": name,
+                "group": gi,
+                "shape": list(p.shape),
+                "numel": p.numel(),
+                "is_expert_parallel": bool(group.get("is_expert_parallel", False)),
+                "settings": dict(settings),
+            })
+    return rows

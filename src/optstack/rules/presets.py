@@ -1,0 +1,152 @@
+"""The stock rule sets, with Megatron Core's semantics: standard (no-decay, decoupled LR), MuP, Muon routing.
+
+Each function returns plain ``Rule`` values, so the result can be printed, extended or filtered like any
+user rule list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from optstack.rules.matchers import Attr, Matcher, Name, NamedPredicate, Ndim
+from optstack.rules.resolve import Rule, is_number
+
+__all__ = [
+    "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily",
+    "EMBEDDING", "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED",
+]
+
+EMBEDDING_OR_OUTPUT = Attr("is_embedding_or_output_parameter")
+
+
+def _check_lr(field: str, value: float | None) -> None:
+    if value is not None and (not is_number(value) or value < 0):
+        raise ValueError(f"{field} must be a finite number >= 0 (or None), got {value!r}")
+
+
+def standard_rules(
+    *,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+    apply_wd_to_qk_layernorm: bool = False,
+) -> list[Rule]:
+    """Megatron's standard overrides: no weight decay on biases and 1-D parameters; decoupled embedding LR.
+
+    Args:
+        decoupled_lr: when set, parameters flagged ``is_embedding_or_output_parameter`` get ``max_lr`` = this.
+        decoupled_min_lr: their ``min_lr``; only used when ``decoupled_lr`` is set (as in Megatron).
+        apply_wd_to_qk_layernorm: keep weight decay on q/k layer-norm parameters (names containing
+            ``q_layernorm.`` or ``k_layernorm.``), as Qwen3-Next does.
+    """
+    _check_lr("decoupled_lr", decoupled_lr)
+    _check_lr("decoupled_min_lr", decoupled_min_lr)
+    no_wd: Matcher = Name("*.bias") | Ndim(eq=1)
+    why = "no weight decay on biases and 1-D params"
+    if apply_wd_to_qk_layernorm:
+        no_wd = no_wd & ~Name("*q_layernorm.*", "*k_layernorm.*")
+        why += " (except q/k layer norms)"
+    rules = [Rule(no_wd, wd_mult=0.0, why=why)]
+    if decoupled_lr is not None:
+        lrs = {"max_lr": decoupled_lr}
+        if decoupled_min_lr is not None:
+            lrs["min_lr"] = decoupled_min_lr
+        rules.append(Rule(EMBEDDING_OR_OUTPUT, why="decoupled LR for embedding and output", **lrs))
+    return rules
+
+
+def _is_embedding(param: torch.Tensor, name: str) -> bool:
+    # Megatron's MuP test: explicit flags first, then a conservative name check for unflagged modules.
+    if getattr(param, "shared_embedding", False):
+        return True
+    if hasattr(param, "is_embedding_parameter"):
+        return bool(param.is_embedding_parameter)
+    return "embedding" in name.lower()
+
+
+EMBEDDING = NamedPredicate(_is_embedding, "embedding")
+#: MuP's vector-like class: 0/1-D parameters and embeddings (their fan-in does not grow with width).
+VECTOR_LIKE = Ndim(le=1) | EMBEDDING
+MUON_MANAGED = Ndim(eq=2) & ~EMBEDDING_OR_OUTPUT
+
+MupFamily = Literal["adam", "adamw", "sgd", "muon", "lion"]
+
+
+def mup_rules(
+    width_mult: float,
+    *,
+    family: MupFamily,
+    lr: float,
+    min_lr: float | None,
+    eps: float | None = None,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+) -> list[Rule]:
+    """MuP learning-rate (and Adam epsilon) scaling by parameter class, with Megatron Core's semantics.
+
+    With ``w = width_mult`` (hidden size / base hidden size); "hidden" = ndim >= 2 and not an embedding
+    (``shared_embedding`` / ``is_embedding_parameter`` attribute, else "embedding" in the name):
+
+    - ``adam`` / ``adamw``: hidden params get ``max_lr = lr / w``, ``min_lr = min_lr / w`` and, when ``eps``
+      is given, ``eps = eps / w``. Vector-like params (ndim <= 1) and embeddings keep the base values. As in
+      Megatron, an un-embedding output matrix counts as hidden.
+    - ``lion``: like Adam for the LR (Lion's sign update has Adam's per-entry scale, so the same 1/w fan-in
+      rule applies); Lion has no epsilon, so ``eps`` is ignored.
+    - ``sgd``: vector-like params (ndim <= 1 and embeddings) get ``lr * w``; hidden params keep the base LR;
+      ``eps`` is ignored (as in Megatron: no eps override for non-Adam optimizers).
+    - ``muon``: 2-D non-embedding/output matrices are Muon's and get nothing (Muon scales its own update);
+      every other hidden param is stepped by the scalar Adam and gets the Adam rules (``eps / w`` when
+      ``eps`` is given; Megatron applies no eps override for Muon, so its face passes ``eps=None``).
+
+    When ``decoupled_lr`` is set, parameters flagged ``is_embedding_or_output_parameter`` are left out of
+    every LR rule (they keep the decoupled LR from ``standard_rules``, without conflict); the eps rule still
+    applies to hidden ones. ``decoupled_min_lr`` is accepted for symmetry with ``standard_rules``; only
+    whether ``decoupled_lr`` is set matters here.
+
+    Returns:
+        ``[]`` when ``w == 1``, else the rules.
+
+    Raises:
+        ValueError: ``width_mult`` <= 0 or non-finite, an unknown family, or a bad LR/eps.
+    """
+    if not is_number(width_mult) or width_mult <= 0:
+        raise ValueError(f"width_mult must be a finite number > 0 (hidden / base width), got {width_mult!r}")
+    if family not in ("adam", "adamw", "sgd", "muon", "lion"):
+        raise ValueError(f"family must be one of 'adam', 'adamw', 'sgd', 'muon', 'lion'; got {family!r}")
+    for field, value in (("lr", lr), ("min_lr", min_lr), ("eps", eps), ("decoupled_lr", decoupled_lr),
+                         ("decoupled_min_lr", decoupled_min_lr)):
+        _check_lr(field, value)
+    if lr is None:
+        raise ValueError("lr must be a finite number >= 0, got None")
+    if width_mult == 1:
+        return []
+    w = float(width_mult)
+    keeps_decoupled = decoupled_lr is not None
+    tag = f"MuP w={w:g}"
+
+    def lrs(op: Callable[[float], float]) -> dict[str, float]:
+        out = {"max_lr": op(lr)}
+        if min_lr is not None:
+            out["min_lr"] = op(min_lr)
+        return out
+
+    if family == "sgd":
+        vectors: Matcher = VECTOR_LIKE & ~EMBEDDING_OR_OUTPUT if keeps_decoupled else VECTOR_LIKE
+        return [Rule(vectors, why=f"{tag}: SGD vector-like lr*w", **lrs(lambda x: x * w))]
+
+    hidden: Matcher = ~VECTOR_LIKE
+    if family == "muon":
+        hidden = hidden & ~MUON_MANAGED
+    lr_hidden = hidden & ~EMBEDDING_OR_OUTPUT if keeps_decoupled else hidden
+    rules = [Rule(lr_hidden, why=f"{tag}: hidden lr/w", **lrs(lambda x: x / w))]
+    if eps is not None and family != "lion":
+        rules.append(Rule(hidden, eps=eps / w, why=f"{tag}: Adam eps/w"))
+    return rules
+
+
+def muon_routing_rule(scalar_algorithm: str = "adamw") -> Rule:
+    """Send what Muon cannot take (not 2-D, or embedding/output) to ``scalar_algorithm``."""
+    not_for_muon = ~Ndim(eq=2) | EMBEDDING_OR_OUTPUT
+    return Rule(not_for_muon, algorithm=scalar_algorithm, why="Muon needs 2-D hidden matrices")

@@ -1,0 +1,343 @@
+"""Rules and their merge: ``Rule`` (a matcher, settings and a reason), ``resolve`` and ``explain``.
+
+``resolve`` merges every rule that matches a parameter into one ``Resolved`` record and raises when two
+rules give one key different values; ``explain`` shows the result and which rule decided each setting.
+``named_parameters_of`` turns a module, model chunks or ``(name, tensor)`` pairs into one ordered list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from optstack.rules.matchers import Matcher
+
+__all__ = [
+    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of",
+    "NamedParams", "LR_KEYS", "PROTECTED_KEYS",
+]
+
+#: Keys that change the learning rate schedule of a group (a group with none of them is "default_config").
+LR_KEYS = frozenset({"max_lr", "min_lr", "lr_mult"})
+#: Keys the group builder owns; a rule may not set them.
+PROTECTED_KEYS = frozenset({"params", "param_names", "is_expert_parallel", "default_config"})
+# Non-negative finite numbers; stored as float so that 0 and 0.0 are one value (one group).
+_NUMERIC_KEYS = frozenset({"max_lr", "min_lr", "lr_mult", "wd_mult", "start_wd", "end_wd"})
+# Names that look like settings but would be silently overwritten or are aliases: say what to use instead.
+_REDIRECTED_KEYS = {
+    "lr": "the scheduler writes 'lr' every step; set max_lr / min_lr (absolute) or lr_mult (relative)",
+    "weight_decay": "the scheduler writes 'weight_decay' every step; set wd_mult, or start_wd / end_wd",
+    "optimizer": "the core calls it 'algorithm', e.g. algorithm='adamw'",
+}
+# Plain, picklable values with a stable repr: group keys travel between ranks and sort by repr.
+_PLAIN_TYPES = (type(None), bool, int, float, str, torch.dtype)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _canonical_value(rule_repr: str, key: str, value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_canonical_value(rule_repr, key, v) for v in value)
+    if not isinstance(value, _PLAIN_TYPES):
+        raise ValueError(
+            f"{rule_repr}: setting {key}={value!r} has type {type(value).__name__}; settings must be None, "
+            "bool, int, float, str, torch.dtype or tuples/lists of those (they are compared, sorted and sent "
+            "between ranks)"
+        )
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError(f"{rule_repr}: setting {key}=nan is not allowed (nan never equals itself)")
+    return value
+
+
+def _validate_setting(rule_repr: str, key: str, value: Any) -> Any:
+    if not isinstance(key, str) or not key.isidentifier():
+        raise ValueError(f"{rule_repr}: setting name {key!r} must be a Python identifier")
+    if key in PROTECTED_KEYS:
+        raise ValueError(
+            f"{rule_repr}: {key!r} is set by the group builder and cannot be overridden by a rule; "
+            f"protected keys are {sorted(PROTECTED_KEYS)}"
+        )
+    if key in _REDIRECTED_KEYS:
+        raise ValueError(f"{rule_repr}: a rule cannot set {key!r}: {_REDIRECTED_KEYS[key]}")
+    if key in _NUMERIC_KEYS:
+        if not is_number(value) or value < 0:
+            raise ValueError(f"{rule_repr}: {key} must be a finite number >= 0, got {value!r}")
+        return float(value)
+    if key == "algorithm":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{rule_repr}: algorithm must be a non-empty optimizer name, got {value!r}")
+        return value
+    return _canonical_value(rule_repr, key, value)
+
+
+class Rule:
+    """A matcher, the settings it applies to matching parameters, and why.
+
+    Args:
+        matcher: which parameters the rule applies to.
+        why: a short reason, shown by ``explain`` and in conflict errors (default: the matcher's repr).
+        **settings: ``max_lr``, ``min_lr``, ``lr_mult``, ``wd_mult``, ``start_wd``, ``end_wd`` (finite, >= 0),
+            ``algorithm`` (optimizer name) and any algorithm hyperparameter (``eps``, ``betas``, ...). Lists
+            become tuples. ``params``, ``param_names``, ``is_expert_parallel`` and ``default_config`` are
+            protected.
+
+    Raises:
+        ValueError: on a protected or redirected key, a bad number or an unhashable value.
+    """
+
+    __slots__ = ("_matcher", "_items", "_why")
+
+    def __init__(self, matcher: Matcher, *, why: str = "", **settings: Any) -> None:
+        if not isinstance(matcher, Matcher):
+            raise ValueError(
+                f"Rule needs a Matcher (Name, Attr, Ndim, Shape, Predicate, ...), got {matcher!r}; "
+                "e.g. Rule(Name('*.bias'), wd_mult=0.0)"
+            )
+        if not isinstance(why, str):
+            raise ValueError(f"Rule why= must be a string, got {why!r}")
+        where = f"Rule({matcher!r}{', why=' + repr(why) if why else ''})"
+        items = tuple(sorted((k, _validate_setting(where, k, v)) for k, v in settings.items()))
+        object.__setattr__(self, "_matcher", matcher)
+        object.__setattr__(self, "_items", items)
+        object.__setattr__(self, "_why", why)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Rule is immutable; build a new one")
+
+    @property
+    def matcher(self) -> Matcher:
+        return self._matcher
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        """The settings, read-only, sorted by key."""
+        return MappingProxyType(dict(self._items))
+
+    @property
+    def why(self) -> str:
+        return self._why
+
+    @property
+    def label(self) -> str:
+        """How the rule is named in tables and errors: its reason, else its matcher."""
+        return self._why or repr(self._matcher)
+
+    def __call__(self, param: torch.Tensor, name: str) -> bool:
+        return self._matcher(param, name)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Rule):
+            return NotImplemented
+        return (self._matcher, self._items, self._why) == (other._matcher, other._items, other._why)
+
+    def __hash__(self) -> int:
+        return hash((self._matcher, self._items, self._why))
+
+    def __repr__(self) -> str:
+        parts = [repr(self._matcher)] + [f"{k}={v!r}" for k, v in self._items]
+        if self._why:
+            parts.append(f"why={self._why!r}")
+        return f"Rule({', '.join(parts)})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_rule, (self._matcher, self._why, self._items))
+
+
+def _make_rule(matcher: Matcher, why: str, items: tuple[tuple[str, Any], ...]) -> Rule:
+    return Rule(matcher, why=why, **dict(items))
+
+
+# -- collecting parameters ---------------------------------------------------------------------------------
+NamedParams = nn.Module | Sequence[nn.Module] | Iterable[tuple[str, torch.Tensor]]
+
+
+def named_parameters_of(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs in model order from a module, a list of model chunks, or the pairs themselves.
+
+    Model chunks (a list of modules, e.g. virtual pipeline stages) keep their own names when those are unique
+    across chunks; when any name occurs in two chunks, every name is prefixed with ``chunk{i}.`` (``i`` the
+    chunk's index) so that names stay unique keys. A tensor that appears twice (tied weights) is kept once,
+    under its first name, as ``named_parameters`` does within one module.
+
+    Raises:
+        ValueError: when two different tensors are given under one name.
+    """
+    if isinstance(source, nn.Module):
+        pairs = list(source.named_parameters())
+    else:
+        items = list(source)
+        if items and all(isinstance(m, nn.Module) for m in items):
+            chunks = [list(m.named_parameters()) for m in items]
+            names = [n for chunk in chunks for n, _ in chunk]
+            if len(set(names)) != len(names):
+                chunks = [[(f"chunk{i}.{n}", p) for n, p in chunk] for i, chunk in enumerate(chunks)]
+            pairs = [pair for chunk in chunks for pair in chunk]
+        else:
+            pairs = []
+            for item in items:
+                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                        and isinstance(item[1], torch.Tensor)):
+                    raise ValueError(
+                        "expected an nn.Module, a list of nn.Modules or (name, tensor) pairs; "
+                        f"got item {item!r:.80}"
+                    )
+                pairs.append(item)
+    out: list[tuple[str, torch.Tensor]] = []
+    seen_names: dict[str, torch.Tensor] = {}
+    seen_ids: set[int] = set()
+    for name, p in pairs:
+        if id(p) in seen_ids:
+            continue
+        if name in seen_names:
+            raise ValueError(f"two different tensors are named {name!r}; parameter names must be unique")
+        seen_names[name] = p
+        seen_ids.add(id(p))
+        out.append((name, p))
+    return out
+
+
+# -- resolving ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=True)
+class Resolved:
+    """One trainable parameter's merged settings.
+
+    Attributes:
+        name: the parameter's name.
+        settings: merged settings, sorted by key (empty when no rule matched).
+        sources: for each key, the rules that set it (several when they agree), in rule order.
+        is_expert: True for expert-parallel parameters (attribute ``allreduce`` is False).
+        shape: the parameter's shape.
+    """
+
+    name: str
+    settings: Mapping[str, Any]
+    sources: Mapping[str, tuple[Rule, ...]]
+    is_expert: bool
+    shape: tuple[int, ...] = ()
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    # Megatron marks expert-parallel weights with allreduce=False: their grads are not reduced over full DP.
+    return not getattr(param, "allreduce", True)
+
+
+def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = False) -> dict[str, Resolved]:
+    """Merge every matching rule into each trainable parameter's settings.
+
+    Args:
+        named_params: an ``nn.Module``, a list of model chunks or ``(name, tensor)`` pairs (see
+            ``named_parameters_of`` for chunk naming). Frozen (``requires_grad=False``) ones are skipped.
+        rules: the rules; all that match a parameter apply.
+        strict: raise when a rule matches no trainable parameter (catches typos in globs).
+
+    Returns:
+        ``{name: Resolved}`` in model order, trainable parameters only.
+
+    Raises:
+        ValueError: when two rules set one key of one parameter to different values (naming the parameter,
+            both rules and both values), or, with ``strict``, when a rule matches nothing.
+    """
+    rules = list(rules)
+    for r in rules:
+        if not isinstance(r, Rule):
+            raise ValueError(f"rules must be Rule objects, got {r!r}; e.g. Rule(Name('*.bias'), wd_mult=0.0)")
+    used = [False] * len(rules)
+    out: dict[str, Resolved] = {}
+    for name, param in named_parameters_of(named_params):
+        if not param.requires_grad:
+            continue
+        settings: dict[str, Any] = {}
+        sources: dict[str, list[Rule]] = {}
+        for i, rule in enumerate(rules):
+            if not rule.matcher(param, name):
+                continue
+            used[i] = True
+            for key, value in rule._items:
+                if key in settings and settings[key] != value:
+                    first = sources[key][0]
+                    raise ValueError(
+                        f"conflicting rules for parameter {name!r}: rule {first.label!r} sets "
+                        f"{key}={settings[key]!r} but rule {rule.label!r} sets {key}={value!r}. "
+                        "Make their matchers disjoint (e.g. add '& ~...') or give both the same value."
+                    )
+                settings[key] = value
+                sources.setdefault(key, []).append(rule)
+        out[name] = Resolved(
+            name=name,
+            settings=MappingProxyType(dict(sorted(settings.items()))),
+            sources=MappingProxyType({k: tuple(sources[k]) for k in sorted(sources)}),
+            is_expert=_is_expert(param),
+            shape=tuple(param.shape),
+        )
+    if strict:
+        unused = [r.label for r, u in zip(rules, used, strict=True) if not u]
+        if unused:
+            raise ValueError(
+                f"strict=True: rule(s) {unused} match no trainable parameter; check the globs/attributes "
+                "against the model's named_parameters(), or drop the rule, or pass strict=False"
+            )
+    return out
+
+
+# -- explain -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Explanation:
+    """What one parameter gets and why; ``sources`` maps each setting to the labels of the rules that set it.
+
+    Attributes:
+        settings: merged settings, sorted by key.
+        sources: for each key, the labels of the rules that set it.
+        is_expert: expert-parallel parameter (``allreduce`` is False).
+        shape: the parameter's shape.
+    """
+
+    settings: Mapping[str, Any]
+    sources: Mapping[str, tuple[str, ...]]
+    is_expert: bool
+    shape: tuple[int, ...]
+
+
+def explain(model_or_named_params: NamedParams, rules: Sequence[Rule], **kw: Any) -> dict[str, Explanation]:
+    """For each trainable parameter, its final settings and the rules that set each one.
+
+    Args:
+        model_or_named_params: as for ``resolve``.
+        rules: the rules.
+        **kw: passed to ``resolve`` (``strict``).
+    """
+    return {
+        name: Explanation(
+            settings=r.settings,
+            sources=MappingProxyType({k: tuple(rule.label for rule in rs) for k, rs in r.sources.items()}),
+            is_expert=r.is_expert,
+            shape=r.shape,
+        )
+        for name, r in resolve(model_or_named_params, rules, **kw).items()
+    }
+
+
+def format_explain(explanations: Mapping[str, Explanation]) -> str:
+    """A plain-text table: parameter, shape, expert flag, settings, and which rule set what."""
+    header = ("parameter", "shape", "expert", "settings", "set by")
+    rows = [header]
+    for name, e in explanations.items():
+        settings = ", ".join(f"{k}={v!r}" for k, v in e.settings.items()) or "-"
+        by_rules: dict[tuple[str, ...], list[str]] = {}
+        for key, labels in e.sources.items():
+            by_rules.setdefault(labels, []).append(key)
+        set_by = "; ".join(f"{','.join(keys)} <- {' + '.join(labels)}" for labels, keys in by_rules.items())
+        shape = "x".join(map(str, e.shape)) or "scalar"
+        rows.append((name, shape, "yes" if e.is_expert else "no", settings, set_by or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join([c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)] + [r[-1]]) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
+    return "\n".join(line.rstrip() for line in lines)
