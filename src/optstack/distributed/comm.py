@@ -2,19 +2,35 @@
 
 A ``Comm`` wraps one process group. ``NullComm`` (world size 1) makes every collective a no-op, so
 single-process code paths are the same code. Collectives on a ``Comm`` are synchronous unless the method
-says it returns a work handle; each names its operation and group in the error raised when it fails or
-times out, so a rank that dies gives the others a clear message instead of a hang.
+ends in ``_async``, which returns a ``Handle``; each names its operation and group in the error raised when
+it fails or times out, so a rank that dies gives the others a clear message instead of a hang. Every
+blocking wait uses the Comm's ``timeout`` (gloo honours it per call through ``Work.wait(timeout)``; NCCL
+through the group's own timeout, which ``new_group`` / ``new_subgroups`` set to the same value).
+
+PyTorch 2.13 renamed the flat-tensor collectives: ``reduce_scatter_tensor`` -> ``reduce_scatter_single`` and
+``all_gather_into_tensor`` -> ``all_gather_single`` (the old names warn). This module uses the new names and
+falls back to an all-reduce when a backend has no native reduce-scatter.
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "NullComm", "CommError", "world_comm", "is_initialized"]
+__all__ = [
+    "Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized",
+    "world_rank", "world_size", "new_group", "new_subgroups",
+]
+
+ProcessGroup = dist.ProcessGroup
+_MAX_NDIM = 16  # all_gather_uneven exchanges shapes in a fixed-size header
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 
 
 class CommError(RuntimeError):
@@ -23,6 +39,64 @@ class CommError(RuntimeError):
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def world_rank() -> int:
+    """This process's rank in the default group (0 when torch.distributed is not initialised)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the default group (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks (within the Comm's timeout), then runs the finishing step
+    (e.g. the division of an average); it raises ``CommError`` naming the operation and group on failure."""
+
+    def __init__(self, op: str, comm: Comm | NullComm, works: Sequence[Any] = (),
+                 then: Callable[[], None] | None = None) -> None:
+        self.op = op
+        self._comm = comm
+        self._works = list(works)
+        self._then = then
+        self._done = False
+
+    def __repr__(self) -> str:
+        return f"Handle({self.op!r} on {self._comm.name!r}, done={self._done})"
+
+    def is_completed(self) -> bool:
+        """True once ``wait()`` has returned, or when every underlying work finished (does not block)."""
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for work in self._works:
+            _wait_work(self._comm, self.op, work)
+        self._done = True
+        if self._then is not None:
+            self._then()
+
+
+def _wait_work(comm: Comm | NullComm, op: str, work: Any) -> None:
+    try:
+        if comm.timeout is not None:
+            work.wait(comm.timeout)
+        else:
+            work.wait()
+    except Exception as exc:  # gloo/nccl raise RuntimeError subclasses with terse text
+        limit = f", timeout {comm.timeout.total_seconds():g} s" if comm.timeout is not None else ""
+        raise CommError(
+            f"{op} on the {comm.name!r} group (rank {comm.rank} of {comm.size}, {comm.backend}{limit}) "
+            f"failed: {exc}. A peer rank may have died, stalled or called a different collective."
+        ) from exc
+
+
+def _check_op(op: str) -> None:
+    if op not in _REDUCE_OPS and op != "avg":
+        raise ValueError(f"reduction op must be one of sum, max, min, avg; got {op!r}")
 
 
 class Comm:
@@ -52,63 +126,162 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        self.global_ranks: list[int] = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._native_reduce_scatter = True  # set False on the first "not supported" from the backend
 
     def __repr__(self) -> str:
         return f"Comm({self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend})"
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _wait(self, op: str, work: Any) -> None:
+    def _start(self, opname: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self.timeout is not None:
-                work.wait(self.timeout)
-            else:
-                work.wait()
-        except Exception as exc:  # gloo/nccl raise RuntimeError subclasses with terse text
-            raise CommError(
-                f"{op} on the {self.name!r} group (rank {self.rank} of {self.size}, {self.backend}) failed: "
-                f"{exc}. A peer rank may have died, stalled or called a different collective."
-            ) from exc
-
-    def _run(self, opname: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            work = fn(*args, group=self.group, async_op=True, **kwargs)
+            return fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as exc:
             raise CommError(
                 f"{opname} on the {self.name!r} group (rank {self.rank} of {self.size}) failed: {exc}"
             ) from exc
-        self._wait(opname, work)
 
-    # -- collectives ---------------------------------------------------------------------------------
+    def _wait(self, op: str, work: Any) -> None:
+        _wait_work(self, op, work)
+
+    def _run(self, opname: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        self._wait(opname, self._start(opname, fn, *args, **kwargs))
+
+    def _check_sizes(self, op: str, *, whole: torch.Tensor, part: torch.Tensor) -> None:
+        if whole.numel() != part.numel() * self.size or whole.dtype != part.dtype:
+            raise ValueError(
+                f"{op} on {self.name!r} needs a whole tensor of size x part elements (size {self.size}), one "
+                f"dtype; got whole {tuple(whole.shape)} {whole.dtype}, part {tuple(part.shape)} {part.dtype}"
+            )
+
+    def _object_device(self) -> torch.device:
+        # Object collectives have no tensor to take the device from: gloo works on host memory, every
+        # other backend (NCCL, XCCL) on the current accelerator.
+        if "gloo" in self.backend:
+            return torch.device("cpu")
+        acc = torch.accelerator.current_accelerator()
+        if acc is None:
+            return torch.device("cpu")
+        return torch.device(acc.type, torch.accelerator.current_device_index())
+
+    # -- reductions ----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of ``tensor`` with ``op`` in {"sum", "max", "min", "avg"}; returns it."""
-        if op == "avg":
-            self._run("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
-            tensor.div_(self.size)
-        else:
-            self._run("all_reduce", dist.all_reduce, tensor, op=_REDUCE_OPS[op])
+        self.all_reduce_async(tensor, op).wait()
         return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        """Start an in-place all-reduce; ``tensor`` holds the result once the handle's ``wait()`` returns."""
+        _check_op(op)
+        rop = _REDUCE_OPS["sum" if op == "avg" else op]
+        work = self._start("all_reduce", dist.all_reduce, tensor, op=rop)
+        return Handle("all_reduce", self, [work], (lambda: tensor.div_(self.size)) if op == "avg" else None)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``inp`` (shape ``(size * n,)``, same on every rank) and keep this rank's equal slice
+        ``[rank * n, (rank + 1) * n)`` in ``out`` (``n`` elements). ``out`` may be that slice of ``inp``."""
+        self.reduce_scatter_async(out, inp, op).wait()
+        return out
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
+        """Start ``reduce_scatter``; ``out`` holds this rank's reduced slice once ``wait()`` returns."""
+        _check_op(op)
+        self._check_sizes("reduce_scatter", whole=inp, part=out)
+        rop = _REDUCE_OPS["sum" if op == "avg" else op]
+        finish_avg = (lambda: out.div_(self.size)) if op == "avg" else None
+        if self._native_reduce_scatter:
+            try:
+                work = dist.reduce_scatter_single(out, inp, op=rop, group=self.group, async_op=True)
+                return Handle("reduce_scatter", self, [work], finish_avg)
+            except (RuntimeError, NotImplementedError) as exc:
+                text = str(exc).lower()
+                if not any(s in text for s in ("not supported", "unsupported", "not implemented")):
+                    raise CommError(f"reduce_scatter on the {self.name!r} group (rank {self.rank}) failed: "
+                                    f"{exc}") from exc
+                self._native_reduce_scatter = False
+        # Emulation: all-reduce a copy of the whole input, keep our slice (same numbers, more traffic).
+        full = inp.detach().clone()
+        work = self._start("reduce_scatter", dist.all_reduce, full, op=rop)
+        n = out.numel()
+
+        def finish() -> None:
+            out.copy_(full.view(-1)[self.rank * n:(self.rank + 1) * n].view_as(out))
+            if finish_avg is not None:
+                finish_avg()
+
+        return Handle("reduce_scatter", self, [work], finish)
+
+    # -- gathers and broadcasts ----------------------------------------------------------------------
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """Gather every rank's ``inp`` (same shape everywhere) into ``out`` (``size * inp.numel()``
+        elements, rank-major); ``inp`` may be this rank's slice of ``out``."""
+        self.all_gather_into_async(out, inp).wait()
+        return out
+
+    def all_gather_into_async(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+        """Start ``all_gather_into``; ``out`` is complete once ``wait()`` returns."""
+        self._check_sizes("all_gather_into", whole=out, part=inp)
+        return Handle("all_gather", self, [self._start("all_gather", dist.all_gather_single, out, inp)])
+
+    def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` in group-rank order; shapes may differ between ranks, dtypes may not.
+
+        gloo has no uneven all-gather: shapes are exchanged first, then each rank's data is padded to the
+        largest and trimmed again. The results are views into one gathered buffer.
+        """
+        if tensor.ndim > _MAX_NDIM or tensor.dtype not in _DTYPES:
+            raise ValueError(f"all_gather_uneven supports up to {_MAX_NDIM} dims of dtypes {_DTYPES}; got "
+                             f"{tensor.ndim} dims of {tensor.dtype}")
+        header = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64, device=tensor.device)
+        header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.int64)
+        headers = torch.empty(self.size * header.numel(), dtype=torch.int64, device=tensor.device)
+        self.all_gather_into(headers, header)
+        rows = headers.view(self.size, -1).tolist()
+        shapes = [tuple(row[2:2 + row[0]]) for row in rows]
+        dtypes = [_DTYPES[row[1]] for row in rows]
+        if any(d != tensor.dtype for d in dtypes):
+            raise ValueError(f"all_gather_uneven on {self.name!r} needs one dtype on every rank; got "
+                             f"{dict(enumerate(dtypes))}")
+        numels = [int(torch.Size(s).numel()) for s in shapes]
+        width = max(numels)
+        padded = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.numel()] = tensor.reshape(-1)
+        gathered = torch.empty(self.size * width, dtype=tensor.dtype, device=tensor.device)
+        self.all_gather_into(gathered, padded)
+        return [gathered[r * width: r * width + numels[r]].view(shapes[r]) for r in range(self.size)]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from group rank ``src``."""
-        self._run("broadcast", dist.broadcast, tensor, src=dist.get_global_rank(self.group, src)
-                  if self.group is not None else src)
+        self._run("broadcast", dist.broadcast, tensor, src=self.global_ranks[src])
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order."""
-        out: list[Any] = [None] * self.size
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except Exception as exc:
-            raise CommError(f"all_gather_object on the {self.name!r} group (rank {self.rank}) failed: {exc}") from exc
-        return out
+        data = _to_bytes(obj, self._object_device())
+        return [pickle.loads(t.cpu().numpy().tobytes()) for t in self.all_gather_uneven(data)]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
+        device = self._object_device()
+        data = _to_bytes(obj, device) if self.rank == src else torch.empty(0, dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self.broadcast(length, src)
+        if self.rank != src:
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        self.broadcast(data, src)
+        return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 
 
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
 class NullComm:
-    """A world of one: every collective returns its input unchanged."""
+    """A world of one: every collective returns its input unchanged (reductions and gathers of one rank)."""
 
     def __init__(self, name: str = "single-process") -> None:
         self.group = None
@@ -117,20 +290,55 @@ class NullComm:
         self.rank = 0
         self.size = 1
         self.backend = "none"
+        self.global_ranks = [world_rank()]
 
     def __repr__(self) -> str:
         return f"NullComm({self.name!r})"
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if op not in _REDUCE_OPS and op != "avg":
-            raise ValueError(f"all_reduce op must be one of sum, max, min, avg; got {op!r}")
+        _check_op(op)
         return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        _check_op(op)
+        return Handle("all_reduce", self)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.reduce_scatter_async(out, inp, op)
+        return out
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
+        _check_op(op)
+        if out.numel() != inp.numel():
+            raise ValueError(f"reduce_scatter on one rank needs output and input of equal size; got "
+                             f"{tuple(out.shape)} and {tuple(inp.shape)}")
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.view_as(out))
+        return Handle("reduce_scatter", self)
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        self.all_gather_into_async(out, inp)
+        return out
+
+    def all_gather_into_async(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+        if out.numel() != inp.numel():
+            raise ValueError(f"all_gather_into on one rank needs output and input of equal size; got "
+                             f"{tuple(out.shape)} and {tuple(inp.shape)}")
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.view_as(out))
+        return Handle("all_gather", self)
+
+    def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
 
     def barrier(self) -> None:
         return None
@@ -140,7 +348,45 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 
 
 def world_comm(name: str = "world", timeout: datetime.timedelta | None = None) -> Comm | NullComm:
-    """The whole world as a Comm when torch.distributed is initialised with more than one rank, else NullComm."""
+    """The whole world as a Comm when torch.distributed is initialised with several ranks, else NullComm."""
     if is_initialized() and dist.get_world_size() > 1:
         return Comm(None, name=name, timeout=timeout)
     return NullComm(name)
+
+
+def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | None = None
+              ) -> Comm | NullComm | None:
+    """A Comm over the given global ranks. Collective: every rank of the world must call it with the same
+    ``ranks``, in the same order relative to other group creations. Members get the Comm (a NullComm when
+    the group has one rank; the world group itself when ``ranks`` is the whole world); others get None."""
+    ranks = sorted(int(r) for r in ranks)
+    size = world_size()
+    if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= size:
+        raise ValueError(f"new_group({name!r}): ranks must be distinct ranks in [0, {size}); got {ranks}")
+    me = world_rank()
+    if len(ranks) == 1:
+        return NullComm(name) if me in ranks else None
+    if len(ranks) == size:
+        return Comm(None, name=name, timeout=timeout)
+    try:
+        group = dist.new_group(ranks, timeout=timeout)
+    except Exception as exc:
+        raise CommError(f"creating the {name!r} group over ranks {ranks} failed on rank {me}: {exc}") from exc
+    return Comm(group, name=name, timeout=timeout) if me in ranks else None
+
+
+def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,
+                  timeout: datetime.timedelta | None = None) -> Comm | NullComm:
+    """Partition the world into groups (every rank in exactly one list) and return this rank's Comm.
+    Collective: every rank must call it with the same ``rank_lists``."""
+    flat = sorted(int(r) for ranks in rank_lists for r in ranks)
+    if flat != list(range(world_size())):
+        raise ValueError(f"new_subgroups({name!r}): the rank lists must cover every rank of the world "
+                         f"(size {world_size()}) exactly once; got {[list(r) for r in rank_lists]}")
+    mine: Comm | NullComm | None = None
+    for ranks in rank_lists:
+        comm = new_group(ranks, name=name, timeout=timeout)
+        if comm is not None:
+            mine = comm
+    assert mine is not None  # every rank is in one list (checked above)
+    return mine

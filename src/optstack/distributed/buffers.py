@@ -1,0 +1,317 @@
+"""Contiguous parameter and gradient buffers, their buckets, and the range plan that shards them.
+
+Parameters are laid out in *backward* order (the reverse of the module's registration order, as in
+Megatron), so the first bucket fills first during backward and its reduction can start early. There is one
+buffer per (param dtype, grad dtype, dense/expert); a bf16 model may keep an fp32 gradient buffer.
+
+Layout rules (``BufferLayout.plan``, pure, no tensors):
+
+- Each parameter starts at a multiple of ``param_align`` elements (default 64: 256 B of fp32), so views
+  handed to kernels are aligned.
+- Buckets are cut at parameter boundaries: a bucket takes parameters while they fit in ``bucket_size``
+  elements; a parameter larger than ``bucket_size`` gets a bucket of its own. ``bucket_size=None`` makes
+  one bucket.
+- Each bucket is padded so its length is a multiple of ``dp_size * shard_align`` (default 128): it splits into
+  ``dp_size`` equal shards whose length and start are multiples of 128 elements. Padding stays zero.
+- The range plan: rank ``r`` owns ``[r * shard, (r + 1) * shard)`` of every bucket; ranges cut across
+  parameters. ``owned_slices(bucket, rank)`` lists, per parameter, the part inside that range: exactly what
+  a ZeRO-1 optimizer needs to build shard views of parameters, gradients and fp32 masters.
+
+``ParamAndGradBuffer`` allocates the two flat tensors of one layout and makes every parameter a view into
+the parameter buffer (values kept). No collectives here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSlot", "BucketSlot", "OwnedSlice", "BufferLayout", "BufferKey", "Bucket",
+           "ParamAndGradBuffer", "build_buffers"]
+
+
+def _align_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its buffer: elements ``[offset, offset + numel)`` of bucket ``bucket``."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    bucket: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class BucketSlot:
+    """One bucket: buffer elements ``[offset, offset + numel)``; ``numel`` includes the padding and is
+    ``dp_size * shard_numel``. ``param_names`` in buffer (backward) order."""
+
+    index: int
+    offset: int
+    numel: int
+    shard_numel: int
+    param_names: tuple[str, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class OwnedSlice:
+    """The part of one parameter inside one rank's owned range of a bucket.
+
+    Attributes:
+        name: the parameter.
+        param_start, param_end: the range ``[param_start, param_end)`` of the flattened parameter.
+        buffer_start: where ``param_start`` sits in the buffer.
+        shard_start: where ``param_start`` sits in the rank's shard of the bucket (0 .. shard_numel).
+    """
+
+    name: str
+    param_start: int
+    param_end: int
+    buffer_start: int
+    shard_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """The pure plan of one buffer (see the module docstring); build it with ``BufferLayout.plan``."""
+
+    params: tuple[ParamSlot, ...]
+    buckets: tuple[BucketSlot, ...]
+    numel: int
+    dp_size: int
+
+    @classmethod
+    def plan(cls, params: Sequence[tuple[str, Sequence[int]]], *, dp_size: int, bucket_size: int | None,
+             shard_align: int = 128, param_align: int = 64) -> BufferLayout:
+        """Lay out ``params`` (name, shape), given in backward order.
+
+        Raises:
+            ValueError: a size or alignment is not positive, or a name repeats.
+        """
+        sizes = {"dp_size": dp_size, "shard_align": shard_align, "param_align": param_align,
+                 "bucket_size": 1 if bucket_size is None else bucket_size}
+        for field_name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        names = [name for name, _ in params]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"parameter names must be unique; {dup!r} appears twice")
+        bucket_multiple = dp_size * shard_align
+        slots: list[ParamSlot] = []
+        buckets: list[BucketSlot] = []
+        bucket_start, offset, members = 0, 0, []
+
+        def close() -> None:
+            nonlocal bucket_start, offset, members
+            end = max(_align_up(offset, bucket_multiple), bucket_start + bucket_multiple)
+            buckets.append(BucketSlot(len(buckets), bucket_start, end - bucket_start,
+                                      (end - bucket_start) // dp_size, tuple(members)))
+            bucket_start, offset, members = end, end, []
+
+        for name, shape in params:
+            numel = math.prod(shape)
+            start = _align_up(offset, param_align)
+            if members and bucket_size is not None and start + numel - bucket_start > bucket_size:
+                close()
+                start = _align_up(offset, param_align)
+            slots.append(ParamSlot(name, tuple(int(s) for s in shape), start, numel, len(buckets)))
+            members.append(name)
+            offset = start + numel
+        if members:
+            close()
+        return cls(tuple(slots), tuple(buckets), bucket_start, dp_size)
+
+    @cached_property
+    def _by_name(self) -> dict[str, ParamSlot]:
+        return {slot.name: slot for slot in self.params}
+
+    def slot(self, name: str) -> ParamSlot:
+        """The slot of parameter ``name``."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ValueError(f"no parameter {name!r} in this buffer; it has {list(self._by_name)}") from None
+
+    def owned_range(self, bucket: int, rank: int) -> tuple[int, int]:
+        """``[start, end)`` owned by ``rank`` within bucket ``bucket`` (relative to the bucket's start)."""
+        if not 0 <= rank < self.dp_size:
+            raise ValueError(f"rank must be in [0, {self.dp_size}), got {rank}")
+        shard = self.buckets[bucket].shard_numel
+        return rank * shard, (rank + 1) * shard
+
+    def owned_slices(self, bucket: int, rank: int) -> tuple[OwnedSlice, ...]:
+        """Per parameter of ``bucket``, its part inside ``rank``'s owned range (parameters that do not
+        intersect it are left out), in buffer order."""
+        b = self.buckets[bucket]
+        lo, hi = self.owned_range(bucket, rank)
+        lo, hi = lo + b.offset, hi + b.offset
+        out = []
+        for name in b.param_names:
+            p = self._by_name[name]
+            start, end = max(p.offset, lo), min(p.end, hi)
+            if start < end:
+                out.append(OwnedSlice(name, start - p.offset, end - p.offset, start, start - lo))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class BufferKey:
+    """What makes parameters share a buffer."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    is_expert: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Bucket:
+    """A bucket's live tensors: 1-D views of the parameter and gradient buffers, and its parameters."""
+
+    index: int
+    slot: BucketSlot
+    params: tuple[nn.Parameter, ...]
+    param_data: torch.Tensor
+    grad_data: torch.Tensor
+
+
+class ParamAndGradBuffer:
+    """The flat parameter and gradient storage of one buffer layout.
+
+    Args:
+        named_params: (name, parameter) in backward order; one dtype and one device.
+        dp_size: the number of ranks the buckets are split across (data-parallel, or expert
+            data-parallel for expert buffers).
+        bucket_size: elements per bucket (None = one bucket).
+        grad_dtype: gradient buffer dtype (None = the parameters' dtype; fp32 to accumulate bf16 grads).
+        is_expert: whether these are expert (MoE) parameters, reduced over the expert data-parallel group.
+        shard_align, param_align: see the module docstring.
+
+    After construction every parameter's ``.data`` is a view into ``param_data``, with its values kept;
+    ``grad_data`` starts at zero.
+    """
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
+                 bucket_size: int | None, grad_dtype: torch.dtype | None = None, is_expert: bool = False,
+                 shard_align: int = 128, param_align: int = 64) -> None:
+        if not named_params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+        first = named_params[0][1]
+        for name, p in named_params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError(f"a buffer holds one dtype on one device; {name!r} is {p.dtype} on "
+                                 f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
+        self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert)
+        self.layout = BufferLayout.plan(
+            [(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size, bucket_size=bucket_size,
+            shard_align=shard_align, param_align=param_align,
+        )
+        self.names = tuple(n for n, _ in named_params)
+        self.params = tuple(p for _, p in named_params)
+        self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)
+        self.grad_data = torch.zeros(self.layout.numel, dtype=self.key.grad_dtype, device=first.device)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        with torch.no_grad():
+            for slot, p in zip(self.layout.params, self.params, strict=True):
+                view = self.param_data[slot.offset:slot.end].view(slot.shape)
+                view.copy_(p.data)
+                p.data = view
+        self.buckets = tuple(
+            Bucket(b.index, b, tuple(self.params[self._index_of_name[n]] for n in b.param_names),
+                   self.param_data[b.offset:b.end], self.grad_data[b.offset:b.end])
+            for b in self.layout.buckets
+        )
+
+    def __repr__(self) -> str:
+        k = self.key
+        return (f"ParamAndGradBuffer({len(self.params)} params, {self.layout.numel} elements, "
+                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, "
+                f"expert={k.is_expert})")
+
+    @cached_property
+    def _index_of_name(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.names)}
+
+    def __contains__(self, param: object) -> bool:
+        return id(param) in self._index
+
+    def slot_of(self, param: torch.Tensor) -> ParamSlot:
+        """The layout slot of ``param``."""
+        i = self._index.get(id(param))
+        if i is None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this buffer ({self!r})")
+        return self.layout.params[i]
+
+    def name_of(self, param: torch.Tensor) -> str:
+        return self.slot_of(param).name
+
+    def param_of(self, name: str) -> nn.Parameter:
+        """The parameter called ``name``."""
+        self.layout.slot(name)  # raises a clear error for unknown names
+        return self.params[self._index_of_name[name]]
+
+    def grad_view(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s gradient: a view of ``grad_data`` with ``param``'s shape, in the grad dtype."""
+        slot = self.slot_of(param)
+        return self.grad_data[slot.offset:slot.end].view(slot.shape)
+
+    def param_shard_view(self, bucket: int, rank: int) -> torch.Tensor:
+        """1-D view of the parameter buffer over ``rank``'s owned range of ``bucket``."""
+        return self._shard(self.param_data, bucket, rank)
+
+    def grad_shard_view(self, bucket: int, rank: int) -> torch.Tensor:
+        """1-D view of the gradient buffer over ``rank``'s owned range of ``bucket``."""
+        return self._shard(self.grad_data, bucket, rank)
+
+    def _shard(self, data: torch.Tensor, bucket: int, rank: int) -> torch.Tensor:
+        lo, hi = self.layout.owned_range(bucket, rank)
+        offset = self.layout.buckets[bucket].offset
+        return data[offset + lo:offset + hi]
+
+    def zero_grad(self) -> None:
+        """Zero the whole gradient buffer (padding included)."""
+        self.grad_data.zero_()
+
+
+def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int, expert_dp_size: int,
+                  bucket_size: int | None, grad_dtype: torch.dtype | None = None,
+                  is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
+                  shard_align: int = 128, param_align: int = 64) -> list[ParamAndGradBuffer]:
+    """One ``ParamAndGradBuffer`` per (param dtype, grad dtype, dense/expert), in order of first appearance.
+
+    Args:
+        named_params: (name, parameter) in backward order.
+        dp_size, expert_dp_size: ranks the dense and the expert buckets are split across.
+        is_expert: which parameters are expert parameters (e.g. ``ddp.is_expert_param``).
+    """
+    groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named_params:
+        expert = bool(is_expert(p))
+        groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, expert), []).append((name, p))
+    return [
+        ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
+                           bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
+                           shard_align=shard_align, param_align=param_align)
+        for key, members in groups.items()
+    ]

@@ -1,0 +1,301 @@
+"""The data-parallel wrapper: gradients accumulate into contiguous bucketed buffers and each bucket's
+reduction starts as soon as its last gradient arrives, overlapping the rest of backward.
+
+One step::
+
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():             # micro-batches 1 .. n-1: accumulate locally, no communication
+        ddp(x1).loss.backward()
+    ddp(xn).loss.backward()          # hooks launch each bucket's reduction when it is complete
+    ddp.finish_grad_sync()           # wait for all; ddp.main_grad(p) now holds the reduced gradient
+
+Rules worth knowing:
+
+- A post-accumulate-grad hook adds each parameter's ``.grad`` into its grad-buffer view and frees ``.grad``;
+  the optimizer reads ``main_grad(param)``. Parameters with ``requires_grad=False`` are not wrapped.
+- Buckets are launched in one fixed order (backward order of their first parameter) on every rank, so
+  collectives match across ranks even when hooks fire in a different order. A bucket that is complete waits
+  for the buckets before it.
+- A parameter that got no gradient in the synchronising backward (unused) holds back its bucket: that
+  bucket, and those after it, are reduced by ``finish_grad_sync()`` instead, with the unused parameter's
+  accumulated gradient (zero if none). So ``finish_grad_sync`` never hangs on unused parameters.
+- ``average=True`` multiplies every bucket by 1 / data-parallel size before a sum, expert buckets included
+  (their sum runs over the expert data-parallel group; as in Megatron, the all-to-all already gathered the
+  other expert-parallel ranks' contributions). ``average=False`` sums.
+- ``shard_grads=True`` promises only each rank's owned slice of every bucket (the range plan of
+  ``buffers.py``) after the sync, which is what ZeRO-1 reads. It uses a reduce-scatter, or an all-reduce on
+  backends where that is faster (gloo: see ``benchmarks/bench_collectives.py``); the numbers are the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from optstack.distributed.buffers import Bucket, ParamAndGradBuffer, build_buffers
+from optstack.distributed.comm import Comm, Handle, NullComm
+from optstack.distributed.parallel import ParallelGroups
+
+__all__ = ["DataParallel", "is_expert_param"]
+
+# On gloo (loopback, 2 ranks) reduce-scatter + all-gather costs several times one all-reduce and a
+# reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py), so the sharded
+# reduction is an all-reduce there. Backends not listed use a real reduce-scatter.
+_SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    """Megatron's convention: expert (MoE) parameters carry ``allreduce = False``."""
+    return not getattr(param, "allreduce", True)
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over contiguous gradient buffers (module docstring).
+
+    Args:
+        module: any nn.Module; its trainable parameters become views into the parameter buffers.
+        groups: the process groups (None = ``ParallelGroups.from_world()``: the whole world is data-parallel).
+        bucket_size: elements per bucket (None = one bucket per buffer).
+        grad_dtype: gradient buffer dtype (None = the parameter dtype; ``torch.float32`` accumulates and
+            reduces bf16 gradients in fp32).
+        overlap_grad_reduce: launch bucket reductions from the backward hooks (False: all in
+            ``finish_grad_sync``).
+        shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
+        average: average (True) or sum (False) gradients over data-parallel ranks.
+        check_for_nan: check local gradients for non-finite values before each bucket's reduction; the
+            offending rank raises in ``finish_grad_sync``, naming the parameters.
+        sharded_reduction: how ``shard_grads`` reduces: "auto" (fastest for the backend), "reduce_scatter"
+            or "all_reduce".
+        shard_align, param_align: buffer alignment in elements (see ``optstack.distributed.buffers``).
+
+    Raises:
+        ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first
+            differing parameter and the ranks).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        groups: ParallelGroups | None = None,
+        bucket_size: int | None = 40_000_000,
+        grad_dtype: torch.dtype | None = None,
+        overlap_grad_reduce: bool = True,
+        shard_grads: bool = False,
+        average: bool = True,
+        check_for_nan: bool = False,
+        sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
+        shard_align: int = 128,
+        param_align: int = 64,
+    ) -> None:
+        super().__init__()
+        if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
+            raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
+        if grad_dtype is not None and not grad_dtype.is_floating_point:
+            raise ValueError(f"grad_dtype must be a floating-point dtype or None, got {grad_dtype}")
+        if sharded_reduction not in ("auto", "reduce_scatter", "all_reduce"):
+            raise ValueError(f"sharded_reduction must be 'auto', 'reduce_scatter' or 'all_reduce', "
+                             f"got {sharded_reduction!r}")
+        self.module = module
+        self.groups = groups if groups is not None else ParallelGroups.from_world()
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.shard_grads = shard_grads
+        self.average = average
+        self.check_for_nan = check_for_nan
+        self._sharded_reduction = sharded_reduction
+
+        named = _trainable(module)
+        _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
+        _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
+        self._named = named
+        self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
+            list(reversed(named)), dp_size=self.groups.dp.size, expert_dp_size=self.groups.expert_dp.size,
+            bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
+            shard_align=shard_align, param_align=param_align,
+        )
+        self._data_ptrs = [p.data_ptr() for _, p in named]
+
+        # The launch order: every bucket of every buffer, by backward position of its first parameter.
+        backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
+        self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
+            ((buf, b) for buf in self.param_and_grad_buffers for b in buf.buckets),
+            key=lambda fb: backward_pos[id(fb[1].params[0])],
+        )
+        self._slot_of_param: dict[int, tuple[int, ParamAndGradBuffer]] = {
+            id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params
+        }
+        self._sync_enabled = True
+        self._reset_sync_state()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
+
+    # -- forward and hooks ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_params_unchanged()
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        pos, buf = self._slot_of_param[id(param)]
+        if param.grad is None:
+            return
+        # Checked before accumulating: the bucket may be in flight, and adding to it would race.
+        if self._handles[pos] is not None or (self._sync_enabled and id(param) in self._ready):
+            raise RuntimeError(
+                f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
+                "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step"
+            )
+        with torch.no_grad():
+            buf.grad_view(param).add_(param.grad)
+        param.grad = None
+        if not self._sync_enabled:
+            return
+        self._ready.add(id(param))
+        self._pending[pos] -= 1
+        if self.overlap_grad_reduce:
+            self._launch_ready()
+
+    # -- reduction -----------------------------------------------------------------------------------
+    def _reset_sync_state(self) -> None:
+        self._ready: set[int] = set()
+        self._pending = [len(b.params) for _, b in self._order]
+        self._handles: list[Handle | None] = [None] * len(self._order)
+        self._next = 0
+        self._nonfinite: list[str] = []
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._order) and self._pending[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, pos: int) -> None:
+        buf, bucket = self._order[pos]
+        comm = self.reduce_comm(buf)
+        if self.check_for_nan and not bool(torch.isfinite(bucket.grad_data).all()):
+            self._nonfinite += [buf.name_of(p) for p in bucket.params
+                                if not bool(torch.isfinite(buf.grad_view(p)).all())]
+        if self.average and self.groups.dp.size > 1:
+            bucket.grad_data.mul_(1.0 / self.groups.dp.size)
+        if self.shard_grads and self._sharded_via(comm) == "reduce_scatter":
+            handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data)
+        else:
+            handle = comm.all_reduce_async(bucket.grad_data)
+        self._handles[pos] = handle
+        self._next = pos + 1
+
+    def _sharded_via(self, comm: Comm | NullComm) -> str:
+        if self._sharded_reduction != "auto":
+            return self._sharded_reduction
+        return _SHARDED_REDUCTION_BY_BACKEND.get(comm.backend, "reduce_scatter")
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not launched yet (all of them without overlap; those held back by unused
+        parameters), wait for every reduction, and reset for the next step.
+
+        Raises:
+            RuntimeError: the wrapped module's parameters changed after wrapping, or (with
+                ``check_for_nan``) this rank had non-finite local gradients; CommError: a collective failed.
+        """
+        self._check_params_unchanged()
+        while self._next < len(self._order):
+            self._launch(self._next)
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+        nonfinite = self._nonfinite
+        self._reset_sync_state()
+        if nonfinite:
+            raise RuntimeError(
+                f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before the "
+                f"reduction, in {nonfinite} (check_for_nan=True); check the loss and inputs on this rank"
+            )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within this context backward only accumulates into the grad buffers (gradient accumulation);
+        the reduction happens in the first backward after it."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def zero_grad_buffer(self) -> None:
+        """Wait for in-flight reductions, zero every grad buffer, and forget ready gradients."""
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+        for buf in self.param_and_grad_buffers:
+            buf.zero_grad()
+        for _, p in self._named:
+            p.grad = None
+        self._reset_sync_state()
+
+    # -- queries -------------------------------------------------------------------------------------
+    @property
+    def launched_buckets(self) -> int:
+        """How many buckets' reductions have started since the last ``finish_grad_sync`` (observability:
+        with overlap, all of them once backward ends, unless unused parameters held some back)."""
+        return self._next
+
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s gradient in the grad buffer (its shape, the grad dtype); reduced after
+        ``finish_grad_sync`` (with ``shard_grads``, only the owned slices are)."""
+        entry = self._slot_of_param.get(id(param))
+        if entry is None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                             "wrapped module")
+        return entry[1].grad_view(param)
+
+    def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
+        """The group a buffer is reduced (and sharded) over: expert data-parallel for expert buffers."""
+        return self.groups.expert_dp if buffer.key.is_expert else self.groups.dp
+
+    def _check_params_unchanged(self) -> None:
+        now = _trainable(self.module)
+        for i, ((name, p), ptr) in enumerate(zip(self._named, self._data_ptrs, strict=True)):
+            if i >= len(now) or now[i][0] != name:
+                current = repr(now[i][0]) if i < len(now) else "nothing"
+                raise RuntimeError(
+                    "the wrapped module's parameters changed after DataParallel was built: expected "
+                    f"{name!r} at position {i}, found {current}; wrap the model again after changing it"
+                )
+            if now[i][1] is not p:
+                raise RuntimeError(f"parameter {name!r} was replaced by a new tensor after DataParallel was "
+                                   "built; copy values into it in place, or wrap the model again")
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"parameter {name!r} no longer lives in the DataParallel buffer (its .data was replaced, "
+                    "e.g. by module.to() or an assignment); move the model before wrapping it"
+                )
+        if len(now) > len(self._named):
+            raise RuntimeError(
+                "the wrapped module's parameters changed after DataParallel was built: "
+                f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model"
+            )
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
+    """Every rank of ``comm`` must wrap the same parameters (names, shapes, dtypes, in order)."""
+    if comm.size == 1:
+        return
+    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
+    everyone = comm.all_gather_object(mine)
+    ref = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == ref:
+            continue
+        common = min(len(ref), len(theirs))
+        i = next((k for k in range(common) if ref[k] != theirs[k]), common)
+        a = ref[i] if i < len(ref) else "no parameter"
+        b = theirs[i] if i < len(theirs) else "no parameter"
+        raise ValueError(
+            f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} but "
+            f"rank {rank} has {b} (global ranks {comm.global_ranks[0]} and {comm.global_ranks[rank]}); "
+            "every data-parallel rank must wrap the same model"
+        )

@@ -1,0 +1,180 @@
+"""The process groups of a parallel layout: data, tensor, pipeline, expert, expert-data and model parallel.
+
+Rank order follows Megatron's default, tensor-parallel fastest, then data-parallel, then pipeline::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)          dp = world / (tp * pp)
+
+Expert parallelism splits the data-parallel dimension, expert-parallel fastest inside it::
+
+    dp_rank = ep_rank + ep * expert_dp_rank                 expert_dp = dp / ep
+
+so an expert-parallel group is ``ep`` neighbouring data-parallel ranks and the expert-data-parallel group
+(over which expert gradients are reduced) takes every ``ep``-th one. The model-parallel group is
+tensor x pipeline: all ranks with the same data-parallel rank (the grad norm is reduced over it).
+
+``RankLayout`` is the pure rank arithmetic; ``ParallelGroups`` holds one ``Comm`` (or ``NullComm`` for a
+dimension of size 1) per kind. Only ``comm.py`` touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from optstack.distributed.comm import (
+    Comm,
+    NullComm,
+    ProcessGroup,
+    is_initialized,
+    new_subgroups,
+    world_size,
+)
+
+__all__ = ["ParallelGroups", "RankLayout", "GroupKind"]
+
+GroupKind = Literal["dp", "tp", "pp", "ep", "expert_dp", "mp"]
+_NAMES: dict[str, str] = {
+    "dp": "data-parallel", "tp": "tensor-parallel", "pp": "pipeline-parallel", "ep": "expert-parallel",
+    "expert_dp": "expert-data-parallel", "mp": "model-parallel",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """Which global ranks form each group, for a world of ``world_size`` ranks (see the module docstring)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for field_name in ("world_size", "tp", "pp", "ep"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"tp * pp = {self.tp} * {self.pp} must divide the world size {self.world_size}; "
+                f"choose sizes whose product divides {self.world_size}"
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"ep = {self.ep} must divide the data-parallel size {self.dp} "
+                f"(world {self.world_size} / (tp {self.tp} * pp {self.pp})): expert parallelism splits it"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.dp // self.ep
+
+    def rank(self, *, tp: int, dp: int, pp: int) -> int:
+        """The global rank at these coordinates."""
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def groups(self, kind: GroupKind) -> list[list[int]]:
+        """The rank lists of every group of ``kind``; together they cover the world exactly once."""
+        r = self.rank
+        tps, dps, pps = range(self.tp), range(self.dp), range(self.pp)
+        eps, edps = range(self.ep), range(self.expert_dp)
+        if kind == "tp":
+            return [[r(tp=t, dp=d, pp=p) for t in tps] for p in pps for d in dps]
+        if kind == "dp":
+            return [[r(tp=t, dp=d, pp=p) for d in dps] for p in pps for t in tps]
+        if kind == "pp":
+            return [[r(tp=t, dp=d, pp=p) for p in pps] for d in dps for t in tps]
+        if kind == "mp":
+            return [sorted(r(tp=t, dp=d, pp=p) for p in pps for t in tps) for d in dps]
+        if kind == "ep":
+            return [[r(tp=t, dp=e + self.ep * x, pp=p) for e in eps] for p in pps for x in edps for t in tps]
+        if kind == "expert_dp":
+            return [[r(tp=t, dp=e + self.ep * x, pp=p) for x in edps] for p in pps for e in eps for t in tps]
+        raise ValueError(f"group kind must be one of {sorted(_NAMES)}, got {kind!r}")
+
+
+def _null(kind: str) -> Any:
+    return field(default_factory=lambda: NullComm(_NAMES[kind]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelGroups:
+    """One communicator per parallel dimension; a dimension of size 1 is a ``NullComm``.
+
+    Build it with ``from_world`` (Megatron rank order), ``from_process_groups`` (your own torch groups),
+    ``from_device_mesh``, ``single()`` (one process), or directly from ``Comm`` objects.
+    """
+
+    dp: Comm | NullComm = _null("dp")
+    tp: Comm | NullComm = _null("tp")
+    pp: Comm | NullComm = _null("pp")
+    ep: Comm | NullComm = _null("ep")
+    expert_dp: Comm | NullComm = _null("expert_dp")
+    mp: Comm | NullComm = _null("mp")
+
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """One process: every group is a NullComm."""
+        return cls()
+
+    @classmethod
+    def from_world(cls, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                   timeout: datetime.timedelta | None = None) -> ParallelGroups:
+        """Groups over the initialised torch.distributed world in Megatron's rank order (module docstring).
+
+        With the defaults the whole world is data-parallel (the world group itself is reused). Without an
+        initialised torch.distributed this is ``single()``. Collective: every rank must call it alike.
+
+        Raises:
+            ValueError: tp * pp does not divide the world size, or ep does not divide the data-parallel size.
+        """
+        if not is_initialized():
+            if (tp, pp, ep) != (1, 1, 1):
+                raise ValueError(f"tp={tp}, pp={pp}, ep={ep} need an initialised torch.distributed world; "
+                                 "call torch.distributed.init_process_group first")
+            return cls.single()
+        layout = RankLayout(world_size=world_size(), tp=tp, pp=pp, ep=ep)
+        comms = {kind: new_subgroups(layout.groups(kind), name=name, timeout=timeout)  # type: ignore[arg-type]
+                 for kind, name in _NAMES.items()}
+        return cls(**comms)
+
+    @classmethod
+    def from_process_groups(
+        cls, *, dp: ProcessGroup | None = None, tp: ProcessGroup | None = None,
+        pp: ProcessGroup | None = None, ep: ProcessGroup | None = None,
+        expert_dp: ProcessGroup | None = None, mp: ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> ParallelGroups:
+        """Wrap torch process groups you created; a group left out (None) has size 1. ``expert_dp`` defaults
+        to ``dp`` when no expert-parallel group is given."""
+        if expert_dp is None and ep is None:
+            expert_dp = dp
+        given = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "expert_dp": expert_dp, "mp": mp}
+        return cls(**{kind: NullComm(_NAMES[kind]) if group is None
+                      else Comm(group, name=_NAMES[kind], timeout=timeout) for kind, group in given.items()})
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any, *, timeout: datetime.timedelta | None = None) -> ParallelGroups:
+        """Groups from a ``torch.distributed.device_mesh.DeviceMesh`` whose dimensions are named from
+        {"dp", "tp", "pp"}; missing dimensions have size 1, expert groups are ep = 1, expert_dp = dp.
+        Collective when the mesh has both "tp" and "pp" (the model-parallel group is created)."""
+        names = tuple(mesh.mesh_dim_names or ())
+        unknown = sorted(set(names) - {"dp", "tp", "pp"})
+        if not names or unknown:
+            raise ValueError(f"from_device_mesh needs mesh_dim_names from ('dp', 'tp', 'pp'); got {names}. "
+                             "Create the mesh with init_device_mesh(..., mesh_dim_names=('dp',)) or similar")
+        comms: dict[str, Comm | NullComm] = {
+            kind: Comm(mesh.get_group(kind), name=_NAMES[kind], timeout=timeout) if kind in names
+            else NullComm(_NAMES[kind]) for kind in ("dp", "tp", "pp")
+        }
+        if "tp" in names and "pp" in names:
+            ranks = mesh.mesh.movedim(names.index("dp"), 0) if "dp" in names else mesh.mesh.unsqueeze(0)
+            rows = ranks.reshape(ranks.shape[0], -1).tolist()
+            comms["mp"] = new_subgroups(rows, name=_NAMES["mp"], timeout=timeout)
+        else:
+            comms["mp"] = comms["tp"] if "tp" in names else comms["pp"]
+        return cls(ep=NullComm(_NAMES["ep"]), expert_dp=comms["dp"], **comms)
