@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["StepResult", "Stage", "phase", "set_phase_hook"]
+__all__ = ["ParamShard", "StepResult", "Stage", "phase", "set_phase_hook"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,45 @@ class StepResult:
     grad_norm: float | None
     num_zeros: int | None
     loss_scale: float
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """What one rank holds of one parameter's optimizer state: elements ``[start, end)`` of the flattened
+    (row-major) parameter. A stage that holds whole parameters gives ``start=0, end=numel``.
+
+    This is the name-keyed, layout-free form checkpoints are made of: a stage maps parameter names to
+    ``ParamShard``s (``Stage.param_shards``), and loads them back (``Stage.load_param_shards``) whatever
+    layout they were saved from, once the checkpoint has cut them to the range the stage holds.
+
+    Attributes:
+        shape: the whole parameter's shape.
+        start: first flat element held (inclusive).
+        end: last flat element held (exclusive); ``start <= end <= prod(shape)``.
+        tensors: element-wise tensors, each 1-D with ``end - start`` elements: ``"param"`` (the fp32 master,
+            or the parameter itself when it is stepped directly) and each element-wise optimizer state
+            (``exp_avg``, ``momentum_buffer``, ...) in its storage dtype. References when a stage gives
+            them (copy to snapshot while training goes on).
+        scalars: per-parameter state that is not element-wise, as numbers or 0-d tensors (e.g. ``"step"``).
+        group: the settings of the param group holding the parameter (``lr``, ``weight_decay``, ``max_lr``,
+            ``min_lr``, ``wd_mult``, ``lr_mult``, ...; never ``params``). When a stage gives it, it is its
+            live group dict: a checkpoint writes the saved ``lr``/``weight_decay`` into it.
+        algorithm: the inner optimizer's class name (``"AdamW"``, ``"Muon"``): with the group's settings, it
+            identifies the group a parameter belongs to across layouts.
+    """
+
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    tensors: Mapping[str, torch.Tensor]
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+    group: Mapping[str, Any] = field(default_factory=dict)
+    algorithm: str = ""
+
+    @property
+    def numel(self) -> int:
+        """Elements held (``end - start``)."""
+        return self.end - self.start
 
 
 class Stage(ABC):
@@ -91,8 +130,32 @@ class Stage(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Raise ValueError naming what differs if ``state_dict`` cannot be loaded; change nothing.
+
+        The chained optimizer validates every stage before loading any, so a load is all-or-nothing."""
+
     @abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    # -- name-keyed state (checkpoints) ---------------------------------------------------------------
+    # Not abstract, so a stage written before checkpoints existed still builds; checkpoints name it.
+    def param_shards(self) -> dict[str, ParamShard]:
+        """What this rank holds of each parameter, by parameter name (tensors are references).
+
+        Parameters this rank holds nothing of are absent. Every rank of a stage calls it at the same point
+        (a stage may first wait for collectives in flight).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement param_shards(); it cannot be "
+                                  "saved in a name-keyed checkpoint")
+
+    def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
+        """Load name-keyed state: for each parameter this rank holds, a ``ParamShard`` of the same range
+        as ``param_shards()`` gives (the checkpoint cuts it out). Optimizer state that does not exist yet
+        (before the first step) is created. Raises ``ValueError`` naming the parameter when one is missing
+        or does not fit; then nothing changes."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement load_param_shards(); it cannot "
+                                  "be loaded from a name-keyed checkpoint")
 
 
 # Observability: one hook, not timers threaded through every function.

@@ -1,0 +1,362 @@
+"""Muon: momentum SGD whose update is orthogonalised by Newton-Schulz, for 2-D weight matrices.
+
+Owns the ``Muon`` optimizer, its single-tensor reference kernel ``muon_reference`` (the test oracle), the
+update scale modes and the QKV split. The Newton-Schulz kernel lives in ``newton_schulz.py``.
+
+Per parameter ``p`` with gradient ``g`` and momentum buffer ``m`` (state ``"momentum_buffer"``, zeros at
+first), following Megatron Core / NVIDIA Emerging-Optimizers' ``OrthogonalizedOptimizer`` exactly::
+
+    m  = momentum * m + (1 - momentum) * g             # EMA of the gradient
+    u  = (1 - momentum) * g + momentum * m  if nesterov else m
+    p  = p * (1 - lr * weight_decay)                   # decoupled weight decay
+    p  = p - lr * extra_scale_factor * scale(rows, cols) * NS(u)
+
+The EMA form differs from the classic ``m = momentum * m + g`` (and nesterov ``g + momentum * m``) only by
+the constant factor ``1 - momentum``, which Newton-Schulz's normalisation removes: both give the same
+update; the EMA form is kept so a momentum buffer means the same as in Megatron's checkpoints.
+
+Scale modes (``rows, cols`` = the matrix's shape, ``out, in`` for a linear layer's weight):
+    ``spectral``: ``sqrt(max(rows, cols))`` (Kimi / Moonlight; with ``extra_scale_factor=0.2`` the update
+        RMS matches AdamW's, so AdamW learning rates transfer).
+    ``unit_rms_norm``: ``sqrt(rows / cols)`` (Scion, Bernstein).
+    ``shape_scaling``: ``sqrt(max(1, rows / cols))`` (Keller Jordan's Muon).
+
+QKV split: for a fused attention weight laid out as ``num_groups`` blocks of ``q + k + v`` rows (Megatron's
+``linear_qkv``), ``qkv_split_shapes=(q, k, v)`` orthogonalises all q rows, all k rows and all v rows as
+three separate matrices of shapes ``(num_groups * q, in)`` etc., each scaled by its own shape, as Megatron's
+``TensorParallelMuon`` does. Put such weights in their own group (a rule) with the split shapes set.
+
+Every hyperparameter is per group (schedulers write ``lr`` and ``weight_decay``). The step batches
+same-shaped matrices into one batched Newton-Schulz (fewer, larger matmuls), which equals the reference
+to fp32 round-off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from optstack.algorithms._common import check_min
+from optstack.algorithms.newton_schulz import (
+    MATMUL_PRECISIONS,
+    Coefficients,
+    MatmulPrecision,
+    coefficient_schedule,
+    matmul_precision,
+    newton_schulz,
+)
+
+__all__ = ["Muon", "ScaleMode", "muon_reference", "muon_scale_factor", "SCALE_MODES"]
+
+ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
+SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
+_NS_EPS = 1e-7
+
+
+def muon_scale_factor(rows: int, cols: int, mode: ScaleMode) -> float:
+    """The factor the orthogonalised ``(rows, cols)`` update is multiplied by (before ``extra_scale_factor``).
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / cols)
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    raise ValueError(f"unknown Muon scale_mode {mode!r}; expected one of {list(SCALE_MODES)}")
+
+
+def _qkv_blocks(update: Tensor, shapes: Sequence[int]) -> list[Tensor]:
+    """Split a fused ``(num_groups * (q + k + v), in)`` matrix into its q, k and v matrices
+    ``(num_groups * q, in)``, ... (copies: the rows of one block are strided across the groups)."""
+    rows, cols = update.shape
+    grouped = update.view(rows // sum(shapes), sum(shapes), cols)
+    return [block.reshape(-1, cols) for block in torch.split(grouped, list(shapes), dim=1)]
+
+
+def _merge_qkv(blocks: Sequence[Tensor], shapes: Sequence[int], shape: torch.Size) -> Tensor:
+    """Inverse of ``_qkv_blocks``: interleave the q, k, v matrices back into the fused layout."""
+    rows, cols = shape
+    num_groups = rows // sum(shapes)
+    return torch.cat([b.view(num_groups, -1, cols) for b in blocks], dim=1).view(shape)
+
+
+def muon_reference(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    ns_steps: int,
+    coefficients: Coefficients,
+    scale_mode: ScaleMode,
+    extra_scale_factor: float,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> None:
+    """One Muon step on one ``(rows, cols)`` parameter, in place: the plain formula, the test oracle.
+
+    Updates ``momentum_buffer`` and ``param``; see the module docstring for the formula.
+    """
+    momentum_buffer.mul_(momentum).add_(grad, alpha=1 - momentum)
+    if nesterov:
+        update = torch.add(grad * (1 - momentum), momentum_buffer, alpha=momentum)
+    else:
+        update = momentum_buffer
+    matrices = [update] if qkv_split_shapes is None else _qkv_blocks(update, qkv_split_shapes)
+    orthogonalised = [
+        newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS)
+        * (extra_scale_factor * muon_scale_factor(m.size(0), m.size(1), scale_mode))
+        for m in matrices
+    ]
+    if qkv_split_shapes is None:
+        step = orthogonalised[0]
+    else:
+        step = _merge_qkv(orthogonalised, qkv_split_shapes, update.shape)
+    param.mul_(1 - lr * weight_decay)
+    param.add_(step, alpha=-lr)
+
+
+# Same-shaped matrices are orthogonalised as one batched matmul chain, in stacks of at most this many
+# elements: big enough to batch many small matrices (one BLAS call instead of dozens), small enough that
+# the stack and Newton-Schulz's three temporaries of its size stay a modest extra memory (~0.5 GB fp32).
+_MAX_STACK_ELEMENTS = 2**25
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D parameters: momentum, decoupled weight decay, Newton-Schulz-orthogonalised update.
+
+    Defaults follow Megatron Core's ``OptimizerConfig`` (``muon_momentum=0.95``, ``muon_nesterov=False``,
+    ``muon_coefficient_type="quintic"``, ``muon_num_ns_steps=5``, ``muon_scale_mode="spectral"``,
+    ``muon_extra_scale_factor=1.0``) except ``matmul_precision``, which defaults to exact fp32
+    (Megatron: ``"medium"``, bf16 on GPU); on CPU Newton-Schulz always runs in fp32.
+
+    Parameters that are not 2-D (biases, norms) and embedding / output weights belong to a scalar optimizer
+    (AdamW); route them there with a rule. Every argument below is also a per-group key.
+
+    Args:
+        params: parameters or param-group dicts (``param_names`` in a group is used in error messages).
+        lr: learning rate.
+        momentum: EMA coefficient of the momentum buffer, in [0, 1).
+        nesterov: use the Nesterov look-ahead ``(1 - momentum) g + momentum m`` instead of ``m``.
+        weight_decay: decoupled weight decay: ``p *= 1 - lr * weight_decay`` each step.
+        ns_coefficients: Newton-Schulz coefficient set (``"quintic"``, ``"simple"``, ``"polar_express"``)
+            or a sequence of ``(a, b, c)`` triples.
+        ns_steps: Newton-Schulz iterations (>= 1).
+        scale_mode: ``"spectral"``, ``"unit_rms_norm"`` or ``"shape_scaling"`` (see the module docstring).
+        extra_scale_factor: multiplies the scale (0.2 with ``"spectral"`` matches AdamW's update RMS).
+        matmul_precision: fp32 matmul precision of Newton-Schulz on an accelerator: ``"highest"`` (fp32),
+            ``"high"`` (TF32 where available) or ``"medium"`` (bf16 matmuls). Ignored on CPU.
+        qkv_split_shapes: ``(q, k, v)`` rows per attention group of a fused QKV weight; each of the q, k
+            and v blocks is orthogonalised separately. Set it only on a group of fused QKV weights.
+
+    State per parameter: ``"momentum_buffer"`` (same shape and dtype as the parameter).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        *,
+        ns_coefficients: Coefficients = "quintic",
+        ns_steps: int = 5,
+        scale_mode: ScaleMode = "spectral",
+        extra_scale_factor: float = 1.0,
+        matmul_precision: MatmulPrecision = "highest",
+        qkv_split_shapes: tuple[int, int, int] | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_coefficients=ns_coefficients,
+            ns_steps=ns_steps,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            matmul_precision=matmul_precision,
+            qkv_split_shapes=qkv_split_shapes,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (defaults fill missing keys) after checking its settings and parameters.
+
+        Raises:
+            ValueError: a bad setting or a parameter Muon cannot take; the group is not added.
+        """
+        # A copy: torch fills defaults into the dict it is given, and the caller's dict is theirs.
+        super().add_param_group(dict(param_group))
+        try:
+            _validate_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Muon step over every parameter that has a gradient.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        buffers: list[Tensor] = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            buffers.append(state["momentum_buffer"])
+        if not params:
+            return
+        beta = group["momentum"]
+        # The same elementwise formulas as muon_reference, over the whole group at once.
+        torch._foreach_mul_(buffers, beta)
+        torch._foreach_add_(buffers, grads, alpha=1 - beta)
+        if group["nesterov"]:
+            updates = torch._foreach_mul(grads, 1 - beta)
+            torch._foreach_add_(updates, buffers, alpha=beta)
+        else:
+            updates = buffers
+        steps = _orthogonalise(updates, group)
+        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])  # a scheduler may write tensors
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_add_(params, steps, alpha=-lr)
+
+
+def _orthogonalise(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+    """Scaled Newton-Schulz of every update (per q/k/v block when split), same-shaped matrices batched."""
+    shapes = group["qkv_split_shapes"]
+    matrices: list[Tensor] = []
+    for update in updates:
+        matrices.extend([update] if shapes is None else _qkv_blocks(update, shapes))
+    by_kind: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
+    for i, m in enumerate(matrices):
+        by_kind[(m.shape, m.dtype, m.device)].append(i)
+
+    precision = group["matmul_precision"]
+    matmul_dtype = torch.bfloat16 if precision == "medium" else None
+    results: list[Tensor] = [matrices[0]] * len(matrices)
+    for (shape, _, device), indices in by_kind.items():
+        scale = group["extra_scale_factor"] * muon_scale_factor(shape[0], shape[1], group["scale_mode"])
+        per_stack = max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))
+        for start in range(0, len(indices), per_stack):
+            chunk = indices[start : start + per_stack]
+            # A single matrix stays 2-D so it runs exactly the reference's kernel.
+            x = matrices[chunk[0]] if len(chunk) == 1 else torch.stack([matrices[i] for i in chunk])
+            with matmul_precision(precision, device):
+                out = newton_schulz(
+                    x,
+                    steps=group["ns_steps"],
+                    coefficients=group["ns_coefficients"],
+                    eps=_NS_EPS,
+                    matmul_dtype=matmul_dtype,
+                )
+            out.mul_(scale)  # a fresh tensor: newton_schulz never returns its input
+            if len(chunk) == 1:
+                results[chunk[0]] = out
+            else:
+                for i, o in zip(chunk, out.unbind(0), strict=True):
+                    results[i] = o
+
+    if shapes is None:
+        return results
+    per_param = len(shapes)
+    return [
+        _merge_qkv(results[k * per_param : (k + 1) * per_param], shapes, update.shape)
+        for k, update in enumerate(updates)
+    ]
+
+
+def _validate_group(group: dict[str, Any], index: int) -> None:
+    """Raise ValueError naming the group, the field and the allowed values for any bad setting."""
+    where = f"Muon param group {index}"
+    check_min("Muon", index, group, "lr")
+    check_min("Muon", index, group, "weight_decay")
+    if not _is_number(group["momentum"]) or not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"{where}: momentum must be in [0, 1), got {group['momentum']!r}")
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"{where}: nesterov must be True or False, got {group['nesterov']!r}")
+    try:
+        coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if group["scale_mode"] not in SCALE_MODES:
+        raise ValueError(
+            f"{where}: unknown scale_mode {group['scale_mode']!r}; expected one of {list(SCALE_MODES)}"
+        )
+    if not _is_number(group["extra_scale_factor"]) or not math.isfinite(group["extra_scale_factor"]):
+        raise ValueError(
+            f"{where}: extra_scale_factor must be a finite number, got {group['extra_scale_factor']!r}"
+        )
+    if group["matmul_precision"] not in MATMUL_PRECISIONS:
+        raise ValueError(
+            f"{where}: matmul_precision must be one of {list(MATMUL_PRECISIONS)}, "
+            f"got {group['matmul_precision']!r}"
+        )
+    shapes = group["qkv_split_shapes"]
+    if shapes is not None and (
+        isinstance(shapes, str)
+        or not isinstance(shapes, Sequence)
+        or len(shapes) != 3
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes)
+    ):
+        raise ValueError(
+            f"{where}: qkv_split_shapes must be None or three positive ints (q, k, v), got {shapes!r}"
+        )
+
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        name = names[i] if names is not None and i < len(names) else None
+        what = f"param {i}" if name is None else f"param {name!r} (index {i})"
+        if p.ndim != 2:
+            rule = (
+                'Rule(Ndim(lt=2), algorithm="adamw")'
+                if p.ndim < 2
+                else 'Rule(~Ndim(eq=2), algorithm="adamw")'
+            )
+            raise ValueError(
+                f"Muon needs 2-D parameters; {what} in group {index} has shape {tuple(p.shape)}. "
+                f"Route it to AdamW with a rule, e.g. {rule}"
+            )
+        if shapes is not None and p.size(0) % sum(shapes) != 0:
+            raise ValueError(
+                f"{where}: qkv_split_shapes {tuple(shapes)} (q + k + v = {sum(shapes)} rows per attention "
+                f"group) "
+                f"do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight has "
+                f"num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group."
+            )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

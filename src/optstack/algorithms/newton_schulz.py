@@ -1,0 +1,185 @@
+"""Newton-Schulz orthogonalisation: the matrix kernel inside Muon.
+
+Owns the named coefficient sets, how a set becomes a per-iteration schedule, the iteration itself (single
+matrix or a batch of same-shaped matrices) and the scoped matmul-precision setting it runs under.
+
+The iteration maps ``X = U S V^T`` to ``U p(S) V^T`` where ``p`` is the composition of the odd quintics
+``s -> a s + b s^3 + c s^5``, one per step. After normalising by the Frobenius norm every singular value is
+in ``[0, 1]``; the tuned schedules push them towards 1 in a few steps without ever forming an SVD. The
+result is *near*-orthogonal (singular values in a band around 1 that depends on the coefficient set), which
+is all Muon needs.
+
+Coefficient sets (as in NVIDIA Emerging-Optimizers, which Megatron Core's Muon uses):
+    ``simple``: (3.4445, -4.7750, 2.0315) every step (Keller Jordan's original Muon).
+    ``quintic``: the 5-step tuned schedule from modded-nanogpt (You Jiacheng / leloykun).
+    ``polar_express``: the 8-step Polar Express schedule (Amsel et al. 2025, arXiv:2505.16932) with its
+        1.01 safety factor already folded into all but the last polynomial, exactly as Emerging-Optimizers
+        ships it; with the default 5 steps only its first 5 polynomials run (as in Megatron).
+    A custom sequence of ``(a, b, c)`` triples.
+
+Schedules longer than the set (``steps`` > its length) follow Emerging-Optimizers so results match
+Megatron: ``polar_express`` repeats its last polynomial (which converges to 1); ``simple``, ``quintic``
+and custom sets *cycle* from the start again. Cycling ``quintic`` is safe (its first polynomial has no
+positive root, so singular values stay positive) and ends closer to 1 after two full passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from itertools import chain, cycle, islice, repeat
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "COEFFICIENT_SETS",
+    "MatmulPrecision",
+    "coefficient_schedule",
+    "matmul_precision",
+    "newton_schulz",
+]
+
+Coefficients = str | Sequence[tuple[float, float, float]]
+MatmulPrecision = Literal["highest", "high", "medium"]
+MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
+
+COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+}
+# Sets whose tail converges to 1 repeat their last polynomial; the rest cycle (Emerging-Optimizers' rule).
+_REPEAT_LAST = frozenset({"polar_express"})
+
+
+def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
+    """The ``(a, b, c)`` triple used at each of ``steps`` iterations.
+
+    Args:
+        coefficients: a name from ``COEFFICIENT_SETS`` or a non-empty sequence of ``(a, b, c)`` triples.
+        steps: number of iterations, >= 1.
+
+    Returns:
+        ``steps`` triples: the set in order, then its last triple repeated (``polar_express``) or the set
+        cycled from the start (every other set, custom ones included).
+
+    Raises:
+        ValueError: unknown set name, malformed custom set, or ``steps`` < 1.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"Newton-Schulz steps must be an integer >= 1, got {steps!r}")
+    if isinstance(coefficients, str):
+        if coefficients not in COEFFICIENT_SETS:
+            raise ValueError(
+                f"unknown Newton-Schulz coefficient set {coefficients!r}; known sets: "
+                f"{sorted(COEFFICIENT_SETS)}, or pass a sequence of (a, b, c) triples"
+            )
+        triples = COEFFICIENT_SETS[coefficients]
+        repeat_last = coefficients in _REPEAT_LAST
+    else:
+        triples = _validate_custom(coefficients)
+        repeat_last = False
+    source: Iterator[tuple[float, float, float]]
+    source = chain(triples, repeat(triples[-1])) if repeat_last else cycle(triples)
+    return list(islice(source, steps))
+
+
+def _validate_custom(coefficients: object) -> tuple[tuple[float, float, float], ...]:
+    try:
+        triples = tuple(tuple(float(v) for v in triple) for triple in coefficients)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        triples = ()
+    if not triples or any(len(triple) != 3 for triple in triples):
+        raise ValueError(
+            f"custom Newton-Schulz coefficients must be a non-empty sequence of (a, b, c) number triples, "
+            f"got {coefficients!r}; or use a named set: {sorted(COEFFICIENT_SETS)}"
+        )
+    return triples  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: MatmulPrecision, device: torch.device) -> Iterator[None]:
+    """Run fp32 matmuls at ``precision`` for the duration of the block, then restore the global setting.
+
+    On CPU the block always runs at ``"highest"``: reduced-precision fp32 matmul there would go through
+    bf16 paths that common CPUs lack (tens of times slower, and less accurate).
+    """
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {list(MATMUL_PRECISIONS)}, got {precision!r}")
+    wanted = "highest" if device.type == "cpu" else precision
+    previous = torch.get_float32_matmul_precision()
+    if wanted == previous:
+        yield
+        return
+    torch.set_float32_matmul_precision(wanted)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def newton_schulz(
+    x: Tensor,
+    *,
+    steps: int = 5,
+    coefficients: Coefficients = "quintic",
+    eps: float = 1e-7,
+    matmul_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Near-orthogonalise ``x`` (the polar factor ``U V^T`` of ``x = U S V^T``, approximately).
+
+    Normalises by the Frobenius norm (``max(||x||_F, eps)``), works on the side whose Gram matrix is
+    smaller (transposes when rows > columns), and iterates ``X <- a X + (b A + c A^2) X`` with
+    ``A = X X^T`` for each ``(a, b, c)`` of ``coefficient_schedule(coefficients, steps)``.
+
+    Args:
+        x: ``(m, n)`` matrix or ``(batch, m, n)`` stack of same-shaped matrices, any float dtype.
+        steps: number of iterations (>= 1).
+        coefficients: named set (``"simple"``, ``"quintic"``, ``"polar_express"``) or ``(a, b, c)`` triples.
+        eps: lower bound of the normalising norm, so a zero matrix maps to zero.
+        matmul_dtype: dtype of the iteration's matmuls on an accelerator (e.g. ``torch.bfloat16``);
+            ``None`` means fp32. Ignored on CPU, where the iteration always runs in fp32.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype.
+
+    Raises:
+        ValueError: ``x`` is not 2-D or 3-D, or bad ``steps`` / ``coefficients``.
+    """
+    if x.ndim not in (2, 3):
+        raise ValueError(
+            f"newton_schulz needs a (m, n) matrix or a (batch, m, n) stack, got shape {tuple(x.shape)}"
+        )
+    schedule = coefficient_schedule(coefficients, steps)
+    work_dtype = torch.float32 if x.device.type == "cpu" or matmul_dtype is None else matmul_dtype
+    transpose = x.size(-2) > x.size(-1)
+    X = x.mT if transpose else x
+    X = X.to(torch.float32)
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(eps)
+    X = X.to(work_dtype)
+    # addmm/baddbmm fuse the scaled sums into the GEMM epilogue (no extra passes over A or X).
+    addmm = torch.baddbmm if X.ndim == 3 else torch.addmm
+    for a, b, c in schedule:
+        A = X @ X.mT
+        B = addmm(A, A, A, beta=b, alpha=c)
+        X = addmm(X, B, X, beta=a)
+    if transpose:
+        X = X.mT
+    return X.to(x.dtype)

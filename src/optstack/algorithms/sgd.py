@@ -1,0 +1,192 @@
+"""SGD with momentum (heavy-ball or nesterov), dampening and L2 weight decay, equal to ``torch.optim.SGD``.
+
+``sgd_reference`` is the single-tensor kernel (the test oracle). The optimizer's fast paths: ``fused``
+(torch's ``torch._fused_sgd_`` kernel, on CPU and CUDA), ``foreach`` (our ``torch._foreach_*`` version of the
+reference) and ``reference``; ``auto`` picks fused where it exists. Back-to-back tensors (flat shard views)
+are stepped as one flat tensor. State per parameter: ``momentum_buffer`` (only when momentum is non-zero),
+in the parameter's dtype, as torch.optim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from optstack.algorithms._common import (
+    Impl,
+    check_impl,
+    check_min,
+    coalesce,
+    group_by_device,
+    resolve_impl,
+    zeros_in_runs,
+)
+
+__all__ = ["SGD", "sgd_reference"]
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def sgd_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    first_step: bool,
+) -> None:
+    """One SGD step on single tensors, in place (``grad`` is only read), as ``torch.optim.SGD``.
+
+    Args:
+        param, grad: tensors of one shape.
+        momentum_buffer: same shape; required when ``momentum != 0``. On ``first_step`` it is overwritten with
+            the (decayed) gradient, as torch.optim does for a missing buffer.
+        lr, momentum, dampening, weight_decay, nesterov: the hyperparameters (weight decay is L2).
+        first_step: the buffer holds no history yet.
+    """
+    d_p = grad.add(param, alpha=weight_decay) if weight_decay != 0 else grad
+    if momentum != 0:
+        if momentum_buffer is None:
+            raise ValueError("sgd_reference: momentum_buffer is required when momentum != 0")
+        if first_step:
+            momentum_buffer.copy_(d_p)
+        else:
+            momentum_buffer.mul_(momentum).add_(d_p, alpha=1 - dampening)
+        d_p = d_p.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    param.add_(d_p, alpha=-lr)
+
+
+class SGD(torch.optim.Optimizer):
+    """SGD, equal to ``torch.optim.SGD`` (without ``maximize``), on any leaf tensors with ``.grad`` set.
+
+    Tensors whose grad is None are skipped. Groups may override every hyperparameter and carry extra keys.
+
+    Args:
+        params: tensors or param-group dicts.
+        lr: learning rate, >= 0.
+        momentum: >= 0; 0 keeps no state.
+        dampening: multiplies the gradient's share of the momentum update by (1 - dampening).
+        weight_decay: L2 penalty, >= 0.
+        nesterov: nesterov momentum (needs momentum > 0 and dampening 0).
+        impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        impl: Impl = "auto",
+    ) -> None:
+        check_impl("SGD", impl, ("auto", "fused", "foreach", "reference"))
+        self.impl = impl
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch.optim semantics) and validate its hyperparameters."""
+        super().add_param_group(param_group)
+        self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+
+    @staticmethod
+    def _check_group(index: int, group: dict[str, Any]) -> None:
+        for key in ("lr", "momentum", "weight_decay"):
+            check_min("SGD", index, group, key)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(
+                f"SGD param group {index}: nesterov needs momentum > 0 and dampening == 0, got "
+                f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step over every tensor with a grad; returns the closure's loss (None without a closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for device, params in group_by_device(with_grad).items():
+                self._step_device(group, params, device)
+        return loss
+
+    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
+        impl = resolve_impl(self.impl, device, has_fused=True)
+        hyper = {
+            "lr": float(group["lr"]),
+            "momentum": float(group["momentum"]),
+            "dampening": float(group["dampening"]),
+            "weight_decay": float(group["weight_decay"]),
+            "nesterov": bool(group["nesterov"]),
+        }
+        grads = [p.grad for p in params]
+        if hyper["momentum"] == 0:
+            buffers: list[torch.Tensor | None] = [None] * len(params)
+            first = [False] * len(params)
+        else:
+            states = [self.state[p] for p in params]
+            first = ["momentum_buffer" not in state for state in states]
+            new = [p for p, is_first in zip(params, first, strict=True) if is_first]
+            for p, buffer in zip(new, zeros_in_runs(new), strict=True):
+                self.state[p]["momentum_buffer"] = buffer
+            buffers = [state["momentum_buffer"] for state in states]
+        if impl == "reference":
+            for p, g, buffer, is_first in zip(params, grads, buffers, first, strict=True):
+                sgd_reference(p, g, buffer, first_step=is_first, **hyper)
+            return
+        # One kernel call per (fused?, first step?) batch; first-step buffers take the gradient as they are.
+        batches: dict[tuple[bool, bool], list[int]] = {}
+        for i, p in enumerate(params):
+            tensors = [t for t in (p, grads[i], buffers[i]) if t is not None]
+            fused = impl == "fused" and p.dtype in _FUSED_DTYPES and all(
+                t.dtype == p.dtype and t.is_contiguous() for t in tensors
+            )
+            batches.setdefault((fused, first[i]), []).append(i)
+        for (fused, is_first), picked in batches.items():
+            lists = [[params[i] for i in picked], [grads[i] for i in picked]]
+            if hyper["momentum"] != 0:
+                lists.append([buffers[i] for i in picked])  # type: ignore[misc]
+            merged, _ = coalesce(lists)
+            merged_buffers = merged[2] if hyper["momentum"] != 0 else []
+            (_fused if fused else _foreach)(merged[0], merged[1], merged_buffers, is_first, hyper)
+
+
+def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
+           first_step: bool, hyper: dict[str, Any]) -> None:
+    """torch's fused SGD kernel over tensors of one dtype and device (``buffers`` empty without momentum)."""
+    torch._fused_sgd_(params, grads, buffers, weight_decay=hyper["weight_decay"], momentum=hyper["momentum"],
+                      lr=hyper["lr"], dampening=hyper["dampening"], nesterov=hyper["nesterov"],
+                      maximize=False, is_first_step=first_step)
+
+
+def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
+             first_step: bool, hyper: dict[str, Any]) -> None:
+    """``sgd_reference`` over lists with ``torch._foreach_*`` ops."""
+    momentum, wd = hyper["momentum"], hyper["weight_decay"]
+    d_p = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else grads
+    if momentum != 0:
+        if first_step:
+            torch._foreach_copy_(buffers, d_p)
+        else:
+            torch._foreach_mul_(buffers, momentum)
+            torch._foreach_add_(buffers, d_p, alpha=1 - hyper["dampening"])
+        d_p = torch._foreach_add(d_p, buffers, alpha=momentum) if hyper["nesterov"] else buffers
+    torch._foreach_add_(params, d_p, alpha=-hyper["lr"])

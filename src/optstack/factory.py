@@ -1,0 +1,231 @@
+"""``build_optimizer``: config + model chunk(s) + rules -> the full optimizer stack, and nothing more.
+
+The flow (DESIGN.md): resolve rules for every named parameter -> deterministic param groups -> one inner
+algorithm per (algorithm, dense/expert) kind -> a precision stage around each -> one chained optimizer with
+the single loss scaler, global clipping and the skip decision; plus the scheduler when a schedule is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from optstack.algorithms import get_algorithm
+from optstack.chained import ChainedOptimizer
+from optstack.config import OptimizerConfig, dtype_from_name
+from optstack.groups import build_param_groups, group_keys
+from optstack.precision.scaler import LossScaler, make_scaler
+from optstack.precision.stages import FP32Stage, MixedPrecisionStage
+from optstack.protocol import Stage
+from optstack.rules import Rule, muon_routing_rule, mup_rules, named_parameters_of, resolve, standard_rules
+from optstack.schedule import LRSchedule, Scheduler, WDSchedule
+
+__all__ = ["BuiltOptimizer", "build_optimizer", "default_rules", "trainable_named_parameters", "algorithm_kwargs",
+           "scaler_from_config"]
+
+GradOf = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def default_rules(config: OptimizerConfig) -> list[Rule]:
+    """The rules ``build_optimizer`` uses when none are given: standard (no weight decay on biases and
+    norms, decoupled embedding/output LR), MuP when ``mup_width_mult != 1``, and Muon's routing of the
+    parameters it cannot take to its scalar optimizer. Extend it: ``default_rules(cfg) + [my_rule]``."""
+    rules = standard_rules(
+        decoupled_lr=config.decoupled_lr,
+        decoupled_min_lr=config.decoupled_min_lr,
+        apply_wd_to_qk_layernorm=config.apply_wd_to_qk_layernorm,
+    )
+    family = get_algorithm(config.algorithm).family
+    if config.mup_width_mult != 1.0:
+        rules += mup_rules(
+            config.mup_width_mult,
+            family=family if family in ("adam", "sgd", "muon", "lion") else "adam",
+            lr=config.lr,
+            min_lr=config.min_lr,
+            eps=config.adam.eps if family == "adam" else None,
+            decoupled_lr=config.decoupled_lr,
+            decoupled_min_lr=config.decoupled_min_lr,
+        )
+    if family == "muon":
+        rules.append(muon_routing_rule(config.muon.scalar_algorithm))
+    return rules
+
+
+def trainable_named_parameters(model_chunks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """(name, param) of every trainable parameter, names as the user's own model has them (a data-parallel
+    wrapper's ``.module`` is looked through; chunk naming follows ``rules.named_parameters_of``)."""
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    return [(n, p) for n, p in named_parameters_of([_unwrap(c) for c in chunks]) if p.requires_grad]
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    # A data-parallel wrapper exposes the wrapped model as `.module`; names must be the user's own.
+    inner = getattr(module, "module", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def algorithm_kwargs(name: str, config: OptimizerConfig) -> dict[str, Any]:
+    """Constructor keyword arguments of the algorithm ``name`` taken from ``config``."""
+    spec = get_algorithm(name)
+    base: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if spec.family == "adam":
+        a = config.adam
+        base |= {
+            "betas": (a.beta1, a.beta2),
+            "eps": a.eps,
+            "exp_avg_dtype": dtype_from_name(a.exp_avg_dtype, "adam.exp_avg_dtype"),
+            "exp_avg_sq_dtype": dtype_from_name(a.exp_avg_sq_dtype, "adam.exp_avg_sq_dtype"),
+        }
+    elif spec.family == "sgd":
+        base |= {"momentum": config.sgd.momentum, "nesterov": config.sgd.nesterov}
+    elif spec.family == "lion":
+        base |= {"betas": (config.lion.beta1, config.lion.beta2)}
+    elif spec.family == "muon":
+        m = config.muon
+        base |= {
+            "momentum": m.momentum,
+            "nesterov": m.nesterov,
+            "ns_steps": m.ns_steps,
+            "ns_coefficients": m.coefficients,
+            "scale_mode": m.scale_mode,
+            "extra_scale_factor": m.extra_scale_factor,
+            "matmul_precision": m.matmul_precision,
+        }
+    return base | dict(spec.defaults)
+
+
+@dataclass(frozen=True)
+class BuiltOptimizer:
+    """What ``build_optimizer`` returns.
+
+    Attributes:
+        optimizer: the chained optimizer (``step() -> StepResult``, ``zero_grad``, ``state_dict``, ...).
+        scheduler: the LR/WD scheduler over the optimizer's groups, or None when no schedule was given.
+        param_groups: the model-side groups (params, param_names, settings) the stages were built from.
+    """
+
+    optimizer: ChainedOptimizer
+    scheduler: Scheduler | None
+    param_groups: list[dict[str, Any]]
+
+    def group_of(self) -> dict[str, int]:
+        """Parameter name -> index of its group in ``param_groups``."""
+        return {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]}
+
+
+def build_optimizer(
+    config: OptimizerConfig,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    *,
+    rules: Sequence[Rule] | None = None,
+    strict_rules: bool = False,
+    lr_schedule: LRSchedule | None = None,
+    wd_schedule: WDSchedule | None = None,
+    grad_of: GradOf | None = None,
+) -> BuiltOptimizer:
+    """Build the optimizer stack for a model.
+
+    Args:
+        config: the optimizer configuration.
+        model_chunks: the model, or its chunks (pipeline stages / virtual chunks).
+        rules: per-parameter rules; None uses ``default_rules(config)``; ``[]`` means no rules at all.
+        strict_rules: a rule that matches no parameter is an error.
+        lr_schedule / wd_schedule: when ``lr_schedule`` is given, a ``Scheduler`` is built (weight decay
+            constant at ``config.weight_decay`` unless ``wd_schedule`` is given).
+        grad_of: where the stages read each parameter's gradient (default ``param.grad``; a data-parallel
+            wrapper passes its grad-buffer views).
+    """
+    named = trainable_named_parameters(model_chunks)
+    if not named:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    _check_dtypes(named, config)
+    active_rules = default_rules(config) if rules is None else list(rules)
+    resolved = resolve(named, active_rules, strict=strict_rules)
+    groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=group_keys(resolved))
+    stages = _build_stages(groups, config, grad_of)
+    scaler = scaler_from_config(config)
+    optimizer = ChainedOptimizer(
+        stages,
+        scaler=scaler,
+        clip_grad=config.clip_grad,
+        norm_type=config.norm_type,
+        grad_norm_skip_threshold=config.grad_norm_skip_threshold,
+        log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+    )
+    scheduler = None
+    if lr_schedule is not None:
+        wd = wd_schedule or WDSchedule(
+            start_wd=config.weight_decay, end_wd=config.weight_decay, incr_steps=0, style="constant"
+        )
+        scheduler = Scheduler(optimizer, lr_schedule, wd)
+    elif wd_schedule is not None:
+        raise ValueError("wd_schedule was given without lr_schedule; pass both (the scheduler sets lr and wd)")
+    return BuiltOptimizer(optimizer=optimizer, scheduler=scheduler, param_groups=groups)
+
+
+def scaler_from_config(config: OptimizerConfig) -> LossScaler:
+    """The loss scaler ``config`` asks for (dynamic by default for fp16, none for fp32/bf16)."""
+    ls = config.loss_scale
+    mode = ls.resolved_mode(config.precision)
+    if mode == "none":
+        return make_scaler("none")
+    if mode == "constant":
+        return make_scaler("constant", scale=ls.initial)
+    return make_scaler(
+        "dynamic",
+        initial_scale=ls.initial,
+        min_scale=ls.min_scale,
+        growth_factor=ls.growth_factor,
+        backoff_factor=ls.backoff_factor,
+        growth_interval=ls.window,
+        hysteresis=ls.hysteresis,
+    )
+
+
+def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
+    if config.precision != "fp32":
+        return
+    for name, p in named:
+        if p.dtype in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"parameter {name!r} is {p.dtype} but config.precision is 'fp32'; set precision="
+                f"'{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}' to train it with fp32 master weights"
+            )
+
+
+def _build_stages(groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None) -> list[Stage]:
+    """One stage per (algorithm, dense/expert), in first-appearance order of the groups."""
+    kinds: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for g in groups:
+        name = g.get("algorithm", config.algorithm)
+        get_algorithm(name)  # unknown names fail here, listing the known ones
+        kinds.setdefault((name, g["is_expert_parallel"]), []).append(_initial_hparams(g, config))
+    stage_cls = FP32Stage if config.precision == "fp32" else MixedPrecisionStage
+    stages: list[Stage] = []
+    for (name, _expert), kind_groups in kinds.items():
+        if not any(g["params"] for g in kind_groups):
+            continue
+        spec = get_algorithm(name)
+        kwargs = algorithm_kwargs(name, config)
+        stages.append(stage_cls(kind_groups, _maker(spec.cls, kwargs), grad_of=grad_of))
+    return stages
+
+
+def _maker(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Callable[[list[dict]], Any]:
+    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return cls(groups, **kwargs)
+
+    return make
+
+
+def _initial_hparams(group: dict[str, Any], config: OptimizerConfig) -> dict[str, Any]:
+    """The group as the inner optimizer sees it before any scheduler step: lr = max_lr * lr_mult,
+    weight_decay = config.weight_decay * wd_mult (a scheduler overwrites both every step)."""
+    out = dict(group)
+    out.setdefault("lr", group["max_lr"] * group["lr_mult"])
+    out.setdefault("weight_decay", config.weight_decay * group["wd_mult"])
+    return out

@@ -1,0 +1,33 @@
+"""The Megatron-compatible face of optstack: switch by changing an import.
+
+``from megatron.core.optimizer import ...`` becomes ``from optstack.megatron import ...``: the same names,
+signatures and defaults (``OptimizerConfig``, ``ParamKey``, ``get_megatron_optimizer``,
+``OptimizerParamScheduler``, ...), translated to optstack's core (``optstack.config``, ``optstack.rules``,
+``optstack.groups``, ``optstack.schedule``, ``optstack.factory``), which never sees Megatron's names.
+"""
+
+from optstack.megatron.config import OptimizerConfig, to_core
+from optstack.megatron.groups import get_param_groups
+from optstack.megatron.keys import (
+    ParamGroupOverride,
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+    check_config_overrides_consistency,
+    combine_param_group_overrides,
+    get_mup_config_overrides,
+    get_standard_config_overrides,
+    param_group_override_to_tuple,
+    to_rules,
+)
+from optstack.megatron.optimizer import MegatronOptimizer, get_megatron_optimizer
+from optstack.megatron.scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+
+__all__ = [
+    "OptimizerConfig", "to_core",
+    "ParamKey", "ParamPredicate", "ParamWithNamePredicate", "ParamGroupOverride",
+    "combine_param_group_overrides", "param_group_override_to_tuple", "get_standard_config_overrides",
+    "get_mup_config_overrides", "check_config_overrides_consistency", "to_rules", "get_param_groups",
+    "OptimizerParamScheduler", "get_canonical_lr_for_logging",
+    "MegatronOptimizer", "get_megatron_optimizer",
+]

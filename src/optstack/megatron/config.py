@@ -1,0 +1,338 @@
+"""Megatron Core's ``OptimizerConfig`` (field names, order and defaults) and its translation to optstack's.
+
+``OptimizerConfig`` here is what ``megatron.core.optimizer.OptimizerConfig`` is: a mutable dataclass whose
+fields a Megatron training script fills in. ``to_core`` turns it into ``optstack.config.OptimizerConfig``,
+the only config the rest of optstack reads. A field set to a value optstack does not support is a
+``ValueError`` naming the field and the value, raised at construction and again by ``to_core`` (Megatron code
+mutates configs after construction); it is never silently ignored.
+
+Fields that are accepted but change nothing, because they only tune Megatron's implementation or its
+logging: ``store_param_remainders``, ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
+``pin_cpu_params``, ``barrier_with_L1_time``, ``timers``, ``config_logger_dir``; the ``soap_*`` and
+``adaptive_muon_*`` fields (their optimizers are rejected); ``muon_tp_mode`` (optstack has no tensor
+parallelism, where the three modes coincide); ``optimizer_offload_fraction`` while
+``optimizer_cpu_offload`` is False (as in Megatron).
+
+Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precision Adam moments) does not need
+``use_distributed_optimizer`` here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from optstack import config as core
+
+__all__ = ["OptimizerConfig", "to_core", "core_algorithm", "SUPPORTED_OPTIMIZERS"]
+
+#: Values of ``OptimizerConfig.optimizer`` optstack implements ('dist_muon' is Megatron's deprecated spelling
+#: of muon with the layer-wise distributed optimizer).
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "lion", "muon", "dist_muon")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+
+# optstack.config field paths -> the Megatron field a user set, for errors raised by the core's validation.
+_CORE_TO_MEGATRON = {
+    "adam.beta1": "adam_beta1", "adam.beta2": "adam_beta2", "adam.eps": "adam_eps",
+    "sgd.momentum": "sgd_momentum", "lion.beta1": "lion_beta1", "lion.beta2": "lion_beta2",
+    "muon.momentum": "muon_momentum", "muon.ns_steps": "muon_num_ns_steps",
+    "muon.coefficients": "muon_coefficient_type", "muon.scale_mode": "muon_scale_mode",
+    "muon.extra_scale_factor": "muon_extra_scale_factor", "muon.matmul_precision": "muon_fp32_matmul_prec",
+    "loss_scale.initial": "initial_loss_scale (or loss_scale)", "loss_scale.min_scale": "min_loss_scale",
+    "loss_scale.window": "loss_scale_window", "loss_scale.hysteresis": "hysteresis",
+    "offload.fraction": "optimizer_offload_fraction",
+}
+
+
+@contextlib.contextmanager
+def renamed_errors(owner: str, names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise a core ``ValueError`` with the core's field names replaced by the Megatron ones."""
+    try:
+        yield
+    except ValueError as exc:
+        pattern = re.compile("|".join(rf"\b{re.escape(k)}\b" for k in sorted(names, key=len, reverse=True)))
+        message = pattern.sub(lambda m: names[m.group(0)], str(exc)) if names else str(exc)
+        raise ValueError(f"{owner}: {message}") from exc
+
+
+@dataclass
+class OptimizerConfig:
+    """Configuration of the Megatron optimizer, with Megatron Core's field names, order and defaults.
+
+    Build the optimizer with ``optstack.megatron.get_megatron_optimizer(config, model_chunks)``; the fields'
+    meaning is Megatron's (see its docstrings). ``lr`` and ``min_lr`` default to None as in Megatron, whose
+    training script always sets them; optstack needs ``lr`` to build an optimizer (``to_core`` raises when it
+    is None) and reads ``min_lr=None`` as 0.0 (the default of Megatron's ``--min-lr``).
+    """
+
+    # General
+    lr: float | None = None
+    min_lr: float | None = None
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
+    # Precision
+    fp8_recipe: str | None = None
+    fp16: bool = False
+    bf16: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    optimizer: str = "adam"
+    # Loss scaling
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    # Adam, SGD, emerging optimizers, Lion
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    decoupled_weight_decay: bool = True
+    sgd_momentum: float = 0.9
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
+    soap_shampoo_beta: float = 0.95
+    soap_precondition_frequency: int = 1
+    soap_use_kl_shampoo: bool = True
+    adaptive_muon_moment2_method: str = "adamuon"
+    adaptive_muon_beta2: float = 0.95
+    adaptive_muon_eps: float = 1e-8
+    muon_scalar_optimizer: str = "adam"
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+    # Distributed optimizer
+    use_distributed_optimizer: bool = False
+    use_layer_wise_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+    # Optimizer offload
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    offload_optimizer_states: bool = False
+    # Miscellaneous
+    clip_grad: float = 1.0
+    grad_norm_skip_threshold: float = float("inf")
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    timers: Callable | None = None
+    config_logger_dir: str = ""
+    optimizer_cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        check_supported(self)
+
+
+def _unsupported(field: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"OptimizerConfig.{field}={value!r} is not supported by optstack; {fix}")
+
+
+# (field, the only supported value, why / what to do instead)
+_FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
+    ("fp8_recipe", None, "FP8 training is not implemented; leave it None"),
+    ("reuse_grad_buf_for_mxfp8_param_ag", False, "it belongs to MXFP8 training, which is not implemented"),
+    ("main_params_dtype", torch.float32, "master weights are always fp32 (set it to torch.float32)"),
+    ("main_grads_dtype", torch.float32, "main gradients are always fp32 (set it to torch.float32)"),
+    ("overlap_param_gather_with_optimizer_step", False,
+     "overlapping the first bucket's all-gather with the step is not implemented; set it False"),
+    ("offload_optimizer_states", False,
+     "moving all optimizer state to the host between steps is not implemented; use "
+     "optimizer_cpu_offload=True with optimizer_offload_fraction instead"),
+    ("optimizer_cuda_graph", False, "CUDA-graph capture of the step is not implemented; set it False"),
+)
+
+
+def check_supported(config: OptimizerConfig) -> None:
+    """Raise a ``ValueError`` naming the first field set to a value optstack does not support."""
+    for field, allowed, fix in _FIXED_FIELDS:
+        value = getattr(config, field)
+        if value != allowed:
+            raise _unsupported(field, value, fix)
+    if config.optimizer not in SUPPORTED_OPTIMIZERS:
+        raise _unsupported("optimizer", config.optimizer, f"supported: {list(SUPPORTED_OPTIMIZERS)}")
+    if config.fp16 and config.bf16:
+        raise ValueError("OptimizerConfig: fp16=True and bf16=True are exclusive; set at most one of them")
+    precision_dtype = _precision_dtype(config)
+    if config.params_dtype not in (torch.float32, precision_dtype):
+        raise ValueError(
+            f"OptimizerConfig.params_dtype={config.params_dtype} does not match fp16={config.fp16}, "
+            f"bf16={config.bf16}; allowed: torch.float32 or {precision_dtype} (set bf16=True for bfloat16 "
+            "params, fp16=True for float16 params)"
+        )
+    for field in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(config, field)
+        if value not in _DTYPE_NAMES:
+            raise _unsupported(field, value, "allowed: torch.float32, torch.bfloat16 or torch.float16")
+        if value != torch.float32 and not config.use_precision_aware_optimizer:
+            raise ValueError(
+                f"OptimizerConfig.{field}={value} needs use_precision_aware_optimizer=True (as in Megatron); "
+                "set it, or leave the dtype torch.float32"
+            )
+    if config.use_precision_aware_optimizer and config.optimizer != "adam":
+        raise ValueError(
+            "OptimizerConfig.use_precision_aware_optimizer=True needs optimizer='adam', "
+            f"got {config.optimizer!r}"
+        )
+    if config.muon_tp_mode not in _MUON_TP_MODES:
+        raise _unsupported("muon_tp_mode", config.muon_tp_mode, f"allowed: {list(_MUON_TP_MODES)}")
+    if config.muon_scalar_optimizer not in ("adam", "lion"):
+        raise _unsupported("muon_scalar_optimizer", config.muon_scalar_optimizer, "allowed: 'adam' or 'lion'")
+    if config.use_distributed_optimizer and config.use_layer_wise_distributed_optimizer:
+        raise ValueError(
+            "OptimizerConfig: use_distributed_optimizer and use_layer_wise_distributed_optimizer are both "
+            "True; pick one (layer-wise is what Muon needs, ZeRO-1 the distributed optimizer for the rest)"
+        )
+    if config.overlap_param_gather and not config.use_distributed_optimizer:
+        raise ValueError(
+            "OptimizerConfig.overlap_param_gather=True needs use_distributed_optimizer=True "
+            "(only sharded parameters are gathered)"
+        )
+    if config.optimizer in ("muon", "dist_muon") and config.fp16:
+        raise ValueError(
+            f"OptimizerConfig: optimizer={config.optimizer!r} with fp16=True is not supported "
+            "(as in Megatron); use bf16=True"
+        )
+
+
+def _precision_dtype(config: OptimizerConfig) -> torch.dtype:
+    return torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else torch.float32
+
+
+def core_algorithm(optimizer: str, decoupled_weight_decay: bool) -> str:
+    """Megatron's optimizer name -> optstack's algorithm ('adam' is AdamW when weight decay is decoupled)."""
+    if optimizer == "adam":
+        return "adamw" if decoupled_weight_decay else "adam"
+    if optimizer == "dist_muon":
+        return "muon"
+    return optimizer
+
+
+def megatron_optimizer_name(algorithm: str) -> str:
+    """optstack's algorithm name -> Megatron's optimizer name (the inverse of ``core_algorithm``)."""
+    return "adam" if algorithm in ("adam", "adamw") else algorithm
+
+
+def _loss_scale(config: OptimizerConfig, precision: str) -> core.LossScaleConfig:
+    window = config.loss_scale_window
+    if isinstance(window, bool) or not isinstance(window, int | float) or window != int(window):
+        raise ValueError(f"OptimizerConfig.loss_scale_window must be a whole number, got {window!r}")
+    common = dict(min_scale=config.min_loss_scale, window=int(window), hysteresis=config.hysteresis)
+    if config.loss_scale:  # Megatron: a truthy loss_scale means a constant scaler
+        value = config.loss_scale
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or value <= 0:
+            raise ValueError(f"OptimizerConfig.loss_scale must be None or a finite number > 0, got {value!r}")
+        if precision == "fp32":
+            raise ValueError(
+                f"OptimizerConfig.loss_scale={value!r} needs fp16=True or bf16=True; fp32 training has no "
+                "loss scaling (leave loss_scale None)"
+            )
+        return core.LossScaleConfig(mode="constant", initial=float(value), **common)
+    mode = "dynamic" if precision == "fp16" else "none"
+    return core.LossScaleConfig(mode=mode, initial=float(config.initial_loss_scale), **common)
+
+
+def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
+    """Translate a Megatron ``OptimizerConfig`` into ``optstack.config.OptimizerConfig``.
+
+    Mapping: optimizer 'adam' -> 'adamw' (decoupled_weight_decay=True) or 'adam'; 'dist_muon' -> 'muon' with
+    layer-wise sharding (with a DeprecationWarning, as Megatron); fp16/bf16 -> precision; loss_scale set ->
+    constant scaling, None -> dynamic for fp16 and none otherwise; use_distributed_optimizer ->
+    sharding 'zero1'; use_layer_wise_distributed_optimizer -> 'layerwise'; optimizer_cpu_offload ->
+    offload.fraction = optimizer_offload_fraction; grad_norm_skip_threshold inf -> None (never skip);
+    min_lr None -> 0.0.
+
+    Raises:
+        ValueError: ``lr`` is None, a field has a value optstack does not support, or a value is invalid
+            (the message names the Megatron field).
+    """
+    if not isinstance(config, OptimizerConfig):
+        raise ValueError(f"to_core needs an optstack.megatron.OptimizerConfig, got {type(config).__name__}")
+    check_supported(config)
+    if config.lr is None:
+        raise ValueError(
+            "OptimizerConfig.lr is None; optstack needs the base learning rate to build the optimizer "
+            "(Megatron's training script sets it from --lr): set OptimizerConfig(lr=...)"
+        )
+    precision = _DTYPE_NAMES[_precision_dtype(config)]
+    sharding = "replicated"
+    if config.use_distributed_optimizer:
+        sharding = "zero1"
+    if config.use_layer_wise_distributed_optimizer:
+        sharding = "layerwise"
+    if config.optimizer == "dist_muon":
+        warnings.warn(
+            "optimizer='dist_muon' is deprecated; use optimizer='muon' with "
+            "use_layer_wise_distributed_optimizer=True",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        sharding = "layerwise"
+    skip = config.grad_norm_skip_threshold
+    with renamed_errors("OptimizerConfig", _CORE_TO_MEGATRON):
+        return core.OptimizerConfig(
+            algorithm=core_algorithm(config.optimizer, config.decoupled_weight_decay),
+            lr=config.lr,
+            min_lr=0.0 if config.min_lr is None else config.min_lr,
+            weight_decay=config.weight_decay,
+            decoupled_lr=config.decoupled_lr,
+            decoupled_min_lr=config.decoupled_min_lr if config.decoupled_lr is not None else None,
+            apply_wd_to_qk_layernorm=config.apply_wd_to_qk_layernorm,
+            precision=precision,
+            loss_scale=_loss_scale(config, precision),
+            clip_grad=config.clip_grad,
+            grad_norm_skip_threshold=None if skip is None or skip == math.inf else skip,
+            log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+            adam=core.AdamConfig(
+                beta1=config.adam_beta1,
+                beta2=config.adam_beta2,
+                eps=config.adam_eps,
+                exp_avg_dtype=_DTYPE_NAMES[config.exp_avg_dtype],
+                exp_avg_sq_dtype=_DTYPE_NAMES[config.exp_avg_sq_dtype],
+            ),
+            sgd=core.SGDConfig(momentum=config.sgd_momentum, nesterov=False),
+            lion=core.LionConfig(beta1=config.lion_beta1, beta2=config.lion_beta2),
+            muon=core.MuonConfig(
+                momentum=config.muon_momentum,
+                nesterov=config.muon_nesterov,
+                ns_steps=config.muon_num_ns_steps,
+                coefficients=config.muon_coefficient_type,
+                scale_mode=config.muon_scale_mode,
+                extra_scale_factor=config.muon_extra_scale_factor,
+                split_qkv=config.muon_split_qkv,
+                matmul_precision=config.muon_fp32_matmul_prec,
+                scalar_algorithm=core_algorithm(config.muon_scalar_optimizer, config.decoupled_weight_decay),
+            ),
+            distributed=core.DistributedConfig(
+                sharding=sharding, overlap_param_gather=config.overlap_param_gather
+            ),
+            offload=core.OffloadConfig(
+                fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+                overlap_transfers=config.overlap_cpu_optimizer_d2h_h2d and config.optimizer_cpu_offload,
+            ),
+        )

@@ -1,0 +1,187 @@
+"""Megatron's ``get_megatron_optimizer``: the Megatron config and overrides in, optstack's stack underneath.
+
+``get_megatron_optimizer`` groups parameters exactly as ``get_param_groups`` does (Megatron's name matching,
+its override semantics), hands those groups to ``optstack.factory.build_optimizer`` as rules, and wraps the
+chained optimizer it returns in ``MegatronOptimizer``, whose ``step()`` returns Megatron's
+``(update_successful, grad_norm, num_zeros_in_grad)`` tuple.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from optstack.distributed.comm import world_comm
+from optstack.factory import BuiltOptimizer, build_optimizer
+from optstack.megatron.config import OptimizerConfig, to_core
+from optstack.megatron.groups import as_chunks, resolve_chunks
+from optstack.megatron.keys import (
+    ConfigOverrides,
+    check_config_overrides_consistency,
+    get_standard_config_overrides,
+    to_rules,
+)
+from optstack.rules import Predicate, Resolved, Rule, muon_routing_rule
+
+__all__ = ["MegatronOptimizer", "get_megatron_optimizer"]
+
+
+class MegatronOptimizer:
+    """What ``get_megatron_optimizer`` returns: Megatron's optimizer interface over optstack's stack.
+
+    Attributes:
+        config: the Megatron ``OptimizerConfig`` it was built from.
+        built: optstack's ``BuiltOptimizer`` (``built.optimizer`` is the chained optimizer doing the work).
+    """
+
+    def __init__(self, built: BuiltOptimizer, config: OptimizerConfig) -> None:
+        self.built = built
+        self.config = config
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every chained optimizer's param groups (live dicts: the scheduler writes lr and weight_decay)."""
+        return self.built.optimizer.param_groups
+
+    def get_parameters(self) -> list[torch.nn.Parameter]:
+        """The model parameters being optimized."""
+        return [p for group in self.built.param_groups for p in group["params"]]
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Unscale, check for inf/nan, clip and step, all optimizers together.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``: a non-finite gradient gives
+            ``(False, None, None)``; a norm above ``grad_norm_skip_threshold`` gives ``(False, norm, None)``;
+            ``num_zeros_in_grad`` is None unless ``log_num_zeros_in_grad``.
+        """
+        result = self.built.optimizer.step()
+        return result.applied, result.grad_norm, result.num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.built.optimizer.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale as a 1-element fp32 tensor on the parameters' device (Megatron's form)."""
+        params = self.get_parameters()
+        device = params[0].device if params else torch.device("cpu")
+        return torch.tensor([self.built.optimizer.loss_scale], dtype=torch.float32, device=device)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale, to call ``backward()`` on (shape ``[1]``, as in Megatron)."""
+        return self.get_loss_scale() * loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """optstack's chained state dict (stages and loss scaler); loads back with ``load_state_dict``."""
+        return self.built.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """All or nothing; a state dict from another model or group layout is a ``ValueError``."""
+        self.built.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"MegatronOptimizer(optimizer={self.config.optimizer!r}, {self.built.optimizer!r})"
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    config_overrides: ConfigOverrides | None = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    dump_param_to_param_group_map: str | None = None,
+) -> MegatronOptimizer:
+    """Build the optimizer for the model chunks, with Megatron Core's semantics.
+
+    Args:
+        config: the Megatron ``OptimizerConfig`` (``lr`` must be set).
+        model_chunks: the model chunks (or one module).
+        config_overrides: ``{ParamKey: ParamGroupOverride}``; None means the standard overrides, ``{}`` none.
+            They may not change ``optimizer``, ``optimizer_cpu_offload`` or
+            ``overlap_param_gather_with_optimizer_step``. For Muon, matrices Muon cannot take go to
+            ``muon_scalar_optimizer`` as in Megatron. The caller's dict is not modified.
+        use_gloo_process_groups: accepted for compatibility; optstack's communicator needs no extra groups.
+        pg_collection: must be None (process groups come from torch.distributed's default world).
+        dump_param_to_param_group_map: a file path; the parameter name -> index into
+            ``optimizer.param_groups`` map is written there as JSON (by rank 0, all ranks' names).
+
+    Returns:
+        A ``MegatronOptimizer``; expert parameters (``allreduce=False``) get an optimizer of their own,
+        chained with the dense one (one grad norm, one skip decision).
+
+    Raises:
+        ValueError: an unsupported config value, an override changing a protected field, conflicting
+            overrides, ``pg_collection`` given.
+    """
+    if not isinstance(config, OptimizerConfig):
+        raise ValueError(
+            f"config must be an optstack.megatron.OptimizerConfig, got {type(config).__name__}"
+        )
+    if pg_collection is not None:
+        raise ValueError(
+            "get_megatron_optimizer(pg_collection=...) is not supported: optstack takes its process groups "
+            "from torch.distributed's default world; pass pg_collection=None"
+        )
+    if config_overrides is None:
+        config_overrides = get_standard_config_overrides(config)
+    check_config_overrides_consistency(config, config_overrides)
+    core_config = to_core(config)
+    rules = to_rules(config, config_overrides)
+    if core_config.algorithm == "muon":
+        rules.append(muon_routing_rule(core_config.muon.scalar_algorithm))
+    chunks = as_chunks(model_chunks)
+    named, resolved = resolve_chunks(chunks, rules)
+    built = build_optimizer(core_config, chunks, rules=_pinned_rules(named, resolved))
+    if dump_param_to_param_group_map is not None:
+        _dump_group_map(built, dump_param_to_param_group_map)
+    return MegatronOptimizer(built, config)
+
+
+def _pinned_rules(named: list[tuple[str, torch.Tensor]], resolved: dict[str, Resolved]) -> list[Rule]:
+    """One rule per distinct merged override, selecting its parameters by identity.
+
+    The factory names parameters its own way (it unwraps ``.module``); pinning the already-resolved settings
+    to the tensors keeps Megatron's matching on each chunk's own names whatever the factory calls them. Each
+    rule's reason lists the overrides that produced it.
+    """
+    tensor_of = dict(named)
+    by_settings: dict[tuple[tuple[str, Any], ...], tuple[set[int], set[str]]] = {}
+    for name, r in resolved.items():
+        ids, labels = by_settings.setdefault(tuple(r.settings.items()), (set(), set()))
+        ids.add(id(tensor_of[name]))
+        labels.update(rule.label for rules in r.sources.values() for rule in rules)
+    return [
+        Rule(_identity(frozenset(ids)), why=" + ".join(sorted(labels)), **dict(settings))
+        for settings, (ids, labels) in by_settings.items()
+        if settings
+    ]
+
+
+def _identity(ids: frozenset[int]) -> Predicate:
+    return Predicate(lambda p: id(p) in ids, "config_overrides")
+
+
+def _dump_group_map(built: BuiltOptimizer, path: str) -> None:
+    """Write ``{parameter name: index into optimizer.param_groups}`` as JSON, atomically, from rank 0."""
+    local: dict[str, int] = {}
+    for index, group in enumerate(built.optimizer.param_groups):
+        for name in group.get("param_names", ()):
+            local[name] = index
+    comm = world_comm()
+    merged: dict[str, int] = {}
+    for rank_map in comm.all_gather_object(local):
+        merged.update(rank_map)
+    if comm.rank != 0:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".param_groups.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(merged, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)

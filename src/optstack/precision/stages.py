@@ -1,0 +1,480 @@
+"""The precision stages: FP32 (gradients used as they are) and mixed precision (fp32 master weights).
+
+Each stage wraps one inner ``torch.optim.Optimizer`` and implements the ``Stage`` phases the chained
+optimizer sequences: make the inner optimizer's ``.grad`` ready (copy to masters, unscale, one fused
+non-finite check agreed over the model-parallel group), report this stage's share of the global grad norm,
+scale for clipping, step, and publish the result to the model parameters.
+
+Where gradients come from is injected (``grad_of``): ``p.grad`` by default, a grad-buffer view when a
+data-parallel wrapper owns the gradients. The stage never knows whether it sees whole parameters or shards.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from optstack.clip import count_zeros, grads_for_norm, local_norm_pow
+from optstack.distributed.comm import Comm, NullComm
+from optstack.protocol import ParamShard, Stage, phase
+
+__all__ = ["FP32Stage", "MixedPrecisionStage", "GradOf", "MakeOptimizer"]
+
+GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _grad_attr(param: torch.Tensor) -> torch.Tensor | None:
+    return param.grad
+
+
+def _copy_groups(param_groups: Sequence[dict[str, Any]], owner: str) -> list[dict[str, Any]]:
+    """Shallow copies of the caller's groups (torch.optim writes defaults into the dicts it is given),
+    after checking every group has a list of distinct floating-point tensors."""
+    if isinstance(param_groups, dict) or not isinstance(param_groups, Sequence):
+        raise ValueError(
+            f"{owner}: param_groups must be a list of group dicts, got {type(param_groups).__name__}"
+        )
+    seen: set[int] = set()
+    copies = []
+    for index, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(
+                f"{owner}: param group {index} must be a dict with a 'params' list, got {group!r:.80}"
+            )
+        params = list(group["params"])
+        names = group.get("param_names")
+        if names is not None and len(names) != len(params):
+            raise ValueError(
+                f"{owner}: param group {index} has {len(params)} params but {len(names)} param_names"
+            )
+        for position, param in enumerate(params):
+            name = names[position] if names is not None else f"group {index} param {position}"
+            if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+                raise ValueError(
+                    f"{owner}: parameter {name!r} must be a floating-point tensor, got {param!r:.80}"
+                )
+            if id(param) in seen:
+                raise ValueError(
+                    f"{owner}: parameter {name!r} appears twice in param_groups; give each param once"
+                )
+            seen.add(id(param))
+        copies.append({**group, "params": params})
+    return copies
+
+
+def _check_and_unscale(
+    grads: list[torch.Tensor], inv_scale: float, comm: Comm | NullComm, device: torch.device
+) -> bool:
+    """Multiply ``grads`` in place by ``inv_scale`` and say whether any element is non-finite, agreed over
+    ``comm`` (every rank calls the all-reduce, even with no gradients)."""
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        buckets.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (grad_device, _), bucket in buckets.items():
+        flag = torch.zeros(1, dtype=torch.float32, device=grad_device)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=grad_device)
+        torch._amp_foreach_non_finite_check_and_unscale_(bucket, flag, inv)
+        found = torch.maximum(found, flag.to(device))
+    comm.all_reduce(found, op="max")
+    return bool(found.item() > 0)
+
+
+def _clear_grads(tensors: Sequence[torch.Tensor], set_to_none: bool) -> None:
+    with_grad = [t for t in tensors if t.grad is not None]
+    if set_to_none:
+        for tensor in with_grad:
+            tensor.grad = None
+        return
+    for tensor in with_grad:
+        if tensor.grad.grad_fn is not None:
+            tensor.grad.detach_()
+        else:
+            tensor.grad.requires_grad_(False)
+    if with_grad:
+        torch._foreach_zero_([t.grad for t in with_grad])
+
+
+class _InnerOptimizerStage(Stage):
+    """What both precision stages share: the inner optimizer, the norm/zero/clip phases and state checks.
+
+    ``self._model_params[i]`` is the model parameter behind the inner optimizer's i-th parameter (in group
+    order); ``self._inner_params[i]`` is that inner parameter (the model param itself, or its fp32 master).
+    """
+
+    kind = "abstract"
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict[str, Any]],
+        make_optimizer: MakeOptimizer,
+        *,
+        grad_of: GradOf | None,
+        norm_comm: Comm | NullComm | None,
+        tp_rank: int,
+    ) -> None:
+        owner = type(self).__name__
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
+            raise ValueError(f"{owner}: tp_rank must be an int >= 0, got {tp_rank!r}")
+        groups = _copy_groups(param_groups, owner)
+        self._grad_of: GradOf = grad_of if grad_of is not None else _grad_attr
+        self._comm = norm_comm if norm_comm is not None else NullComm()
+        self._tp_rank = tp_rank
+        self._model_params = [p for group in groups for p in group["params"]]
+        self._names = [
+            group["param_names"][j] if group.get("param_names") is not None else f"group {i} param {j}"
+            for i, group in enumerate(groups)
+            for j in range(len(group["params"]))
+        ]
+        inner_groups = self._make_inner_groups(groups)
+        optimizer = make_optimizer(inner_groups)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"{owner}: make_optimizer must return a torch.optim.Optimizer, got {optimizer!r:.80}"
+            )
+        given = [[id(p) for p in g["params"]] for g in inner_groups]
+        built = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+        if given != built:
+            raise ValueError(
+                f"{owner}: make_optimizer must build the optimizer over exactly the groups given, in order "
+                f"(given {len(given)} groups of sizes {[len(g) for g in given]}, "
+                f"built {len(built)} groups of sizes {[len(g) for g in built]})"
+            )
+        self._optimizer = optimizer
+        self._inner_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._device = self._model_params[0].device if self._model_params else torch.device("cpu")
+
+    def _make_inner_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return groups
+
+    def _publish(self) -> None:
+        """Make the model parameters reflect the inner optimizer's parameters after a step."""
+
+    # -- Stage protocol ------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (it only ever sees this stage's inner parameters)."""
+        return self._optimizer
+
+    def _ready_grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self._inner_params]
+
+    def grad_norm_sq(self, norm_type: float) -> torch.Tensor:
+        grads = grads_for_norm(self._model_params, self._ready_grads(), tp_rank=self._tp_rank)
+        total = local_norm_pow(grads, norm_type, device=self._device)
+        return self._comm.all_reduce(total, op="max" if norm_type == float("inf") else "sum")
+
+    def count_zeros(self) -> int:
+        grads = grads_for_norm(self._model_params, self._ready_grads(), tp_rank=self._tp_rank)
+        total = torch.tensor([count_zeros(grads)], dtype=torch.int64, device=self._device)
+        return int(self._comm.all_reduce(total, op="sum").item())
+
+    def scale_grads(self, factor: float) -> None:
+        grads = [g for g in self._ready_grads() if g is not None]
+        if grads and factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+
+    def step_with_ready_grads(self) -> None:
+        self._optimizer.step()
+        with phase("publish_params"):
+            self._publish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        masters = [
+            inner
+            for model, inner in zip(self._model_params, self._inner_params, strict=True)
+            if inner is not model
+        ]
+        _clear_grads(self._model_params, set_to_none)
+        _clear_grads(masters, set_to_none)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"kind", "optimizer": the inner optimizer's state_dict}`` (tensors are references, as in
+        torch.optim: ``torch.save`` or deep-copy it to keep a snapshot while training goes on)."""
+        return {"kind": self.kind, "optimizer": self._optimizer.state_dict()}
+
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming what differs when ``state_dict`` does not fit this stage (group count,
+        group sizes, parameter names, state shapes); change nothing."""
+        owner = type(self).__name__
+        if not isinstance(state_dict, dict) or state_dict.get("kind") != self.kind:
+            got = state_dict.get("kind") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"{owner}: state dict is for a {got!r} stage, this stage is {self.kind!r}")
+        saved = state_dict.get("optimizer")
+        if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+            raise ValueError(
+                f"{owner}: state dict needs an 'optimizer' entry with 'state' and 'param_groups'"
+            )
+        ours = self._optimizer.param_groups
+        if len(saved["param_groups"]) != len(ours):
+            raise ValueError(
+                f"{owner}: state dict has {len(saved['param_groups'])} param groups,"
+                f" this stage has {len(ours)}"
+            )
+        id_map: dict[Any, tuple[torch.Tensor, str]] = {}
+        position = 0
+        for index, (theirs, mine) in enumerate(zip(saved["param_groups"], ours, strict=True)):
+            if len(theirs["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"{owner}: param group {index} has {len(theirs['params'])} params in the state dict and "
+                    f"{len(mine['params'])} in this optimizer"
+                )
+            saved_names, our_names = theirs.get("param_names"), mine.get("param_names")
+            if saved_names is not None and our_names is not None and list(saved_names) != list(our_names):
+                first = next(j for j, (a, b) in enumerate(zip(saved_names, our_names, strict=True)) if a != b)
+                raise ValueError(
+                    f"{owner}: param group {index} position {first} is {saved_names[first]!r}"
+                    f" in the state dict but {our_names[first]!r} here; the state dict is from a different"
+                    " model or grouping"
+                )
+            for saved_id in theirs["params"]:
+                id_map[saved_id] = (self._inner_params[position], self._names[position])
+                position += 1
+        for saved_id, entry in saved["state"].items():
+            if saved_id not in id_map:
+                raise ValueError(f"{owner}: state dict has state for unknown parameter id {saved_id!r}")
+            param, name = id_map[saved_id]
+            current = self._optimizer.state.get(param, {})
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                expected = current.get(key)
+                # State shaped like the parameter must match it; other shapes (factored, scalar) are checked
+                # against the state already held when there is some.
+                want = (
+                    expected.shape
+                    if isinstance(expected, torch.Tensor)
+                    else (param.shape if value.dim() == param.dim() else None)
+                )
+                if want is not None and value.shape != want:
+                    raise ValueError(
+                        f"{owner}: state {key!r} of {name!r} has shape {tuple(value.shape)}"
+                        f" in the state dict, expected {tuple(want)}"
+                    )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load after validating everything; on a mismatch raise ``ValueError`` and leave the stage as it was.
+        The state is copied, so the caller's tensors are never aliased."""
+        self.validate_state_dict(state_dict)
+        self._load_validated(state_dict)
+
+    def _load_validated(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(copy.deepcopy(state_dict["optimizer"]))
+
+    # -- name-keyed state (checkpoints) ---------------------------------------------------------------
+    def _inner_by_name(self) -> list[tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """(name, model parameter, inner parameter, its inner group) in group order."""
+        groups = [g for g in self._optimizer.param_groups for _ in g["params"]]
+        return list(zip(self._names, self._model_params, self._inner_params, groups, strict=True))
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        """Every parameter whole (``start=0``, ``end=numel``): ``"param"`` is the fp32 master (the parameter
+        itself when it is stepped directly), then each element-wise state tensor; the rest (``step``) as
+        scalars. Tensors are flat views of the live ones."""
+        algorithm = type(self._optimizer).__name__
+        out = {}
+        for name, model, inner, group in self._inner_by_name():
+            tensors: dict[str, torch.Tensor] = {"param": inner.detach().reshape(-1)}
+            scalars: dict[str, Any] = {}
+            for key, value in self._optimizer.state.get(inner, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == inner.shape:
+                    tensors[key] = value.reshape(-1)
+                else:
+                    scalars[key] = value
+            out[name] = ParamShard(tuple(model.shape), 0, model.numel(), tensors, scalars, group, algorithm)
+        return out
+
+    def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
+        """Load whole-parameter ``ParamShard``s (see ``Stage.load_param_shards``): the inner optimizer's state
+        is replaced (created when it did not exist yet) and ``"param"`` is copied into the masters (into the
+        model parameters stepped directly). Everything is checked before anything changes."""
+        owner = type(self).__name__
+        per_index: dict[int, dict[str, Any]] = {}
+        values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, (name, model, inner, _) in enumerate(self._inner_by_name()):
+            shard = shards.get(name)
+            if shard is None or "param" not in shard.tensors:
+                raise ValueError(f"{owner}: no state for parameter {name!r} (needs at least its 'param')")
+            numel = model.numel()
+            if tuple(shard.shape) != tuple(model.shape) or (shard.start, shard.end) != (0, numel):
+                raise ValueError(
+                    f"{owner}: state of {name!r} is elements [{shard.start}, {shard.end}) of shape "
+                    f"{tuple(shard.shape)}; this stage holds the whole parameter, shape {tuple(model.shape)}")
+            for key, tensor in shard.tensors.items():
+                if tensor.numel() != numel:
+                    raise ValueError(f"{owner}: {key!r} of {name!r} has {tensor.numel()} elements, the "
+                                     f"parameter has {numel}")
+            state = {k: t.reshape(inner.shape) for k, t in shard.tensors.items() if k != "param"}
+            state.update(shard.scalars)
+            if state:
+                per_index[index] = state
+            values.append((inner, shard.tensors["param"]))
+        saved = self._optimizer.state_dict()
+        saved["state"] = per_index
+        self._optimizer.load_state_dict(saved)
+        with torch.no_grad():
+            for inner, value in values:
+                inner.copy_(value.reshape(inner.shape))
+
+
+class FP32Stage(_InnerOptimizerStage):
+    """The inner optimizer steps the model parameters themselves; gradients are used as they are.
+
+    Args:
+        param_groups: group dicts over model parameters (``params``, ``param_names``, any settings).
+        make_optimizer: builds the inner optimizer over the groups it is given (copies of ``param_groups``).
+        grad_of: the model gradient of a parameter (default ``p.grad``); when it returns another tensor
+            (e.g. a grad-buffer view) that tensor becomes ``p.grad``.
+        norm_comm: the model-parallel group the grad norm and the inf check are reduced over.
+        tp_rank: this rank's tensor-parallel rank (tensor-parallel duplicates count on rank 0 only).
+    """
+
+    kind = "fp32"
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict[str, Any]],
+        make_optimizer: MakeOptimizer,
+        *,
+        grad_of: GradOf | None = None,
+        norm_comm: Comm | NullComm | None = None,
+        tp_rank: int = 0,
+    ) -> None:
+        super().__init__(param_groups, make_optimizer, grad_of=grad_of, norm_comm=norm_comm, tp_rank=tp_rank)
+
+    def prepare_grads(self, inv_scale: float) -> bool:
+        grads = []
+        for param in self._model_params:
+            grad = self._grad_of(param)
+            if grad is not param.grad:
+                param.grad = grad
+            if grad is not None:
+                grads.append(grad)
+        return _check_and_unscale(grads, inv_scale, self._comm, self._device)
+
+
+class MixedPrecisionStage(_InnerOptimizerStage):
+    """bf16/fp16 model parameters stepped through fp32 master copies.
+
+    Each bf16/fp16 model parameter gets an fp32 master (a new leaf tensor); the inner optimizer sees the
+    masters, never the model parameters. fp32 model parameters in the groups are stepped directly (Megatron's
+    fp32-from-fp32 groups). Gradients are copied into the masters' fp32 ``.grad`` and unscaled there; after
+    the step the masters are rounded back into the model parameters in place (their storage is kept, so
+    views such as a parameter buffer stay valid).
+
+    Args: as ``FP32Stage``; ``make_optimizer`` receives the groups with masters in place of bf16/fp16 params
+        (all other group keys copied).
+    """
+
+    kind = "mixed"
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict[str, Any]],
+        make_optimizer: MakeOptimizer,
+        *,
+        grad_of: GradOf | None = None,
+        norm_comm: Comm | NullComm | None = None,
+        tp_rank: int = 0,
+    ) -> None:
+        self._group_masters: list[list[torch.Tensor]] = []
+        super().__init__(param_groups, make_optimizer, grad_of=grad_of, norm_comm=norm_comm, tp_rank=tp_rank)
+        self._pairs = [
+            (m, i) for m, i in zip(self._model_params, self._inner_params, strict=True) if m is not i
+        ]
+
+    def _make_inner_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        inner = []
+        for group in groups:
+            params, masters = [], []
+            for param in group["params"]:
+                if param.dtype in _LOW_PRECISION:
+                    master = param.detach().to(torch.float32, copy=True)
+                    params.append(master)
+                    masters.append(master)
+                else:
+                    params.append(param)
+            self._group_masters.append(masters)
+            inner.append({**group, "params": params})
+        return inner
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 masters, in group order (one per bf16/fp16 model parameter)."""
+        return [inner for _, inner in self._pairs]
+
+    def prepare_grads(self, inv_scale: float) -> bool:
+        ready, copy_to, copy_from = [], [], []
+        for model, inner in zip(self._model_params, self._inner_params, strict=True):
+            grad = self._grad_of(model)
+            if model is inner:  # an fp32 model parameter stepped directly
+                if grad is not model.grad:
+                    model.grad = grad
+            elif grad is None:
+                inner.grad = None
+            else:
+                if inner.grad is None:
+                    inner.grad = torch.empty_like(inner)
+                copy_to.append(inner.grad)
+                copy_from.append(grad)
+                grad = inner.grad
+            if grad is not None:
+                ready.append(grad)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+        return _check_and_unscale(ready, inv_scale, self._comm, self._device)
+
+    def _publish(self) -> None:
+        if self._pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([m for m, _ in self._pairs], [i for _, i in self._pairs])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state plus ``fp32_masters``: per group, the masters of that group's bf16/fp16
+        parameters in order (references; ``torch.save`` or deep-copy to snapshot)."""
+        return {**super().state_dict(), "fp32_masters": [list(masters) for masters in self._group_masters]}
+
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().validate_state_dict(state_dict)
+        saved = state_dict.get("fp32_masters")
+        if not isinstance(saved, list) or len(saved) != len(self._group_masters):
+            got = len(saved) if isinstance(saved, list) else type(saved).__name__
+            raise ValueError(
+                f"MixedPrecisionStage: state dict 'fp32_masters' must list"
+                f" {len(self._group_masters)} groups, got {got}"
+            )
+        for index, (theirs, mine) in enumerate(zip(saved, self._group_masters, strict=True)):
+            if len(theirs) != len(mine):
+                raise ValueError(
+                    f"MixedPrecisionStage: param group {index} has {len(theirs)} fp32 masters"
+                    f" in the state dict, {len(mine)} here"
+                )
+            for position, (value, master) in enumerate(zip(theirs, mine, strict=True)):
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or value.shape != master.shape
+                    or not value.is_floating_point()
+                ):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"MixedPrecisionStage: fp32 master {position} of param group {index} is {got} in the "
+                        f"state dict, expected a floating tensor of shape {tuple(master.shape)}"
+                    )
+
+    def _load_validated(self, state_dict: dict[str, Any]) -> None:
+        super()._load_validated(state_dict)
+        with torch.no_grad():
+            for theirs, mine in zip(state_dict["fp32_masters"], self._group_masters, strict=True):
+                for value, master in zip(theirs, mine, strict=True):
+                    master.copy_(value)

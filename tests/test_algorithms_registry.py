@@ -1,0 +1,123 @@
+"""The algorithm registry: built-in names, plug-ins by import path, registration and error messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from optstack.algorithms import SGD, AdamW, Lion, algorithm_names, get_algorithm, register, registry
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations made in a test do not leak into others."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+def test_builtin_names() -> None:
+    assert algorithm_names() == ["adam", "adamw", "lion", "muon", "sgd"]
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "family", "defaults", "offloadable"),
+    [
+        ("adamw", AdamW, "adam", {"decoupled": True}, True),
+        ("adam", AdamW, "adam", {"decoupled": False}, True),
+        ("sgd", SGD, "sgd", {}, True),
+        ("lion", Lion, "lion", {}, False),
+    ],
+)
+def test_builtin_specs(name: str, cls: type, family: str, defaults: dict, offloadable: bool) -> None:
+    spec = get_algorithm(name)
+    assert (spec.name, spec.cls, spec.family, dict(spec.defaults), spec.offloadable) == (
+        name, cls, family, defaults, offloadable,
+    )
+
+
+def test_adam_spec_builds_l2_adam() -> None:
+    """The defaults fixed by the name are what make "adam" Adam and not AdamW."""
+    p, q = torch.ones(3), torch.ones(3)
+    p.grad, q.grad = torch.full((3,), 0.1), torch.full((3,), 0.1)
+    spec = get_algorithm("adam")
+    spec.cls([p], lr=0.1, weight_decay=0.5, **spec.defaults).step()
+    torch.optim.Adam([q], lr=0.1, weight_decay=0.5).step()
+    torch.testing.assert_close(p, q)
+
+
+def test_muon_is_registered_lazily() -> None:
+    spec = get_algorithm("muon")
+    assert spec.cls.__name__ == "Muon" and spec.family == "muon" and not spec.offloadable
+    assert issubclass(spec.cls, torch.optim.Optimizer)
+    code = "import sys, optstack.algorithms; print('optstack.algorithms.muon' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_torch_optim_plugin() -> None:
+    spec = get_algorithm("torch.optim.RMSprop")
+    assert spec.cls is torch.optim.RMSprop and spec.family == "other" and not spec.offloadable
+    assert dict(spec.defaults) == {}
+
+
+def test_module_class_plugin() -> None:
+    spec = get_algorithm("torch.optim.adagrad:Adagrad")
+    assert spec.cls is torch.optim.Adagrad and spec.family == "other"
+    assert get_algorithm("optstack.algorithms.lion:Lion").cls is Lion
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("torch.optim.Nope", "module 'torch.optim' has no attribute 'Nope'"),
+        ("collections:OrderedDict", "is not a torch.optim.Optimizer subclass"),
+        ("no_such_package.mod:Opt", "cannot import module 'no_such_package.mod'"),
+    ],
+)
+def test_bad_plugins(name: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        get_algorithm(name)
+
+
+def test_unknown_name_lists_known_names_and_plugin_forms() -> None:
+    with pytest.raises(ValueError) as info:
+        get_algorithm("adamm")
+    message = str(info.value)
+    assert "'adamm'" in message and "adam, adamw, lion, muon, sgd" in message
+    assert "'torch.optim.<Class>'" in message and "'package.module:Class'" in message
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_register_a_class_and_a_lazy_path() -> None:
+    register("rmsprop", torch.optim.RMSprop, family="other", defaults={"alpha": 0.9})
+    register("lion_lazy", "optstack.algorithms.lion:Lion", family="lion", offloadable=True)
+    assert "rmsprop" in algorithm_names() and "lion_lazy" in algorithm_names()
+    assert dict(get_algorithm("rmsprop").defaults) == {"alpha": 0.9}
+    lazy = get_algorithm("lion_lazy")
+    assert lazy.cls is Lion and lazy.offloadable
+
+
+@pytest.mark.usefixtures("scratch_registry")
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (("adamw", AdamW), {"family": "adam"}, "already registered"),
+        (("mine", dict), {"family": "other"}, "not a torch.optim.Optimizer subclass"),
+        (("mine", AdamW), {"family": "adamish"}, "family must be one of"),
+        (("torch.optim.Mine", AdamW), {"family": "other"}, "name must be plain"),
+        (("mine", "optstack.algorithms.AdamW"), {"family": "adam"}, "'package.module:Class'"),
+    ],
+)
+def test_bad_registrations(args: tuple, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        register(*args, **kwargs)
+
+
+def test_spec_is_frozen() -> None:
+    spec = get_algorithm("sgd")
+    with pytest.raises(AttributeError):
+        spec.name = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.defaults["lr"] = 1.0  # type: ignore[index]

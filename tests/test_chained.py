@@ -1,0 +1,295 @@
+"""The chained optimizer: one global norm, one clip factor, one skip decision, one state dict."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from optstack.chained import ChainedOptimizer
+from optstack.precision import ConstantScaler, DynamicScaler, FP32Stage, MixedPrecisionStage
+from optstack.protocol import set_phase_hook
+
+
+class _TwoPart(torch.nn.Module):
+    """A bf16 'dense' part and an fp32 'expert' part, to be stepped by two stages."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.dense = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.expert = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.expert(torch.tanh(self.dense(x.to(torch.bfloat16))).float())
+
+
+def _groups(module: torch.nn.Module, prefix: str) -> list[dict]:
+    names, params = zip(*module.named_parameters(prefix=prefix), strict=True)
+    return [{"params": list(params), "param_names": list(names)}]
+
+
+def _chain(model: _TwoPart, lr: float = 1e-2, **kwargs: object) -> ChainedOptimizer:
+    def adamw(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=lr)
+
+    dense = MixedPrecisionStage(_groups(model.dense, "dense"), adamw)
+    expert = FP32Stage(_groups(model.expert, "expert"), adamw)
+    return ChainedOptimizer([dense, expert], **kwargs)  # type: ignore[arg-type]
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 8, generator=gen), torch.randn(16, 3, generator=gen)
+
+
+def _backward(model: _TwoPart, chain: ChainedOptimizer, step: int, grad_mult: float = 1.0) -> None:
+    x, y = _data(step)
+    loss = ((model(x) - y) ** 2).mean() * grad_mult
+    chain.scale_loss(loss).backward()
+
+
+def _sgd_chain(
+    params_a: list[torch.Tensor], params_b: list[torch.Tensor], **kwargs: object
+) -> ChainedOptimizer:
+    def sgd(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(groups, lr=1.0)
+
+    stages = [FP32Stage([{"params": params_a}], sgd), FP32Stage([{"params": params_b}], sgd)]
+    return ChainedOptimizer(stages, **kwargs)  # type: ignore[arg-type]
+
+
+def _params_with_grads(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.zeros(3, 4), torch.zeros(5)]
+    b = [torch.zeros(7), torch.zeros(2, 2)]
+    for p in a + b:
+        p.grad = torch.randn(p.shape, generator=gen)
+    return a, b
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_global_norm_is_the_norm_of_all_grads_concatenated(norm_type: float) -> None:
+    a, b = _params_with_grads()
+    everything = torch.cat([p.grad.flatten() for p in a + b])
+    expected = everything.norm(norm_type).item()
+    result = _sgd_chain(a, b, norm_type=norm_type).step()
+    assert result.applied and result.grad_norm == pytest.approx(expected, rel=1e-6)
+
+
+def test_clipping_applies_one_coefficient_to_every_stage() -> None:
+    a, b = _params_with_grads()
+    grads = [p.grad.clone() for p in a + b]
+    norm = torch.cat([g.flatten() for g in grads]).norm().item()
+    result = _sgd_chain(a, b, clip_grad=norm / 4).step()
+    coeff = (norm / 4) / (norm + 1e-6)
+    assert result.grad_norm == pytest.approx(norm)  # reported before clipping
+    for p, g in zip(a + b, grads, strict=True):
+        torch.testing.assert_close(p, -coeff * g)  # SGD lr=1 from zero: the update is the clipped grad
+
+
+def test_no_clipping_below_the_limit() -> None:
+    a, b = _params_with_grads()
+    grads = [p.grad.clone() for p in a + b]
+    _sgd_chain(a, b, clip_grad=1e6).step()
+    for p, g in zip(a + b, grads, strict=True):
+        assert torch.equal(p, -g)
+
+
+def test_skip_threshold_skips_every_stage() -> None:
+    model = _TwoPart()
+    chain = _chain(model, grad_norm_skip_threshold=1e-3)
+    before = copy.deepcopy(model.state_dict())
+    _backward(model, chain, 0)
+    result = chain.step()
+    assert not result.applied and result.grad_norm is not None and result.grad_norm > 1e-3
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert all(not stage.optimizer.state for stage in chain.stages)  # no optimizer state was created
+
+
+def test_non_finite_in_one_stage_skips_all_and_backs_off() -> None:
+    model = _TwoPart()
+    chain = _chain(model, scaler=DynamicScaler(initial_scale=8.0, hysteresis=1))
+    _backward(model, chain, 0)
+    chain.step()
+    steps_before = [s["step"].clone() for stage in chain.stages for s in stage.optimizer.state.values()]
+    params_before = copy.deepcopy(model.state_dict())
+    _backward(model, chain, 1)
+    model.expert.bias.grad[0] = float("inf")
+    result = chain.step()
+    assert result == type(result)(applied=False, grad_norm=None, num_zeros=None, loss_scale=4.0)
+    steps_after = [s["step"] for stage in chain.stages for s in stage.optimizer.state.values()]
+    assert all(torch.equal(x, y) for x, y in zip(steps_before, steps_after, strict=True))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params_before[key])
+
+
+def test_shared_and_tensor_parallel_duplicates_are_left_out_of_the_norm() -> None:
+    a, b = _params_with_grads()
+    a[1].shared = True  # e.g. a tied embedding counted on another pipeline stage
+    b[0].tensor_model_parallel = False  # replicated across tensor-parallel ranks
+    b[1].tensor_model_parallel = True
+
+    def sgd(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(groups, lr=1.0)
+
+    def chain_on(tp_rank: int) -> ChainedOptimizer:
+        stages = [
+            FP32Stage([{"params": a}], sgd, tp_rank=tp_rank),
+            FP32Stage([{"params": b}], sgd, tp_rank=tp_rank),
+        ]
+        return ChainedOptimizer(stages, log_num_zeros_in_grad=True)
+
+    a[0].grad[0, 0] = 0.0  # one zero in a counted grad
+    a[1].grad[0] = 0.0  # and one in the shared param, never counted
+    # rank 0 counts everything but the shared param; rank 1 only the tensor-parallel split param
+    for tp_rank, counted in ((0, [a[0], b[0], b[1]]), (1, [b[1]])):
+        result = chain_on(tp_rank).step()
+        expected = torch.cat([p.grad.flatten() for p in counted])
+        assert result.grad_norm == pytest.approx(expected.norm().item(), rel=1e-6)
+        assert result.num_zeros == int((expected == 0).sum())
+
+
+def test_num_zeros_is_counted_across_stages() -> None:
+    a, b = _params_with_grads()
+    a[0].grad[0] = 0.0  # 4 zeros
+    b[1].grad.zero_()  # 4 zeros
+    assert _sgd_chain(a, b, log_num_zeros_in_grad=True).step().num_zeros == 8
+    assert _sgd_chain(*_params_with_grads()).step().num_zeros is None
+
+
+def test_a_chain_of_no_stages_still_steps() -> None:
+    chain = ChainedOptimizer([], clip_grad=1.0, log_num_zeros_in_grad=True)
+    assert chain.step() == type(chain.step())(applied=True, grad_norm=0.0, num_zeros=0, loss_scale=1.0)
+    assert chain.param_groups == []
+    chain.load_state_dict(chain.state_dict())
+
+
+def test_param_groups_are_the_live_inner_groups() -> None:
+    model = _TwoPart()
+    chain = _chain(model)
+    assert len(chain.param_groups) == 2
+    for group in chain.param_groups:
+        group["lr"] = 0.5  # what a scheduler does
+    assert [g["lr"] for stage in chain.stages for g in stage.optimizer.param_groups] == [0.5, 0.5]
+
+
+def test_loss_scale_and_scale_loss() -> None:
+    chain = _chain(_TwoPart(), scaler=ConstantScaler(64.0))
+    assert chain.loss_scale == 64.0
+    assert chain.scale_loss(torch.tensor(0.5)).item() == 32.0
+
+
+def test_phases_are_reported_in_order() -> None:
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def hook(name: str) -> Iterator[None]:
+        seen.append(name)
+        yield
+
+    a, b = _params_with_grads()
+    set_phase_hook(hook)
+    try:
+        _sgd_chain(a, b, clip_grad=0.1, log_num_zeros_in_grad=True).step()
+    finally:
+        set_phase_hook(None)
+    assert seen == [
+        "prepare_grads",
+        "grad_norm",
+        "clip",
+        "count_zeros",
+        "inner_step",
+        "publish_params",
+        "publish_params",
+    ]
+
+
+def test_bad_configuration_is_refused() -> None:
+    a, b = _params_with_grads()
+    with pytest.raises(ValueError, match="clip_grad"):
+        _sgd_chain(a, b, clip_grad=-1.0)
+    with pytest.raises(ValueError, match="norm_type"):
+        _sgd_chain(a, b, norm_type=0.0)
+    with pytest.raises(ValueError, match="grad_norm_skip_threshold"):
+        _sgd_chain(a, b, grad_norm_skip_threshold=0.0)
+    with pytest.raises(ValueError, match="scaler"):
+        _sgd_chain(a, b, scaler=2.0)
+    with pytest.raises(ValueError, match="exactly one stage"):
+        _sgd_chain(a, a)
+    with pytest.raises(ValueError, match="Stage"):
+        ChainedOptimizer([torch.optim.SGD(a, lr=1.0)])  # type: ignore[list-item]
+
+
+def _save(model: torch.nn.Module, chain: ChainedOptimizer) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": chain.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+def _load(blob: bytes) -> dict:
+    return torch.load(io.BytesIO(blob))
+
+
+def _train(model: _TwoPart, chain: ChainedOptimizer, steps: range) -> None:
+    for step in steps:
+        # a large multiplier on some steps overflows nothing in fp32 but exercises clipping
+        _backward(model, chain, step, grad_mult=10.0 if step % 3 == 0 else 1.0)
+        if step == 4:
+            model.dense.weight.grad[0, 0] = float("nan")  # one skipped step in the window
+        chain.step()
+        chain.zero_grad()
+
+
+def test_state_dict_round_trip_continues_bitwise_identically() -> None:
+    def build(model: _TwoPart) -> ChainedOptimizer:
+        scaler = DynamicScaler(initial_scale=2.0**10, growth_interval=3, hysteresis=2)
+        return _chain(model, scaler=scaler, clip_grad=0.5)
+
+    model = _TwoPart()
+    chain = build(model)
+    _train(model, chain, range(0, 6))
+    checkpoint = _save(model, chain)
+    _train(model, chain, range(6, 12))
+
+    fresh_model = _TwoPart(seed=123)
+    fresh = build(fresh_model)
+    state = _load(checkpoint)
+    fresh_model.load_state_dict(state["model"])
+    fresh.load_state_dict(state["optimizer"])
+    _train(fresh_model, fresh, range(6, 12))
+
+    assert _save(fresh_model, fresh) == _save(
+        model, chain
+    )  # bitwise: params, masters, moments, steps, scaler
+    assert fresh.loss_scale == chain.loss_scale
+
+
+def test_mismatched_state_dict_is_refused_whole() -> None:
+    model = _TwoPart()
+    chain = _chain(model, scaler=DynamicScaler(initial_scale=64.0))
+    _train(model, chain, range(2))
+    good = _load(_save(model, chain))["optimizer"]
+    _train(model, chain, range(2, 3))  # now every part of `good` differs from the live state
+    before = _save(model, chain)
+
+    misfit = copy.deepcopy(good)
+    misfit["stages"][1]["optimizer"]["state"][0]["exp_avg"] = torch.zeros(5, 8)  # from a wider expert layer
+
+    with pytest.raises(ValueError, match="stages"):
+        chain.load_state_dict({**good, "stages": good["stages"][:1]})
+    with pytest.raises(ValueError, match=r"stages\[1\] \(FP32Stage\).*expert.weight"):
+        chain.load_state_dict(misfit)
+    with pytest.raises(ValueError, match="'constant' scaler"):
+        chain.load_state_dict({**good, "scaler": ConstantScaler(2.0).state_dict()})
+    with pytest.raises(ValueError, match="'stages' and 'scaler'"):
+        chain.load_state_dict({"stages": good["stages"]})
+    assert _save(model, chain) == before  # no stage was loaded before a later part failed
+    chain.load_state_dict(good)
+    assert _save(model, chain) != before

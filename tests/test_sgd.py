@@ -1,0 +1,172 @@
+"""SGD: trajectories equal torch.optim.SGD for every impl and momentum variant, flat shard views, validation,
+state_dict round trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from optstack.algorithms import SGD, sgd_reference
+
+IMPLS = ["auto", "fused", "foreach", "reference"]
+CONFIGS = {
+    "plain": {},
+    "weight_decay": {"weight_decay": 1e-2},
+    "momentum": {"momentum": 0.9},
+    "nesterov": {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+    "dampening": {"momentum": 0.8, "dampening": 0.1, "weight_decay": 1e-2},
+}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(steps)]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data) -> list[list[torch.Tensor]]:
+    trajectory = []
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    return trajectory
+
+
+def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b, strict=True))
+
+
+def groups(model: nn.Module) -> list[dict]:
+    return [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 0.02}]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_trajectory_equals_torch(impl: str, config: dict) -> None:
+    data = batches(50)
+    model = make_model()
+    expected = train(model, torch.optim.SGD(groups(model), lr=0.05, **config), data)
+    model = make_model()
+    got = train(model, SGD(groups(model), lr=0.05, impl=impl, **config), data)
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert max_rel_diff(g, e) <= 1e-6, f"step {step}"
+
+
+@pytest.mark.parametrize("impl", ["reference", "foreach"])
+def test_reference_and_foreach_are_bitwise_torch(impl: str) -> None:
+    data = batches(20)
+    config = CONFIGS["nesterov"]
+    model = make_model()
+    expected = train(model, torch.optim.SGD(model.parameters(), lr=0.05, foreach=False, **config), data)[-1]
+    model = make_model()
+    got = train(model, SGD(model.parameters(), lr=0.05, impl=impl, **config), data)[-1]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_reference_kernel_first_step_and_after() -> None:
+    p, g, buf = torch.ones(3), torch.full((3,), 2.0), torch.full((3,), 99.0)
+    sgd_reference(p, g, buf, lr=0.1, momentum=0.5, dampening=0.0, weight_decay=0.0, nesterov=False,
+                  first_step=True)
+    torch.testing.assert_close(buf, torch.full((3,), 2.0))  # the first step takes the gradient as it is
+    torch.testing.assert_close(p, torch.full((3,), 0.8))
+    sgd_reference(p, g, buf, lr=0.1, momentum=0.5, dampening=0.0, weight_decay=0.0, nesterov=False,
+                  first_step=False)
+    torch.testing.assert_close(buf, torch.full((3,), 3.0))
+    torch.testing.assert_close(p, torch.full((3,), 0.5))
+    with pytest.raises(ValueError, match="momentum_buffer is required"):
+        sgd_reference(p, g, None, lr=0.1, momentum=0.5, dampening=0.0, weight_decay=0.0, nesterov=False,
+                      first_step=True)
+
+
+def test_state_keys_like_torch() -> None:
+    model = make_model()
+    with_momentum = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, with_momentum, batches(2))
+    assert set(with_momentum.state[model[0].weight]) == {"momentum_buffer"}
+    plain = SGD(model.parameters(), lr=0.1)
+    train(model, plain, batches(2))
+    assert not plain.state.get(model[0].weight)
+
+
+def test_params_without_grad_are_skipped_and_plain_tensors_work() -> None:
+    a, b = torch.ones(3), torch.ones(2)
+    a.grad = torch.full((3,), 0.5)
+    opt = SGD([a, b], lr=0.2, momentum=0.9)
+    opt.step()
+    torch.testing.assert_close(a, torch.full((3,), 0.9))
+    assert torch.equal(b, torch.ones(2)) and not opt.state.get(b)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_flat_shard_views_step_in_one_call(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    numels = [5, 9, 1, 20]
+    gen = torch.Generator().manual_seed(3)
+    flat, flat_grad = torch.randn(sum(numels), generator=gen), torch.randn(sum(numels), generator=gen)
+    views = list(flat.split(numels))[::-1]
+    for view, grad in zip(views, flat_grad.split(numels)[::-1], strict=True):
+        view.grad = grad
+    clones = [v.clone() for v in views]
+    for clone, view in zip(clones, views, strict=True):
+        clone.grad = view.grad.clone()
+    calls: list[int] = []
+    name = "_fused_sgd_" if impl == "fused" else "_foreach_add_"
+    original = getattr(torch, name)
+
+    def counting(tensors: list[torch.Tensor], *args, **kwargs) -> None:
+        calls.append(len(tensors))
+        original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, name, counting)
+    opt = SGD(views, lr=0.1, momentum=0.9, impl=impl)
+    reference = torch.optim.SGD(clones, lr=0.1, momentum=0.9)
+    for _ in range(3):
+        opt.step()
+        reference.step()
+    assert calls and all(n == 1 for n in calls)
+    assert max_rel_diff(views, clones) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": -0.1}, "SGD param group 0: lr must be a number >= 0"),
+        ({"momentum": -0.5}, "momentum must be"),
+        ({"weight_decay": -1.0}, "weight_decay must be"),
+        ({"nesterov": True}, "nesterov needs momentum > 0 and dampening == 0"),
+        ({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, "nesterov needs"),
+        ({"impl": "fast"}, "impl must be one of"),
+    ],
+)
+def test_bad_hyperparameters(kwargs: dict, match: str) -> None:
+    kwargs = {"lr": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        SGD([torch.zeros(2)], **kwargs)
+
+
+def test_bad_group_override_names_the_group() -> None:
+    with pytest.raises(ValueError, match="SGD param group 1: momentum"):
+        SGD([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(2)], "momentum": -1.0}], lr=0.1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_dict_round_trip(impl: str) -> None:
+    data = batches(12)
+    model = make_model()
+    opt = SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, impl=impl)
+    train(model, opt, data[:5])
+    saved = copy.deepcopy(opt.state_dict())
+    fresh_model = copy.deepcopy(model)
+    fresh = SGD(fresh_model.parameters(), lr=0.05, momentum=0.9, nesterov=True, impl=impl)
+    fresh.load_state_dict(saved)
+    expected = train(model, opt, data[5:])[-1]
+    got = train(fresh_model, fresh, data[5:])[-1]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
