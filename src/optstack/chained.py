@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +18,15 @@ from optstack.clip import check_norm_type, clip_coefficient
 from optstack.precision.scaler import LossScaler, NoScaler
 from optstack.protocol import Stage, StepResult, phase
 
-__all__ = ["ChainedOptimizer"]
+__all__ = ["ChainedOptimizer", "GradSync"]
+
+
+class GradSync(Protocol):
+    """What a data-parallel wrapper offers the optimizer (optstack's ``DataParallel`` is one)."""
+
+    def finish_grad_sync(self) -> None: ...
+
+    def zero_grad_buffer(self) -> None: ...
 
 
 class ChainedOptimizer:
@@ -31,6 +39,9 @@ class ChainedOptimizer:
         norm_type: p of the grad norm (2.0; ``float('inf')`` for the max-norm).
         grad_norm_skip_threshold: skip the whole step when the global grad norm exceeds this (None: never).
         log_num_zeros_in_grad: count zero gradient elements into ``StepResult.num_zeros``.
+        grad_syncs: objects owning the model's gradients (data-parallel wrappers): ``step`` first calls
+            their ``finish_grad_sync()`` (a no-op when the training loop already did) and ``zero_grad``
+            calls their ``zero_grad_buffer()``.
     """
 
     def __init__(
@@ -42,6 +53,7 @@ class ChainedOptimizer:
         norm_type: float = 2.0,
         grad_norm_skip_threshold: float | None = None,
         log_num_zeros_in_grad: bool = False,
+        grad_syncs: Sequence[GradSync] = (),
     ) -> None:
         stages = list(stages)
         for index, stage in enumerate(stages):
@@ -74,6 +86,7 @@ class ChainedOptimizer:
         self.norm_type = check_norm_type(norm_type)
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self._grad_syncs = list(grad_syncs)
 
     def __repr__(self) -> str:
         kinds = ", ".join(type(s).__name__ for s in self._stages)
@@ -125,6 +138,10 @@ class ChainedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if self._grad_syncs:
+            with phase("finish_grad_sync"):
+                for sync in self._grad_syncs:
+                    sync.finish_grad_sync()
         with phase("prepare_grads"):
             found = [stage.prepare_grads(self._scaler.inv_scale) for stage in self._stages]
         found_inf = any(found)
@@ -154,7 +171,14 @@ class ChainedOptimizer:
             applied=True, grad_norm=grad_norm, num_zeros=num_zeros, loss_scale=self._scaler.scale
         )
 
+    def finish_param_sync(self) -> None:
+        """Wait for every stage's overlapped parameter gathers (before evaluation or saving)."""
+        for stage in self._stages:
+            stage.finish_param_sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for sync in self._grad_syncs:
+            sync.zero_grad_buffer()
         for stage in self._stages:
             stage.zero_grad(set_to_none)
 

@@ -17,6 +17,12 @@ from torch import nn
 from optstack.algorithms import get_algorithm
 from optstack.chained import ChainedOptimizer
 from optstack.config import OptimizerConfig, dtype_from_name
+from optstack.distributed.comm import is_initialized, world_comm
+from optstack.distributed.ddp import DataParallel
+from optstack.distributed.group_keys import union_group_keys
+from optstack.distributed.layerwise import LayerWiseStage
+from optstack.distributed.parallel import ParallelGroups
+from optstack.distributed.sharded import ComposedComm, ShardedStage
 from optstack.groups import build_param_groups, group_keys
 from optstack.precision.scaler import LossScaler, make_scaler
 from optstack.precision.stages import FP32Stage, MixedPrecisionStage
@@ -24,8 +30,15 @@ from optstack.protocol import Stage
 from optstack.rules import Rule, muon_routing_rule, mup_rules, named_parameters_of, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 
-__all__ = ["BuiltOptimizer", "build_optimizer", "default_rules", "trainable_named_parameters", "algorithm_kwargs",
-           "scaler_from_config"]
+__all__ = [
+    "BuiltOptimizer",
+    "algorithm_kwargs",
+    "build_optimizer",
+    "default_rules",
+    "scaler_from_config",
+    "trainable_named_parameters",
+    "wrap_data_parallel",
+]
 
 GradOf = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -98,6 +111,26 @@ def algorithm_kwargs(name: str, config: OptimizerConfig) -> dict[str, Any]:
     return base | dict(spec.defaults)
 
 
+def wrap_data_parallel(
+    config: OptimizerConfig, model: nn.Module, *, groups: ParallelGroups | None = None
+) -> DataParallel:
+    """Wrap ``model`` for data-parallel training as ``config.distributed`` says (bucket size, grad dtype,
+    overlapped reduction; sharded gradients for ZeRO-1). ``groups`` defaults to the whole initialised
+    world as data-parallel (a single process without torch.distributed works too)."""
+    d = config.distributed
+    if groups is None:
+        groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
+    return DataParallel(
+        model,
+        groups=groups,
+        bucket_size=d.bucket_size if d.bucket_size is not None else 40_000_000,
+        grad_dtype=dtype_from_name(d.grad_dtype, "distributed.grad_dtype") if d.grad_dtype else None,
+        overlap_grad_reduce=d.overlap_grad_reduce,
+        shard_grads=d.sharding == "zero1",
+        average=d.average_in_collective,
+    )
+
+
 @dataclass(frozen=True)
 class BuiltOptimizer:
     """What ``build_optimizer`` returns.
@@ -136,17 +169,26 @@ def build_optimizer(
         strict_rules: a rule that matches no parameter is an error.
         lr_schedule / wd_schedule: when ``lr_schedule`` is given, a ``Scheduler`` is built (weight decay
             constant at ``config.weight_decay`` unless ``wd_schedule`` is given).
-        grad_of: where the stages read each parameter's gradient (default ``param.grad``; a data-parallel
-            wrapper passes its grad-buffer views).
+        grad_of: where the stages read each parameter's gradient (default ``param.grad``; ignored when the
+            model is an optstack ``DataParallel``, whose grad buffers are read).
+
+    A model wrapped by ``wrap_data_parallel`` gets the distributed stages ``config.distributed.sharding``
+    names: replicated, ZeRO-1 (``zero1``) or layer-wise (``layerwise``, for Muon's matrices).
     """
+    ddp = _data_parallel_of(model_chunks, config)
     named = trainable_named_parameters(model_chunks)
     if not named:
         raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
     _check_dtypes(named, config)
     active_rules = default_rules(config) if rules is None else list(rules)
     resolved = resolve(named, active_rules, strict=strict_rules)
-    groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=group_keys(resolved))
-    stages = _build_stages(groups, config, grad_of)
+    keys = group_keys(resolved)
+    if ddp is not None:
+        # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
+        # parallelism where ranks hold different layers.
+        keys = union_group_keys(keys, world_comm("group-keys"))
+    groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys)
+    stages = _build_stages(groups, config, grad_of, ddp)
     scaler = scaler_from_config(config)
     optimizer = ChainedOptimizer(
         stages,
@@ -155,6 +197,7 @@ def build_optimizer(
         norm_type=config.norm_type,
         grad_norm_skip_threshold=config.grad_norm_skip_threshold,
         log_num_zeros_in_grad=config.log_num_zeros_in_grad,
+        grad_syncs=[ddp] if ddp is not None else [],
     )
     scheduler = None
     if lr_schedule is not None:
@@ -197,22 +240,75 @@ def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerCo
             )
 
 
-def _build_stages(groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None) -> list[Stage]:
+def _data_parallel_of(model_chunks: nn.Module | Sequence[nn.Module], config: OptimizerConfig) -> DataParallel | None:
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    wrapped = [c for c in chunks if isinstance(c, DataParallel)]
+    sharding = config.distributed.sharding
+    if not wrapped:
+        if sharding != "replicated":
+            raise ValueError(
+                f"distributed.sharding={sharding!r} needs the model wrapped for data parallelism: "
+                "model = wrap_data_parallel(config, model) after torch.distributed.init_process_group "
+                "(one process works too), then build_optimizer(config, model)"
+            )
+        return None
+    if len(chunks) != 1:
+        raise ValueError(
+            f"got {len(chunks)} model chunks with a DataParallel among them; wrap one module holding every "
+            "chunk (e.g. nn.ModuleList(chunks)) in one DataParallel"
+        )
+    ddp = wrapped[0]
+    if sharding == "zero1" and not ddp.shard_grads:
+        raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
+                         "with wrap_data_parallel(config, model)")
+    if sharding != "zero1" and ddp.shard_grads:
+        raise ValueError(f"distributed.sharding={sharding!r} needs whole reduced gradients on every rank, but the "
+                         "DataParallel wrapper shards them (shard_grads=True); use wrap_data_parallel(config, model)")
+    return ddp
+
+
+def _build_stages(
+    groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None
+) -> list[Stage]:
     """One stage per (algorithm, dense/expert), in first-appearance order of the groups."""
     kinds: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for g in groups:
         name = g.get("algorithm", config.algorithm)
         get_algorithm(name)  # unknown names fail here, listing the known ones
         kinds.setdefault((name, g["is_expert_parallel"]), []).append(_initial_hparams(g, config))
-    stage_cls = FP32Stage if config.precision == "fp32" else MixedPrecisionStage
     stages: list[Stage] = []
-    for (name, _expert), kind_groups in kinds.items():
-        if not any(g["params"] for g in kind_groups):
+    for (name, expert), kind_groups in kinds.items():
+        if ddp is None and not any(g["params"] for g in kind_groups):
             continue
         spec = get_algorithm(name)
-        kwargs = algorithm_kwargs(name, config)
-        stages.append(stage_cls(kind_groups, _maker(spec.cls, kwargs), grad_of=grad_of))
+        make = _maker(spec.cls, algorithm_kwargs(name, config))
+        stages.append(_stage(kind_groups, make, config, spec.family, expert, grad_of, ddp))
     return stages
+
+
+def _stage(
+    groups: list[dict[str, Any]],
+    make: Callable[[list[dict]], Any],
+    config: OptimizerConfig,
+    family: str,
+    expert: bool,
+    grad_of: GradOf | None,
+    ddp: DataParallel | None,
+) -> Stage:
+    replicated = FP32Stage if config.precision == "fp32" else MixedPrecisionStage
+    if ddp is None:
+        return replicated(groups, make, grad_of=grad_of)
+    sharding = config.distributed.sharding
+    if sharding == "zero1":
+        return ShardedStage(groups, make, ddp=ddp, expert=expert,
+                            overlap_param_gather=config.distributed.overlap_param_gather)
+    if sharding == "layerwise" and family == "muon":
+        return LayerWiseStage.from_data_parallel(ddp, groups, make, expert=expert)
+    # Replicated: every rank holds the whole reduced gradient. Expert ranks hold different experts, so the
+    # expert norm also sums over the expert-parallel group.
+    pg = ddp.groups
+    norm_comm = ComposedComm([pg.ep, pg.mp]) if expert else pg.mp
+    return replicated(groups, make, grad_of=ddp.main_grad, norm_comm=norm_comm, tp_rank=pg.tp.rank)
 
 
 def _maker(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Callable[[list[dict]], Any]:

@@ -130,6 +130,10 @@ class Stage(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
+    def finish_param_sync(self) -> None:  # noqa: B027 - optional hook
+        """Wait for parameter gathers still in flight after a step (when they overlap the next forward), so
+        the model parameters are current: call before evaluating or saving outside the training loop."""
+
     def validate_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Raise ValueError naming what differs if ``state_dict`` cannot be loaded; change nothing.
 

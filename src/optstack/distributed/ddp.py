@@ -129,6 +129,7 @@ class DataParallel(nn.Module):
             id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params
         }
         self._sync_enabled = True
+        self._synced = True  # nothing accumulated since the last finish_grad_sync: calling it again is a no-op
         self._reset_sync_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
 
@@ -150,6 +151,7 @@ class DataParallel(nn.Module):
         with torch.no_grad():
             buf.grad_view(param).add_(param.grad)
         param.grad = None
+        self._synced = False
         if not self._sync_enabled:
             return
         self._ready.add(id(param))
@@ -191,13 +193,16 @@ class DataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (all of them without overlap; those held back by unused
-        parameters), wait for every reduction, and reset for the next step.
+        parameters), wait for every reduction, and reset for the next step. A second call with no backward in
+        between does nothing, so the optimizer can call it safely whether or not the training loop did.
 
         Raises:
             RuntimeError: the wrapped module's parameters changed after wrapping, or (with
                 ``check_for_nan``) this rank had non-finite local gradients; CommError: a collective failed.
         """
         self._check_params_unchanged()
+        if self._synced:
+            return
         while self._next < len(self._order):
             self._launch(self._next)
         for handle in self._handles:
@@ -205,6 +210,7 @@ class DataParallel(nn.Module):
                 handle.wait()
         nonfinite = self._nonfinite
         self._reset_sync_state()
+        self._synced = True
         if nonfinite:
             raise RuntimeError(
                 f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before the "
@@ -231,6 +237,7 @@ class DataParallel(nn.Module):
         for _, p in self._named:
             p.grad = None
         self._reset_sync_state()
+        self._synced = True
 
     # -- queries -------------------------------------------------------------------------------------
     @property
