@@ -1,12 +1,14 @@
 """The Megatron-compatible face of optstack: switch by changing an import.
 
-``from megatron.core.optimizer import ...`` becomes ``from optstack.megatron import ...``: the same names,
-signatures and defaults (``OptimizerConfig``, ``ParamKey``, ``get_megatron_optimizer``,
-``OptimizerParamScheduler``, ...), translated to optstack's core (``optstack.config``, ``optstack.rules``,
+``from megatron.core.optimizer import ...`` (and ``from megatron.core.distributed import ...``) becomes
+``from optstack.megatron import ...``: the same names, signatures and defaults (``OptimizerConfig``,
+``ParamKey``, ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``DistributedDataParallel``,
+``DistributedDataParallelConfig``, ...), translated to optstack's core (``optstack.config``, ``optstack.rules``,
 ``optstack.groups``, ``optstack.schedule``, ``optstack.factory``), which never sees Megatron's names.
 """
 
 from optstack.megatron.config import OptimizerConfig, to_core
+from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig
 from optstack.megatron.groups import get_param_groups
 from optstack.megatron.keys import (
     ParamGroupOverride,
@@ -30,4 +32,5 @@ __all__ = [
     "get_mup_config_overrides", "check_config_overrides_consistency", "to_rules", "get_param_groups",
     "OptimizerParamScheduler", "get_canonical_lr_for_logging",
     "MegatronOptimizer", "get_megatron_optimizer",
+    "DistributedDataParallel", "DistributedDataParallelConfig",
 ]

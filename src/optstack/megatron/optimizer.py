@@ -18,8 +18,11 @@ import torch
 from torch import nn
 
 from optstack.distributed.comm import world_comm
+from optstack.distributed.ddp import DataParallel
+from optstack.distributed.parallel import ParallelGroups
 from optstack.factory import BuiltOptimizer, build_optimizer
 from optstack.megatron.config import OptimizerConfig, to_core
+from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
 from optstack.megatron.keys import (
     ConfigOverrides,
@@ -65,7 +68,14 @@ class MegatronOptimizer:
         return result.applied, result.grad_norm, result.num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the data-parallel wrapper's grad buffers (if the model is wrapped) and the stages' grads."""
         self.built.optimizer.zero_grad(set_to_none)
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter gathers that ``overlap_param_gather`` leaves in flight after ``step()``
+        (the next forward waits for them itself; call this before reading the parameters otherwise).
+        optstack's addition: Megatron does this with ``model.disable_forward_pre_hook()``."""
+        self.built.optimizer.finish_param_sync()
 
     def get_loss_scale(self) -> torch.Tensor:
         """The current loss scale as a 1-element fp32 tensor on the parameters' device (Megatron's form)."""
@@ -107,7 +117,8 @@ def get_megatron_optimizer(
             ``overlap_param_gather_with_optimizer_step``. For Muon, matrices Muon cannot take go to
             ``muon_scalar_optimizer`` as in Megatron. The caller's dict is not modified.
         use_gloo_process_groups: accepted for compatibility; optstack's communicator needs no extra groups.
-        pg_collection: must be None (process groups come from torch.distributed's default world).
+        pg_collection: None, or the optstack ``ParallelGroups`` the ``DistributedDataParallel`` model was
+            built with (the distributed optimizer always uses the wrapped model's groups).
         dump_param_to_param_group_map: a file path; the parameter name -> index into
             ``optimizer.param_groups`` map is written there as JSON (by rank 0, all ranks' names).
 
@@ -115,18 +126,23 @@ def get_megatron_optimizer(
         A ``MegatronOptimizer``; expert parameters (``allreduce=False``) get an optimizer of their own,
         chained with the dense one (one grad norm, one skip decision).
 
+    Data parallelism: pass the model wrapped in ``optstack.megatron.DistributedDataParallel`` (one chunk).
+    ``use_distributed_optimizer`` builds the ZeRO-1 optimizer over its gradient buffers (parameters
+    gathered after the step, overlapped with the next forward with ``overlap_param_gather``);
+    ``use_layer_wise_distributed_optimizer`` (or ``optimizer='dist_muon'``) the layer-wise one for Muon's
+    matrices; otherwise every rank steps the whole model on the all-reduced gradients. Bucket size and
+    gradient dtype are the wrapper's (``DistributedDataParallelConfig``). ``step()`` finishes the gradient
+    sync itself if the training loop did not; ``zero_grad()`` zeroes the wrapper's grad buffers.
+
     Raises:
         ValueError: an unsupported config value, an override changing a protected field, conflicting
-            overrides, ``pg_collection`` given.
+            overrides, a ``pg_collection`` that is not the wrapped model's groups, a distributed optimizer
+            asked for without a wrapped model, or an optimizer config disagreeing with the wrapper's
+            ``DistributedDataParallelConfig`` (``use_distributed_optimizer``, ``overlap_param_gather``).
     """
     if not isinstance(config, OptimizerConfig):
         raise ValueError(
             f"config must be an optstack.megatron.OptimizerConfig, got {type(config).__name__}"
-        )
-    if pg_collection is not None:
-        raise ValueError(
-            "get_megatron_optimizer(pg_collection=...) is not supported: optstack takes its process groups "
-            "from torch.distributed's default world; pass pg_collection=None"
         )
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
@@ -136,11 +152,53 @@ def get_megatron_optimizer(
     if core_config.algorithm == "muon":
         rules.append(muon_routing_rule(core_config.muon.scalar_algorithm))
     chunks = as_chunks(model_chunks)
+    _check_data_parallel(config, chunks, pg_collection)
     named, resolved = resolve_chunks(chunks, rules)
     built = build_optimizer(core_config, chunks, rules=_pinned_rules(named, resolved))
     if dump_param_to_param_group_map is not None:
         _dump_group_map(built, dump_param_to_param_group_map)
     return MegatronOptimizer(built, config)
+
+
+def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_collection: Any) -> None:
+    """The optimizer config must agree with how the model was wrapped (Megatron's training script derives
+    both configs from the same arguments; here they are built separately, so say which one to change)."""
+    wrapped = [c for c in chunks if isinstance(c, DataParallel)]
+    if pg_collection is not None and not (
+        isinstance(pg_collection, ParallelGroups) and any(c.groups is pg_collection for c in wrapped)
+    ):
+        raise ValueError(
+            "get_megatron_optimizer(pg_collection=...) must be None or the optstack ParallelGroups the "
+            "DistributedDataParallel model was built with (the optimizer uses the wrapped model's groups); "
+            f"got {type(pg_collection).__name__}; pass pg_collection=None"
+        )
+    layer_wise = config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"
+    if not wrapped and (config.use_distributed_optimizer or layer_wise):
+        field = "use_distributed_optimizer" if config.use_distributed_optimizer else (
+            "use_layer_wise_distributed_optimizer" if config.use_layer_wise_distributed_optimizer
+            else "optimizer='dist_muon'")
+        want = config.use_distributed_optimizer
+        raise ValueError(
+            f"OptimizerConfig.{field} needs the model wrapped for data parallelism: model = "
+            f"optstack.megatron.DistributedDataParallel(transformer_config, DistributedDataParallelConfig("
+            f"use_distributed_optimizer={want}), model), then get_megatron_optimizer(config, [model])"
+        )
+    for ddp in (c for c in wrapped if isinstance(c, DistributedDataParallel)):
+        ddp_config = ddp.ddp_config
+        if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+            why = (" (the layer-wise optimizer needs whole reduced gradients: build the wrapper with "
+                   "use_distributed_optimizer=False)" if layer_wise else "; set both the same")
+            raise ValueError(
+                f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model's "
+                f"DistributedDataParallelConfig.use_distributed_optimizer={ddp_config.use_distributed_optimizer}"
+                f"{why}"
+            )
+        if ddp_config.overlap_param_gather != config.overlap_param_gather:
+            raise ValueError(
+                f"OptimizerConfig.overlap_param_gather={config.overlap_param_gather} but the model's "
+                f"DistributedDataParallelConfig.overlap_param_gather={ddp_config.overlap_param_gather}; "
+                "set both the same"
+            )
 
 
 def _pinned_rules(named: list[tuple[str, torch.Tensor]], resolved: dict[str, Resolved]) -> list[Rule]:

@@ -1,0 +1,176 @@
+"""The Megatron face on real gloo ranks: DistributedDataParallel + get_megatron_optimizer, trained with
+Megatron's loop, equals get_megatron_optimizer on one process with the full batch."""
+
+from __future__ import annotations
+
+import pytest
+
+STEPS = 5
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.LayerNorm(13), nn.ReLU(), nn.Linear(13, 5))
+
+
+def _batches(world: int, micro_batches: int):
+    """Per step, ``micro_batches`` global micro-batches of 4 rows per rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [[(torch.randn(4 * world, 7, generator=g), torch.randn(4 * world, 5, generator=g))
+             for _ in range(micro_batches)] for _ in range(STEPS)]
+
+
+def _optimizer_config(case: dict):
+    from optstack.megatron import OptimizerConfig
+
+    return OptimizerConfig(**case["optimizer"])
+
+
+def _scheduler(opt):
+    from optstack.megatron import OptimizerParamScheduler
+
+    lr = opt.config.lr
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=2,
+                                   lr_decay_steps=STEPS, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                   wd_incr_steps=STEPS, wd_incr_style="constant")
+
+
+def _flat(model) -> list[float]:
+    import torch
+
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def _train_distributed(case: dict, micro_batches: int) -> dict:
+    """Megatron's training loop on this rank's slice of every global micro-batch."""
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    module = _model()
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(**case["ddp"]), module)
+    opt = get_megatron_optimizer(_optimizer_config(case), [model])
+    scheduler = _scheduler(opt)
+    params, norms = [], []
+    for step_batches in _batches(world, micro_batches):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        for i, (x, y) in enumerate(step_batches):
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            if i < len(step_batches) - 1:
+                with model.no_sync():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+            else:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        model.finish_grad_sync()
+        ok, norm, _ = opt.step()
+        assert ok
+        scheduler.step(increment=1)
+        opt.finish_param_sync()  # with overlap_param_gather the next forward would wait instead
+        params.append(_flat(module))
+        norms.append(norm)
+    return {"params": params, "norms": norms, "stages": [type(s).__name__ for s in opt.built.optimizer.stages]}
+
+
+def _train_reference(case: dict, world: int, micro_batches: int) -> dict:
+    import torch
+
+    from optstack.megatron import get_megatron_optimizer
+
+    single = {k: v for k, v in case["optimizer"].items()
+              if k not in ("use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
+                           "overlap_param_gather")}
+    model = _model()
+    opt = get_megatron_optimizer(_optimizer_config({"optimizer": single}), [model])
+    scheduler = _scheduler(opt)
+    params, norms = [], []
+    for step_batches in _batches(world, micro_batches):
+        opt.zero_grad()
+        for x, y in step_batches:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        ok, norm, _ = opt.step()
+        assert ok
+        scheduler.step(increment=1)
+        params.append(_flat(model))
+        norms.append(norm)
+    return {"params": params, "norms": norms}
+
+
+CASES = {
+    "replicated": {"optimizer": {"lr": 1e-2}, "ddp": {"overlap_grad_reduce": True, "bucket_size": 100}},
+    "zero1": {"optimizer": {"lr": 1e-2, "use_distributed_optimizer": True},
+              "ddp": {"use_distributed_optimizer": True}},
+    "zero1-overlap": {
+        "optimizer": {"lr": 1e-2, "use_distributed_optimizer": True, "overlap_param_gather": True},
+        "ddp": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                "bucket_size": 100, "grad_reduce_in_fp32": True, "average_in_collective": True},
+    },
+    "layerwise-muon": {"optimizer": {"lr": 1e-2, "optimizer": "muon", "use_layer_wise_distributed_optimizer": True},
+                       "ddp": {"overlap_grad_reduce": True, "bucket_size": 100}},
+}
+STAGES = {"replicated": {"FP32Stage"}, "zero1": {"ShardedStage"}, "zero1-overlap": {"ShardedStage"},
+          "layerwise-muon": {"LayerWiseStage", "FP32Stage"}}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_megatron_loop_matches_single_process(world2, name):
+    import torch
+
+    micro_batches = 2 if name == "zero1" else 1  # gradient accumulation with no_sync()
+    ranks = world2.run(_train_distributed, CASES[name], micro_batches)
+    ref = _train_reference(CASES[name], world=2, micro_batches=micro_batches)
+    assert set(ranks[0]["stages"]) == STAGES[name]
+    assert ranks[0]["params"] == ranks[1]["params"], "replicas diverged"
+    torch.testing.assert_close(torch.tensor(ranks[0]["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(ranks[0]["params"], ref["params"], strict=True)):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+    assert ref["params"][0] != ref["params"][-1]  # the run trained
+
+
+def _broadcast_params() -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), _model())
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.add_(dist.get_rank())  # ranks start out different
+    model.broadcast_params()
+    return _flat(model.module)
+
+
+def test_broadcast_params_copies_rank_0(world2):
+    ranks = world2.run(_broadcast_params)
+    assert ranks[0] == ranks[1] == _flat(_model())
+
+
+def _mismatched_config() -> str:
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), _model())
+    try:
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_optimizer_and_wrapper_must_agree_on_the_distributed_optimizer(world2):
+    for message in world2.run(_mismatched_config):
+        assert "OptimizerConfig.use_distributed_optimizer=False" in message
+        assert "DistributedDataParallelConfig.use_distributed_optimizer=True" in message
