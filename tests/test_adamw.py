@@ -240,6 +240,21 @@ def test_staged_batches_equal_whole_tensors(impl: str, dtype: torch.dtype, monke
     assert all(torch.equal(a, b) for a, b in zip(run(), whole, strict=True))
 
 
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_mixed_dtypes_in_one_group_match_the_reference(impl: str) -> None:
+    def run(impl: str) -> list[torch.Tensor]:
+        params = [torch.linspace(-1, 1, 6, dtype=dtype) for dtype in (torch.float32, torch.float64, torch.bfloat16)]
+        opt = AdamW(params, lr=1e-2, impl=impl)
+        for i in range(3):
+            for p in params:
+                p.grad = torch.cos(p * (i + 1))
+            opt.step()
+        return params
+
+    for got, expected in zip(run(impl), run("reference"), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
 def test_bf16_params_step_with_fp32_math() -> None:
     data = batches(10)
     results = []

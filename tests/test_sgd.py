@@ -97,6 +97,19 @@ def test_state_keys_like_torch() -> None:
     assert not plain.state.get(model[0].weight)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mixed_dtypes_in_one_group(impl: str) -> None:
+    params = [torch.ones(3), torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.bfloat16)]
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt = SGD(params, lr=0.2, momentum=0.9, impl=impl)
+    opt.step()
+    opt.step()
+    for p in params:  # 1 - 0.2 * 0.5 - 0.2 * (0.9 * 0.5 + 0.5)
+        atol = 1e-2 if p.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(p, torch.full_like(p, 0.71), rtol=0, atol=atol)
+
+
 def test_params_without_grad_are_skipped_and_plain_tensors_work() -> None:
     a, b = torch.ones(3), torch.ones(2)
     a.grad = torch.full((3,), 0.5)

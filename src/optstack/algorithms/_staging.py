@@ -86,7 +86,10 @@ def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]
 
 
 class _Batch:
-    """Scratch slices holding math-dtype copies, the tensors they go back to, and their steps."""
+    """Scratch slices holding math-dtype copies, the tensors they come from and go back to, and their steps.
+
+    The copies in and out are batched into ``torch._foreach_*`` calls: per-tensor op dispatch, not bytes,
+    is the cost for many small tensors."""
 
     def __init__(self, scratch: torch.Tensor, as_rms: bool, beta2: float) -> None:
         self.scratch = scratch  # (4, CHUNK): one row per operand
@@ -98,7 +101,9 @@ class _Batch:
         self.lists: list[list[torch.Tensor]] = [[], [], [], []]
         self.steps: list[torch.Tensor] = []
         self.values: list[float] = []
-        self.write_back: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []  # rms: its step
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored), plain operands
+        self.results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
+        self.rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
         self.numel = 0
 
     def add(self, quad: tuple[torch.Tensor, ...], step: torch.Tensor, value: float) -> None:
@@ -112,20 +117,32 @@ class _Batch:
                 math = self.scratch[k, self.numel : self.numel + numel].view(t.shape)
             else:  # a large non-contiguous tensor: a one-off temporary
                 math = torch.empty(t.shape, dtype=self.scratch.dtype, device=t.device)
-            if encoded:
-                rms_to_v(t, value - 1, self.beta2, out=math)
-            else:
-                math.copy_(t)
             self.lists[k].append(math)
-            if k != 1:
-                self.write_back.append((t, math, value if encoded else None))
+            if encoded:
+                self.rms.append((math, t, value))
+            else:
+                self.copies.append((math, t))
+                if k != 1:  # the grad is only read
+                    self.results.append((math, t))
         self.steps.append(step)
         self.values.append(value)
         self.numel += min(numel, CHUNK)
 
     def run(self, kernel: Kernel, hyper: dict[str, Any]) -> None:
-        if self.steps:
-            kernel(*self.lists, self.steps, self.values, hyper)
-        for storage, math, rms_step in self.write_back:
-            storage.copy_(math if rms_step is None else v_to_rms(math, rms_step, self.beta2))
+        if not self.steps:
+            return
+        if self.copies:
+            torch._foreach_copy_([m for m, _ in self.copies], [t for _, t in self.copies])
+        rms = [list(c) for c in zip(*self.rms, strict=True)] or [[], [], []]
+        if rms[0]:  # v = grad_rms**2 * (1 - beta2**(step - 1)), step - 1 being the count before this step
+            torch._foreach_copy_(rms[0], rms[1])
+            torch._foreach_mul_(rms[0], rms[0])
+            torch._foreach_mul_(rms[0], [1 - self.beta2 ** (s - 1) for s in rms[2]])
+        kernel(*self.lists, self.steps, self.values, hyper)
+        if rms[0]:
+            torch._foreach_div_(rms[0], [1 - self.beta2**s for s in rms[2]])
+            torch._foreach_sqrt_(rms[0])
+            torch._foreach_copy_(rms[1], rms[0])
+        if self.results:
+            torch._foreach_copy_([t for _, t in self.results], [m for m, _ in self.results])
         self.clear()

@@ -211,9 +211,10 @@ class AdamW(torch.optim.Optimizer):
             merged, firsts = coalesce(lists, keys=[values[i] for i in picked])
             kernel(*merged, [steps[picked[f]] for f in firsts], [values[picked[f]] for f in firsts], hyper)
         if staged:
-            quads = [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in staged]
-            run_staged(kernel, quads, [steps[i] for i in staged], [values[i] for i in staged],
-                       as_rms=as_rms, hyper=hyper, scratch=self._scratch)
+            lists = [[ts[i] for i in staged] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+            merged, firsts = coalesce(lists, keys=[values[i] for i in staged])
+            run_staged(kernel, list(zip(*merged, strict=True)), [steps[staged[f]] for f in firsts],
+                       [values[staged[f]] for f in firsts], as_rms=as_rms, hyper=hyper, scratch=self._scratch)
 
     def _init_state(
         self, params: list[torch.Tensor], states: list[dict[str, Any]], step_device: torch.device

@@ -152,15 +152,15 @@ class SGD(torch.optim.Optimizer):
             for p, g, buffer, is_first in zip(params, grads, buffers, first, strict=True):
                 sgd_reference(p, g, buffer, first_step=is_first, **hyper)
             return
-        # One kernel call per (fused?, first step?) batch; first-step buffers take the gradient as they are.
-        batches: dict[tuple[bool, bool], list[int]] = {}
+        # One kernel call per (fused?, first step?, dtype) batch; a first step copies the gradient into the buffer.
+        batches: dict[tuple[bool, bool, torch.dtype], list[int]] = {}
         for i, p in enumerate(params):
             tensors = [t for t in (p, grads[i], buffers[i]) if t is not None]
             fused = impl == "fused" and p.dtype in _FUSED_DTYPES and all(
                 t.dtype == p.dtype and t.is_contiguous() for t in tensors
             )
-            batches.setdefault((fused, first[i]), []).append(i)
-        for (fused, is_first), picked in batches.items():
+            batches.setdefault((fused, first[i], p.dtype), []).append(i)
+        for (fused, is_first, _), picked in batches.items():
             lists = [[params[i] for i in picked], [grads[i] for i in picked]]
             if hyper["momentum"] != 0:
                 lists.append([buffers[i] for i in picked])  # type: ignore[misc]
