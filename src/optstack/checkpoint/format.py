@@ -1,0 +1,191 @@
+"""The checkpoint format: its version, the manifest's shape and seal, and the one ``migrate()``.
+
+A checkpoint is a directory::
+
+    step_00000100/
+      manifest.json      what is saved (below), the files' sizes and CRC-32s, sealed by its own CRC-32
+      group_map.json     parameter -> group, for people (never read back)
+      rank_00000/        one torch.distributed.checkpoint directory per rank that wrote something
+        .metadata
+        __0_0.distcp
+
+The manifest (version 1), every name a parameter name, never a buffer offset or group position::
+
+    format, version, step, world_size, checksum_algorithm
+    params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index,
+                       chunks: [[rank, start, end], ...]}}      # element-wise state, flat ranges
+    groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult},
+                 settings: {lr, weight_decay, betas, ...}}]
+    scaler, scheduler (or null), model: {key: {shape, dtype, rank}} (or null)
+    files:     {relative path: {bytes, crc32}}
+    seal:      CRC-32 of the canonical JSON of everything above
+
+Element-wise tensors live in DCP under ``optim/<name>/<key>`` (a 1-D tensor of the parameter's numel, each
+rank's chunk at its flat offset); model tensors under ``model/<key>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from optstack.protocol import ParamShard
+
+__all__ = [
+    "FORMAT", "VERSION", "MANIFEST", "GROUP_MAP", "IDENTITY_KEYS", "migrate", "seal", "unseal",
+    "dtype_name", "dtype_from_name", "encode_scalar", "decode_scalar", "identity_of", "settings_of",
+    "optim_key", "model_key",
+]
+
+FORMAT = "optstack.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+GROUP_MAP = "group_map.json"
+#: The group settings that identify a parameter's group across layouts (with the algorithm and expert flag).
+IDENTITY_KEYS = ("max_lr", "min_lr", "wd_mult", "lr_mult")
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+def optim_key(name: str, key: str) -> str:
+    """The DCP key of element-wise state ``key`` of parameter ``name``."""
+    return f"optim/{name}/{key}"
+
+
+def model_key(key: str) -> str:
+    """The DCP key of model tensor ``key``."""
+    return f"model/{key}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"checkpoints store tensors of dtypes {sorted(_DTYPES)}; got {dtype}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} in the checkpoint; known: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+# -- scalars: per-parameter state that is not element-wise (step counts) ------------------------------
+def encode_scalar(where: str, value: Any) -> dict[str, Any]:
+    """A JSON form of a number or 0-d tensor that decodes to the same type, dtype and bits."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(
+                f"{where} is a tensor of shape {tuple(value.shape)} that is neither element-wise (the "
+                "parameter's shape) nor a scalar; name-keyed checkpoints cannot reshard it")
+        return {"tensor": dtype_name(value.dtype), "value": value.item()}
+    if isinstance(value, bool | int | float) or value is None:
+        return {"value": value}
+    raise ValueError(f"{where} is a {type(value).__name__}; checkpoints store numbers and 0-d tensors")
+
+
+def decode_scalar(encoded: Mapping[str, Any]) -> Any:
+    if "tensor" in encoded:
+        return torch.tensor(encoded["value"], dtype=dtype_from_name(encoded["tensor"]))
+    return encoded["value"]
+
+
+# -- groups ---------------------------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """A JSON value for a group setting: numbers, strings, lists; anything else as its repr."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return float(value)
+
+
+def identity_of(shard: ParamShard) -> dict[str, Any]:
+    """The settings that identify ``shard``'s group in any layout: algorithm, expert flag, max_lr, min_lr,
+    wd_mult, lr_mult (numbers as floats, absent ones as None)."""
+    group = shard.group
+    out: dict[str, Any] = {"algorithm": shard.algorithm,
+                           "is_expert_parallel": bool(group.get("is_expert_parallel", False))}
+    out.update({key: _number(group.get(key)) for key in IDENTITY_KEYS})
+    return out
+
+
+def settings_of(group: Mapping[str, Any]) -> dict[str, Any]:
+    """Every setting of a group but its parameters, as JSON values (``lr`` and ``weight_decay`` are restored
+    on load; the rest is for the group map and the torch export)."""
+    return {k: _plain(v) for k, v in group.items() if k not in ("params", "param_names")}
+
+
+# -- the manifest's seal and migration --------------------------------------------------------------------
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: Mapping[str, Any]) -> str:
+    """The manifest as JSON text with a ``seal``: the CRC-32 of its canonical form, so a flipped byte in the
+    manifest itself is found too."""
+    body = dict(manifest)
+    body.pop("seal", None)
+    body["seal"] = f"{zlib.crc32(_canonical(body)):08x}"
+    return json.dumps(body, indent=1, sort_keys=True)
+
+
+def unseal(text: str, where: str) -> dict[str, Any]:
+    """Parse and check a sealed manifest; ``ValueError`` naming ``where`` when it is not intact."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc}); the checkpoint is corrupted or truncated") from exc
+    if not isinstance(body, dict) or "seal" not in body:
+        raise ValueError(f"{where} has no seal; it is not an optstack checkpoint manifest")
+    stored = body.pop("seal")
+    actual = f"{zlib.crc32(_canonical(body)):08x}"
+    if stored != actual:
+        raise ValueError(f"{where} fails its checksum (stored {stored}, computed {actual}); the manifest is "
+                         "corrupted")
+    return body
+
+
+# One function per old version, each lifting a manifest by one version. Version 1 is the first.
+_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def migrate(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Bring a manifest of any supported version to the current one (``VERSION``).
+
+    Raises:
+        ValueError: not an optstack checkpoint, a version newer than this optstack reads, or one with no
+            upgrade path.
+    """
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"not an optstack checkpoint: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"checkpoint version must be an int >= 1, got {version!r}")
+    if version > VERSION:
+        raise ValueError(f"checkpoint version {version} was written by a newer optstack; this one reads up to "
+                         f"version {VERSION}: upgrade optstack")
+    while version < VERSION:
+        if version not in _UPGRADES:
+            raise ValueError(f"no upgrade from checkpoint version {version} to {version + 1}")
+        manifest = _UPGRADES[version](manifest)
+        version = manifest["version"] = version + 1
+    return manifest

@@ -1,0 +1,329 @@
+"""Name-keyed optimizer state: collect it from the stages, plan who writes what, check a checkpoint against
+an optimizer, and give it back to the stages.
+
+Everything here but ``collect`` / ``distribute`` is pure: plans and checks are functions of tables every
+rank has (gathered by the caller over ``Comm``), so every rank reaches the same plan and the same verdict
+without talking.
+
+Stages speak ``Stage.param_shards`` / ``load_param_shards`` (``ParamShard``). Stages that instead offer
+``sharded_param_state`` / ``load_sharded_param_state`` (``ShardSpec`` entries: the ZeRO-1 and layer-wise
+stages) are adapted here.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scalar, identity_of, settings_of
+from optstack.protocol import ParamShard, Stage
+
+__all__ = [
+    "HeldParam", "SavePlan", "collect", "distribute", "describe", "plan_save", "check_load", "group_map",
+    "restore_group_settings",
+]
+
+_MAX_NAMED = 8  # names listed in one error line before "and N more"
+_MAX_LINES = 20  # lines of differences in one error
+
+
+@dataclass(frozen=True)
+class HeldParam:
+    """What one rank holds of one parameter, without the data: the table ranks exchange."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    dtypes: dict[str, str]  # element-wise key -> dtype name
+    scalars: dict[str, dict[str, Any]]  # key -> encoded scalar
+    identity: dict[str, Any]
+    settings: dict[str, Any]
+    fingerprint: str = ""  # of the 'param' values: ranks holding one range must hold the same numbers
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# -- stages <-> ParamShard ------------------------------------------------------------------------------
+def _native(stage: Stage) -> bool:
+    return type(stage).param_shards is not Stage.param_shards
+
+
+def _is_spec(value: Any) -> bool:
+    return all(hasattr(value, a) for a in ("global_shape", "flat_start", "flat_end", "local"))
+
+
+def _stage_shards(stage: Stage) -> dict[str, ParamShard]:
+    if _native(stage):
+        return stage.param_shards()
+    legacy = getattr(stage, "sharded_param_state", None)
+    if legacy is None:
+        raise ValueError(f"{type(stage).__name__} cannot be checkpointed by name: it implements neither "
+                         "param_shards() nor sharded_param_state()")
+    groups = {n: g for g in stage.param_groups for n in g.get("param_names") or ()}
+    algorithm = type(getattr(stage, "optimizer", stage)).__name__
+    out = {}
+    for name, entry in legacy().items():
+        specs = {k: v for k, v in entry.items() if _is_spec(v)}
+        ranges = {(tuple(v.global_shape), v.flat_start, v.flat_end) for v in specs.values()}
+        if len(ranges) != 1 or name not in groups:
+            raise ValueError(f"{type(stage).__name__}: the state of {name!r} has ranges {sorted(ranges)} and "
+                             f"{'a' if name in groups else 'no'} named param group; expected one range")
+        shape, start, end = ranges.pop()
+        out[name] = ParamShard(shape, start, end, {k: v.local.reshape(-1) for k, v in specs.items()},
+                               {k: v for k, v in entry.items() if k not in specs}, groups[name], algorithm)
+    return out
+
+
+def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
+    """Each stage's ``ParamShard``s on this rank, by parameter name.
+
+    Raises:
+        ValueError: a stage cannot be checkpointed by name, or one name is in two stages.
+    """
+    out: list[dict[str, ParamShard]] = []
+    seen: dict[str, int] = {}
+    for index, stage in enumerate(stages):
+        shards = _stage_shards(stage)
+        for name in shards:
+            if seen.setdefault(name, index) != index:
+                raise ValueError(f"parameter {name!r} is in stages[{seen[name]}] and stages[{index}]; "
+                                 "checkpoints key state by parameter name, so names must be unique")
+        out.append(shards)
+    return out
+
+
+def distribute(stages: Sequence[Stage], per_stage: Sequence[Mapping[str, ParamShard]]) -> None:
+    """Load each stage's ``ParamShard``s (already checked to fit)."""
+    for stage, shards in zip(stages, per_stage, strict=True):
+        if _native(stage):
+            stage.load_param_shards(shards)
+            continue
+        from optstack.distributed.sharded import ShardSpec  # only stages built on it get here
+
+        stage.load_sharded_param_state({  # type: ignore[attr-defined]
+            name: {**{k: ShardSpec(tuple(s.shape), s.start, s.end, t) for k, t in s.tensors.items()},
+                   **s.scalars}
+            for name, s in shards.items()
+        })
+
+
+def restore_group_settings(shards: Mapping[str, ParamShard], groups: Sequence[Mapping[str, Any]],
+                           group_of: Mapping[str, int]) -> None:
+    """Write the saved ``lr`` and ``weight_decay`` into the live group of each held parameter."""
+    for name, shard in shards.items():
+        saved = groups[group_of[name]]["settings"]
+        live = shard.group
+        for key in ("lr", "weight_decay"):
+            value = saved.get(key)
+            if key not in live or not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if isinstance(live[key], torch.Tensor):
+                live[key].fill_(value)
+            else:
+                live[key] = value  # type: ignore[index]
+
+
+# -- tables ---------------------------------------------------------------------------------------------
+def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
+    """The data-free table of ``shards``, after checking each is well formed."""
+    out = {}
+    for name, s in shards.items():
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        if not 0 <= s.start <= s.end <= numel or "param" not in s.tensors:
+            raise ValueError(f"the state of {name!r} holds [{s.start}, {s.end}) of {numel} elements with keys "
+                             f"{sorted(s.tensors)}; need a range inside the parameter and a 'param'")
+        for key, t in s.tensors.items():
+            if t.dim() != 1 or t.numel() != s.end - s.start:
+                raise ValueError(f"state {key!r} of {name!r} has shape {tuple(t.shape)}; expected 1-D with "
+                                 f"{s.end - s.start} elements")
+        out[name] = HeldParam(
+            name, tuple(s.shape), s.start, s.end, {k: dtype_name(t.dtype) for k, t in s.tensors.items()},
+            {k: encode_scalar(f"state {k!r} of {name!r}", v) for k, v in s.scalars.items()},
+            identity_of(s), settings_of(s.group), _fingerprint(s.tensors["param"]))
+    return out
+
+
+def _fingerprint(values: torch.Tensor) -> str:
+    """CRC-32 of the bits of about 1024 evenly spaced elements: cheap, exact and the same on every rank for
+    the same numbers (a sum would depend on the thread count), and two different tensors (two experts under
+    one name) differ in almost every element."""
+    sample = values.detach()[:: max(1, values.numel() // 1024)].contiguous().cpu()
+    return f"{zlib.crc32(sample.view(torch.uint8).numpy().tobytes()):08x}"
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """Who writes what, and the manifest's ``params``, ``groups`` and ``model`` entries."""
+
+    params: dict[str, dict[str, Any]]
+    groups: list[dict[str, Any]]
+    model: dict[str, dict[str, Any]] | None
+    writes: list[list[tuple[str, int, int]]]  # per rank: (name, start, end) ranges it writes
+    model_writes: list[list[str]]  # per rank: model keys it writes
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_MAX_NAMED])
+    return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
+
+
+def plan_save(tables: Sequence[Mapping[str, HeldParam]],
+              model_tables: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None) -> SavePlan:
+    """Deduplicate what ranks hold in common (replicated state is written once), balance the writes by
+    bytes, and check that the ranks' ranges tile every parameter exactly.
+
+    Raises:
+        ValueError: ranks disagree on a parameter's shape, dtypes or group, or its ranges overlap or
+            leave a gap.
+    """
+    first: dict[str, HeldParam] = {}
+    holders: dict[tuple[str, int, int], list[int]] = {}
+    for rank, table in enumerate(tables):
+        for name, held in table.items():
+            ref = first.setdefault(name, held)
+            for field in ("shape", "dtypes", "identity"):
+                if getattr(held, field) != getattr(ref, field):
+                    raise ValueError(f"ranks disagree on the {field} of {name!r}: {getattr(ref, field)} and "
+                                     f"{getattr(held, field)} (rank {rank})")
+            if held.end > held.start:
+                ranks = holders.setdefault((name, held.start, held.end), [])
+                other = tables[ranks[0]][name] if ranks else held
+                if other.fingerprint != held.fingerprint:
+                    raise ValueError(
+                        f"ranks {ranks[0]} and {rank} hold different values for elements [{held.start}, "
+                        f"{held.end}) of {name!r}; names must be unique across ranks (e.g. experts named by "
+                        "their global index when expert-parallel)")
+                ranks.append(rank)
+    for name, held in first.items():
+        ranges = sorted((s, e) for (n, s, e) in holders if n == name)
+        ends = [0] + [e for _, e in ranges]
+        if any(s != ends[i] for i, (s, _) in enumerate(ranges)) or ends[-1] != held.numel:
+            raise ValueError(f"the ranks' ranges of {name!r} ({ranges}) do not tile its {held.numel} elements "
+                             "exactly once")
+    load = [0] * len(tables)
+    writes: list[list[tuple[str, int, int]]] = [[] for _ in tables]
+    chunks: dict[str, list[list[int]]] = {name: [] for name in first}
+    bytes_per = {n: sum(dtype_from_name(d).itemsize for d in h.dtypes.values())
+                 for n, h in first.items()}
+    for (name, start, end), ranks in sorted(holders.items(), key=lambda kv: (-(kv[0][2] - kv[0][1]), kv[0])):
+        writer = min(ranks, key=lambda r: (load[r], r))
+        load[writer] += (end - start) * bytes_per[name]
+        writes[writer].append((name, start, end))
+        chunks[name].append([writer, start, end])
+    groups: list[dict[str, Any]] = []
+    index_of: dict[str, int] = {}
+    params: dict[str, dict[str, Any]] = {}
+    for name, held in first.items():
+        key = json.dumps([held.identity, held.settings], sort_keys=True)
+        if key not in index_of:
+            index_of[key] = len(groups)
+            groups.append({"identity": held.identity, "settings": held.settings})
+        params[name] = {"shape": list(held.shape), "dtypes": held.dtypes, "scalars": held.scalars,
+                        "group": index_of[key], "chunks": sorted(chunks[name], key=lambda c: c[1])}
+    model, model_writes = _plan_model(model_tables, load)
+    return SavePlan(params, groups, model, writes, model_writes)
+
+
+def _plan_model(model_tables: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None,
+                load: list[int]) -> tuple[dict[str, dict[str, Any]] | None, list[list[str]]]:
+    """Model tensors are replicated: each is written by one rank, balancing the bytes."""
+    if model_tables is None:
+        return None, [[] for _ in load]
+    ref = model_tables[0]
+    for rank, table in enumerate(model_tables):
+        if dict(table) != dict(ref):
+            differ = sorted(set(table.items()) ^ set(ref.items()))
+            raise ValueError(f"rank {rank}'s model differs from rank 0's: {differ[:_MAX_NAMED]}")
+    model: dict[str, dict[str, Any]] = {}
+    writes: list[list[str]] = [[] for _ in load]
+    sizes = {k: torch.Size(s).numel() * dtype_from_name(d).itemsize for k, (s, d) in ref.items()}
+    for key in sorted(ref, key=lambda k: (-sizes[k], k)):
+        writer = min(range(len(load)), key=lambda r: (load[r], r))
+        load[writer] += sizes[key]
+        writes[writer].append(key)
+        shape, dtype = ref[key]
+        model[key] = {"shape": list(shape), "dtype": dtype, "rank": writer}
+    return {k: model[k] for k in ref}, writes
+
+
+# -- loading --------------------------------------------------------------------------------------------
+def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam],
+               model: Mapping[str, tuple[tuple[int, ...], str]] | None) -> list[str]:
+    """Every difference between a checkpoint and the optimizer (``held``: every rank's parameters) and,
+    when given, the model's tensors; empty when they fit."""
+    errors = []
+    saved = manifest["params"]
+    extra = [n for n in saved if n not in held]
+    missing = [n for n in held if n not in saved]
+    if extra:
+        errors.append(f"the checkpoint has {len(extra)} parameters this optimizer does not: {_names(extra)}")
+    if missing:
+        errors.append(f"this optimizer has {len(missing)} parameters the checkpoint does not: {_names(missing)}")
+    regrouped: dict[str, list[str]] = {}  # one line per kind of group difference, naming the parameters
+    for name, h in held.items():
+        entry = saved.get(name)
+        if entry is None:
+            continue
+        if tuple(entry["shape"]) != h.shape:
+            errors.append(f"parameter {name!r} has shape {tuple(entry['shape'])} in the checkpoint, {h.shape} here")
+            continue
+        if entry["dtypes"].get("param") != h.dtypes["param"]:
+            errors.append(f"parameter {name!r}: the optimizer's copy ('param') is {entry['dtypes'].get('param')} "
+                          f"in the checkpoint, {h.dtypes['param']} here")
+        identity = manifest["groups"][entry["group"]]["identity"]
+        diff = [f"{k} {identity.get(k)!r} in the checkpoint, {h.identity[k]!r} here"
+                for k in h.identity if identity.get(k) != h.identity[k]]
+        if diff:
+            regrouped.setdefault("; ".join(diff), []).append(name)
+    for diff, names in regrouped.items():
+        many = len(names) > 1
+        errors.append(f"parameter{'s' if many else ''} {_names(names)} {'are' if many else 'is'} in a different "
+                      f"group: {diff}")
+    if model is not None:
+        errors += _check_model(manifest.get("model"), model)
+    if len(errors) > _MAX_LINES:
+        errors = errors[:_MAX_LINES] + [f"... and {len(errors) - _MAX_LINES} more differences"]
+    return errors
+
+
+def _check_model(saved: Mapping[str, Any] | None, model: Mapping[str, tuple[tuple[int, ...], str]]) -> list[str]:
+    if saved is None:
+        return ["a model was given but the checkpoint holds no model tensors (save with model=...)"]
+    errors = []
+    extra = [k for k in saved if k not in model]
+    missing = [k for k in model if k not in saved]
+    if extra:
+        errors.append(f"the checkpoint has model tensors this model does not: {_names(extra)}")
+    if missing:
+        errors.append(f"this model has tensors the checkpoint does not: {_names(missing)}")
+    for key, (shape, dtype) in model.items():
+        entry = saved.get(key)
+        if entry is not None and (tuple(entry["shape"]), entry["dtype"]) != (shape, dtype):
+            errors.append(f"model tensor {key!r} is {tuple(entry['shape'])} {entry['dtype']} in the checkpoint, "
+                          f"{shape} {dtype} here")
+    return errors
+
+
+def group_map(params: Mapping[str, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The parameter -> group map for people: each group's identity, settings and parameter names."""
+    members: list[list[str]] = [[] for _ in groups]
+    for name, entry in params.items():
+        members[entry["group"]].append(name)
+    return {
+        "groups": [{"index": i, **g["identity"], "settings": g["settings"], "params": members[i]}
+                   for i, g in enumerate(groups)],
+        "param_to_group": {name: entry["group"] for name, entry in params.items()},
+    }
