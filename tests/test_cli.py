@@ -1,0 +1,81 @@
+"""`optstack groups` (tables and JSON) and the command line's handling of user errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from optstack.cli.main import main
+
+
+def groups_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["groups", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_biases_and_norms_get_no_weight_decay(capsys: pytest.CaptureFixture[str]) -> None:
+    report = groups_json(capsys)
+    rows = {r["name"]: r for r in report["parameters"]}
+    assert rows["blocks.0.attn.qkv.bias"]["wd_mult"] == 0.0
+    assert rows["blocks.0.ln1.weight"]["wd_mult"] == 0.0 and rows["ln_f.bias"]["wd_mult"] == 0.0
+    assert rows["blocks.0.attn.qkv.weight"]["wd_mult"] == 1.0 and rows["head.weight"]["wd_mult"] == 1.0
+    assert rows["blocks.0.ln1.weight"]["rules"]["wd_mult"] == ["no weight decay on biases and 1-D params"]
+    assert rows["blocks.0.attn.qkv.weight"]["rules"] == {}
+    # without decoupled lr, embeddings share the base lr
+    assert rows["tok_emb.weight"]["max_lr"] == rows["blocks.0.mlp.fc.weight"]["max_lr"]
+    # the per-group summary covers every parameter exactly once
+    assert sum(g["count"] for g in report["groups"]) == len(rows)
+    assert sum(g["numel"] for g in report["groups"]) == sum(r["numel"] for r in rows.values())
+    assert sorted(n for g in report["groups"] for n in g["params"]) == sorted(rows)
+
+
+def test_decoupled_lr_goes_to_embedding_and_output(capsys: pytest.CaptureFixture[str]) -> None:
+    report = groups_json(capsys, "--lr", "0.001", "--decoupled-lr", "0.01", "--decoupled-min-lr", "0.002")
+    rows = {r["name"]: r for r in report["parameters"]}
+    for name in ("tok_emb.weight", "pos_emb.weight", "head.weight"):
+        assert (rows[name]["max_lr"], rows[name]["min_lr"]) == (0.01, 0.002)
+        assert rows[name]["rules"]["max_lr"] == ["decoupled LR for embedding and output"]
+    assert rows["blocks.1.mlp.fc.weight"]["max_lr"] == 0.001
+    assert rows["blocks.1.mlp.fc.bias"]["max_lr"] == 0.001
+    assert len({r["group"] for r in rows.values()}) == 3  # default, decoupled, no-wd
+
+
+def test_muon_routes_what_it_cannot_take_to_adamw(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = {r["name"]: r for r in groups_json(capsys, "--optimizer", "muon")["parameters"]}
+    assert rows["blocks.0.attn.qkv.weight"]["algorithm"] == "muon"
+    for name in ("tok_emb.weight", "head.weight", "blocks.0.attn.qkv.bias", "ln_f.weight"):
+        assert rows[name]["algorithm"] == "adamw", name
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["groups", "--decoupled-lr", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "parameter" in out and "decided by" in out and "numel" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("blocks.0.attn.qkv.bias"))
+    assert "no weight decay" in line
+    assert "decoupled LR" in next(ln for ln in out.splitlines() if ln.startswith("head.weight"))
+
+
+def test_model_factory_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    report = groups_json(capsys, "--model", "optstack.demo.gpt:build_demo_model")
+    assert report["parameters"][0]["name"] == "tok_emb.weight"
+    bad = [("nocolon", "package.module:factory"), ("no_such_module_x:f", "cannot import"),
+           ("optstack.demo.gpt:nothing", "no callable"), ("optstack.demo.gpt:GPTConfig", "nn.Module")]
+    for spec, message in bad:
+        assert main(["groups", "--model", spec]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+
+
+def test_user_errors_exit_2_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["groups", "--lr", "-1"]) == 2
+    assert "lr" in capsys.readouterr().err
+    assert main(["train", "--nproc", "2"]) == 2
+    assert "not supported yet" in capsys.readouterr().err
+    assert main(["train", "--resume"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main([]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["groups", "--no-such-flag"])
+    assert exit_info.value.code == 2
