@@ -84,7 +84,7 @@ def test_every_hyperparameter_is_carried() -> None:
         extra_scale_factor=0.2, split_qkv=False, matmul_precision="highest", scalar_algorithm="lion",
     )
     assert got.distributed.sharding == "zero1" and got.distributed.overlap_param_gather
-    assert got.offload == core.OffloadConfig(fraction=0.25, overlap_transfers=True)
+    assert got.offload == core.OffloadConfig(enabled=True, fraction=0.25, overlap_transfers=True)
 
 
 def test_precision_and_loss_scaling() -> None:

@@ -182,12 +182,29 @@ class DistributedConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
-    """CPU offload of optimizer state: the first ``fraction`` of elements (in group order) live on the host."""
+    """CPU offload of optimizer state (``optstack.offload``): with ``enabled``, the first ``fraction`` of each
+    optimizer's elements (in group order; of this rank's shard under ZeRO-1) keep their fp32 master and
+    optimizer state in host memory and are stepped there; the rest stay on the device. Fraction 0 and 1 are
+    the two ends of the same code path. Needs an algorithm with a host kernel (adamw, adam, sgd) and
+    ``distributed.sharding`` 'replicated' or 'zero1'. While ``enabled`` is False the other fields are
+    ignored (as Megatron ignores ``optimizer_offload_fraction`` without ``optimizer_cpu_offload``).
 
+    Attributes:
+        enabled: step through the host/device hybrid optimizer.
+        fraction: share of the elements stepped on the host, in [0, 1] (0 by default, as Megatron's
+            ``optimizer_offload_fraction``: set it, e.g. 1.0 to offload everything).
+        overlap_transfers: on CUDA, run the device->host gradient and host->device parameter copies on side
+            streams overlapping the device step; nothing to overlap without CUDA.
+    """
+
+    enabled: bool = False
     fraction: float = 0.0
     overlap_transfers: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("enabled", "overlap_transfers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"offload.{name} must be a bool, got {getattr(self, name)!r}")
         _finite("offload.fraction", self.fraction)
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"offload.fraction must be in [0, 1], got {self.fraction!r}")

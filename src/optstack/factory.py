@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optstack.algorithms import get_algorithm
+from optstack.algorithms import AlgorithmSpec, get_algorithm
 from optstack.chained import ChainedOptimizer
 from optstack.config import OptimizerConfig, dtype_from_name
 from optstack.distributed.comm import is_initialized, world_comm
@@ -24,6 +24,7 @@ from optstack.distributed.layerwise import LayerWiseStage
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.sharded import ComposedComm, ShardedStage
 from optstack.groups import build_param_groups, group_keys
+from optstack.offload import offload_from_config
 from optstack.precision.scaler import LossScaler, make_scaler
 from optstack.precision.stages import FP32Stage, MixedPrecisionStage
 from optstack.protocol import Stage
@@ -282,7 +283,7 @@ def _build_stages(
             continue
         spec = get_algorithm(name)
         make = _maker(spec.cls, algorithm_kwargs(name, config))
-        stages.append(_stage(kind_groups, make, config, spec.family, expert, grad_of, ddp))
+        stages.append(_stage(kind_groups, make, config, spec, expert, grad_of, ddp))
     return stages
 
 
@@ -290,11 +291,13 @@ def _stage(
     groups: list[dict[str, Any]],
     make: Callable[[list[dict]], Any],
     config: OptimizerConfig,
-    family: str,
+    spec: AlgorithmSpec,
     expert: bool,
     grad_of: GradOf | None,
     ddp: DataParallel | None,
 ) -> Stage:
+    family = spec.family
+    make = offload_from_config(config, spec, make)  # CPU offload lives inside the inner optimizer
     replicated = FP32Stage if config.precision == "fp32" else MixedPrecisionStage
     if ddp is None:
         return replicated(groups, make, grad_of=grad_of)

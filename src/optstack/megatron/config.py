@@ -332,6 +332,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
                 sharding=sharding, overlap_param_gather=config.overlap_param_gather
             ),
             offload=core.OffloadConfig(
+                enabled=config.optimizer_cpu_offload,
                 fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
                 overlap_transfers=config.overlap_cpu_optimizer_d2h_h2d and config.optimizer_cpu_offload,
             ),
