@@ -8,21 +8,10 @@ import io
 
 import pytest
 import torch
+from optim_harness import IMPLS, batches, clones_with_grads, flat_views, make_model, max_rel_diff, train
 from torch import nn
 
 from optstack.algorithms import AdamW, _staging, adamw_reference
-
-IMPLS = ["auto", "fused", "foreach", "reference"]
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(steps)]
 
 
 def groups(model: nn.Module) -> list[dict]:
@@ -33,21 +22,6 @@ def groups(model: nn.Module) -> list[dict]:
         {"params": [second.weight, second.bias], "lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6,
          "weight_decay": 0.0},
     ]
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, data) -> list[list[torch.Tensor]]:
-    """Run the steps; return the parameters after every step."""
-    trajectory = []
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        trajectory.append([p.detach().clone() for p in model.parameters()])
-    return trajectory
-
-
-def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -136,24 +110,12 @@ def test_steps_differ_when_some_grads_are_missing() -> None:
         assert max_rel_diff(run(lambda ps, impl=impl: AdamW(ps, lr=1e-2, impl=impl)), expected) <= 1e-6, impl
 
 
-def flat_views(numels: list[int], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Tensors that are back-to-back views of one flat buffer, with grads that are views of another."""
-    gen = torch.Generator().manual_seed(seed)
-    flat, flat_grad = torch.randn(sum(numels), generator=gen), torch.randn(sum(numels), generator=gen)
-    views = list(flat.split(numels))
-    for view, grad in zip(views, flat_grad.split(numels), strict=True):
-        view.grad = grad
-    return flat, views
-
-
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 def test_flat_shard_views_step_in_one_call(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     numels = [7, 1, 30, 12]
     _, views = flat_views(numels, seed=3)
     views = views[::-1]  # the order in the group does not matter, the storage order does
-    clones = [v.detach().clone() for v in views]
-    for clone, view in zip(clones, views, strict=True):
-        clone.grad = view.grad.clone()
+    clones = clones_with_grads(views)
     calls: list[int] = []
     name = "_fused_adamw_" if impl == "fused" else "_foreach_lerp_"
     original = getattr(torch, name)

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from optstack.clip import check_norm_type, clip_coefficient, count_zeros, grads_for_norm, local_norm_pow
+from optstack.clip import (
+    check_norm_type,
+    clip_coefficient,
+    count_zeros,
+    grads_for_norm,
+    local_norm_pow,
+    reduced_norm_pow,
+    reduced_zero_count,
+)
 
 
 def _param(*shape: int, **attrs: bool) -> torch.Tensor:
@@ -77,3 +85,34 @@ def test_count_zeros() -> None:
     grads = [torch.tensor([0.0, 1.0, -0.0]), torch.zeros(2, 2), torch.tensor([3.0]).to(torch.bfloat16)]
     assert count_zeros(grads) == 6
     assert count_zeros([]) == 0
+
+
+class _TwoRanks:
+    """Stands in for a 2-rank group whose other rank holds the same values: records the ops asked for."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.ops.append(op)
+        return tensor.mul_(2) if op == "sum" else tensor
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_reduced_norm_pow_counts_what_grads_for_norm_keeps_and_reduces(norm_type: float) -> None:
+    params = [_param(3), _param(2, shared=True), _param(4, tensor_model_parallel=False)]
+    grads = [torch.tensor([1.0, -2.0, 0.0]), torch.full((2,), 9.0), torch.full((4,), 0.5)]
+    comm = _TwoRanks()
+    got = reduced_norm_pow(params, grads, norm_type, tp_rank=1, device=torch.device("cpu"), comm=comm)
+    local = local_norm_pow(grads_for_norm(params, grads, tp_rank=1), norm_type)
+    assert comm.ops == ["max" if math.isinf(norm_type) else "sum"]
+    assert got.item() == (local.item() if math.isinf(norm_type) else 2 * local.item())
+
+
+def test_reduced_zero_count_sums_over_the_group() -> None:
+    params = [_param(3), _param(2, shared=True), _param(2)]
+    grads = [torch.tensor([1.0, 0.0, 0.0]), torch.zeros(2), None]
+    comm = _TwoRanks()
+    assert reduced_zero_count(params, grads, tp_rank=0, device=torch.device("cpu"), comm=comm) == 4
+    assert comm.ops == ["sum"]
+    assert reduced_zero_count([], [], tp_rank=0, device=torch.device("cpu"), comm=comm) == 0

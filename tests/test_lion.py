@@ -7,27 +7,10 @@ import copy
 
 import pytest
 import torch
+from optim_harness import batches, clones_with_grads, flat_views, make_model, train
 from torch import nn
 
 from optstack.algorithms import Lion, lion_reference
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(steps)]
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, data) -> list[torch.Tensor]:
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def groups(model: nn.Module) -> list[dict]:
@@ -60,7 +43,7 @@ def test_foreach_equals_reference_bitwise() -> None:
     results = []
     for impl in ("reference", "foreach", "auto"):
         model = make_model()
-        results.append(train(model, Lion(groups(model), lr=1e-3, impl=impl), data))
+        results.append(train(model, Lion(groups(model), lr=1e-3, impl=impl), data)[-1])
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other, results[0], strict=True))
 
@@ -69,9 +52,9 @@ def test_foreach_equals_reference_bitwise() -> None:
 def test_equals_written_out_formula(impl: str) -> None:
     data = batches(50)
     model = make_model()
-    expected = train(model, WrittenOutLion(groups(model), lr=1e-3), data)
+    expected = train(model, WrittenOutLion(groups(model), lr=1e-3), data)[-1]
     model = make_model()
-    got = train(model, Lion(groups(model), lr=1e-3, impl=impl), data)
+    got = train(model, Lion(groups(model), lr=1e-3, impl=impl), data)[-1]
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
 
@@ -96,12 +79,8 @@ def test_state_is_one_tensor_and_grad_none_is_skipped() -> None:
 
 def test_flat_shard_views_equal_separate_tensors() -> None:
     numels = [4, 11, 2]
-    gen = torch.Generator().manual_seed(3)
-    flat, flat_grad = torch.randn(sum(numels), generator=gen), torch.randn(sum(numels), generator=gen)
-    views = list(flat.split(numels))
-    clones = [v.clone() for v in views]
-    for view, clone, grad in zip(views, clones, flat_grad.split(numels), strict=True):
-        view.grad, clone.grad = grad, grad.clone()
+    _, views = flat_views(numels, seed=3)
+    clones = clones_with_grads(views)
     opt = Lion(views, lr=0.1, weight_decay=0.1)
     reference = Lion(clones, lr=0.1, weight_decay=0.1, impl="reference")
     for _ in range(3):
@@ -135,5 +114,5 @@ def test_state_dict_round_trip(impl: str) -> None:
     fresh_model = copy.deepcopy(model)
     fresh = Lion(groups(fresh_model), lr=1e-3, impl=impl)
     fresh.load_state_dict(saved)
-    expected = train(model, opt, data[5:])
-    assert all(torch.equal(g, e) for g, e in zip(train(fresh_model, fresh, data[5:]), expected, strict=True))
+    expected = train(model, opt, data[5:])[-1]
+    assert all(torch.equal(g, e) for g, e in zip(train(fresh_model, fresh, data[5:])[-1], expected, strict=True))

@@ -46,3 +46,16 @@ def test_single_process_groups_are_null():
     assert ParallelGroups.single().expert_dp.name == "expert-data-parallel"
     with pytest.raises(ValueError, match="need an initialised torch.distributed"):
         ParallelGroups.from_world(tp=2)
+
+
+def test_package_re_exports_the_main_names() -> None:
+    import optstack.distributed as distributed
+    from optstack.distributed.comm import Comm, NullComm
+    from optstack.distributed.ddp import DataParallel
+    from optstack.distributed.layerwise import LayerWiseStage
+    from optstack.distributed.sharded import ShardedStage
+
+    assert (distributed.Comm, distributed.NullComm, distributed.DataParallel) == (Comm, NullComm, DataParallel)
+    assert distributed.ParallelGroups is ParallelGroups
+    assert (distributed.ShardedStage, distributed.LayerWiseStage) == (ShardedStage, LayerWiseStage)
+    assert set(distributed.__all__) >= {"ShardedStage", "LayerWiseStage", "ComposedComm", "ShardSpec"}

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
+from optim_harness import IMPLS, batches, clones_with_grads, flat_views, make_model, max_rel_diff, train
 from torch import nn
 
 from optstack.algorithms import SGD, sgd_reference
 
-IMPLS = ["auto", "fused", "foreach", "reference"]
 CONFIGS = {
     "plain": {},
     "weight_decay": {"weight_decay": 1e-2},
@@ -19,30 +19,6 @@ CONFIGS = {
     "nesterov": {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
     "dampening": {"momentum": 0.8, "dampening": 0.1, "weight_decay": 1e-2},
 }
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(steps)]
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, data) -> list[list[torch.Tensor]]:
-    trajectory = []
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        trajectory.append([p.detach().clone() for p in model.parameters()])
-    return trajectory
-
-
-def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b, strict=True))
 
 
 def groups(model: nn.Module) -> list[dict]:
@@ -122,14 +98,9 @@ def test_params_without_grad_are_skipped_and_plain_tensors_work() -> None:
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 def test_flat_shard_views_step_in_one_call(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     numels = [5, 9, 1, 20]
-    gen = torch.Generator().manual_seed(3)
-    flat, flat_grad = torch.randn(sum(numels), generator=gen), torch.randn(sum(numels), generator=gen)
-    views = list(flat.split(numels))[::-1]
-    for view, grad in zip(views, flat_grad.split(numels)[::-1], strict=True):
-        view.grad = grad
-    clones = [v.clone() for v in views]
-    for clone, view in zip(clones, views, strict=True):
-        clone.grad = view.grad.clone()
+    _, views = flat_views(numels, seed=3)
+    views = views[::-1]
+    clones = clones_with_grads(views)
     calls: list[int] = []
     name = "_fused_sgd_" if impl == "fused" else "_foreach_add_"
     original = getattr(torch, name)

@@ -2,17 +2,34 @@
 and the zero count.
 
 These are local computations. A stage reduces the result over the ranks its gradients are split across
-(through its ``Comm``), and the chained optimizer combines the stages into the one global norm.
+(through its ``Comm``; ``reduced_norm_pow`` and ``reduced_zero_count`` do both steps), and the chained
+optimizer combines the stages into the one global norm.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-__all__ = ["grads_for_norm", "local_norm_pow", "clip_coefficient", "count_zeros", "check_norm_type"]
+__all__ = [
+    "AllReduce",
+    "check_norm_type",
+    "clip_coefficient",
+    "count_zeros",
+    "grads_for_norm",
+    "local_norm_pow",
+    "reduced_norm_pow",
+    "reduced_zero_count",
+]
+
+
+class AllReduce(Protocol):
+    """What the reductions below need of a group: a ``Comm``, a ``NullComm`` or a ``ComposedComm``."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
 # Megatron adds this to the norm so a zero norm does not divide by zero.
 _CLIP_EPS = 1.0e-6
@@ -100,7 +117,31 @@ def count_zeros(grads: Sequence[torch.Tensor]) -> int:
     """Number of elements equal to zero across ``grads`` (one host sync)."""
     if not grads:
         return 0
+    return int(_zeros(grads, grads[0].device).item())
+
+
+def reduced_norm_pow(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], norm_type: float, *, tp_rank: int,
+    device: torch.device, comm: AllReduce,
+) -> torch.Tensor:
+    """``local_norm_pow`` of the gradients that count (``grads_for_norm``), reduced over ``comm`` (max for
+    the inf-norm, else sum): a 0-d fp32 tensor on ``device``, the same on every rank of ``comm``."""
+    total = local_norm_pow(grads_for_norm(params, grads, tp_rank=tp_rank), norm_type, device=device)
+    return comm.all_reduce(total, op="max" if math.isinf(norm_type) else "sum")
+
+
+def reduced_zero_count(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *, tp_rank: int,
+    device: torch.device, comm: AllReduce,
+) -> int:
+    """Zero elements of the gradients that count (``grads_for_norm``), summed over ``comm`` (one host sync)."""
+    counted = grads_for_norm(params, grads, tp_rank=tp_rank)
+    total = _zeros(counted, device) if counted else torch.zeros(1, dtype=torch.int64, device=device)
+    return int(comm.all_reduce(total.reshape(1), op="sum").item())
+
+
+def _zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Zero elements across ``grads`` (non-empty) as a 0-d int64 tensor on ``device``, without a host sync."""
     numel = sum(grad.numel() for grad in grads)
-    device = grads[0].device
     nonzero = torch.stack([torch.count_nonzero(grad).to(device) for grad in grads]).sum()
-    return numel - int(nonzero.item())
+    return numel - nonzero

@@ -1,4 +1,5 @@
-"""Helpers shared by the algorithm shells: hyperparameter checks, fast-path choice and flat tensor runs.
+"""Helpers shared by the algorithm shells: the per-device step template, hyperparameter checks, fast-path
+choice and flat tensor runs.
 
 The algorithms are element-wise, so a list of tensors that lie back to back in one storage can be stepped
 as one flat tensor: one kernel call instead of one per tensor. The distributed layer hands the inner
@@ -9,7 +10,7 @@ fused CPU kernel (a few microseconds) dominates for small tensors. ``coalesce`` 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -17,6 +18,7 @@ import torch
 __all__ = [
     "FUSED_DEVICE_TYPES",
     "Impl",
+    "PerDeviceOptimizer",
     "check_betas",
     "check_impl",
     "check_min",
@@ -31,6 +33,40 @@ Impl = Literal["auto", "fused", "foreach", "reference"]
 # Device types whose fused kernels we call on "auto". Measured on CPU (benchmarks/bench_adamw.py): the fused
 # AdamW kernel is ~5x faster than foreach; on CUDA it is torch's own recommended path. Elsewhere: foreach.
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
+
+
+class PerDeviceOptimizer(torch.optim.Optimizer):
+    """The shell AdamW, SGD and Lion share: check each group, then step its tensors with a grad per device.
+
+    Subclasses implement ``_check_group`` (raise a ValueError for a bad hyperparameter; it runs when a group
+    is added and again each step, since a scheduler may have written the group) and ``_step_device``.
+    """
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch.optim semantics) and validate its hyperparameters."""
+        super().add_param_group(param_group)
+        self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
+        """Step ``params`` (all on ``device``, all with a grad) with ``group``'s hyperparameters."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step over every tensor with a grad; returns the closure's loss (None without a closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for device, params in group_by_device(with_grad).items():
+                self._step_device(group, params, device)
+        return loss
 
 
 def check_impl(owner: str, impl: str, allowed: Sequence[str]) -> None:

@@ -25,7 +25,7 @@ prefer bf16 for tiny gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from itertools import chain
 from typing import Any
 
@@ -33,11 +33,11 @@ import torch
 
 from optstack.algorithms._common import (
     Impl,
+    PerDeviceOptimizer,
     check_betas,
     check_impl,
     check_min,
     coalesce,
-    group_by_device,
     resolve_impl,
     zeros_in_runs,
 )
@@ -92,7 +92,7 @@ def adamw_reference(
             storage.copy_(result)
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(PerDeviceOptimizer):
     """AdamW (decoupled weight decay) or Adam (L2), equal to ``torch.optim.AdamW`` / ``torch.optim.Adam``.
 
     Works on any leaf tensors with ``.grad`` set (fp32 masters, flat shard views), not only nn.Parameters;
@@ -141,30 +141,11 @@ class AdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (torch.optim semantics) and validate its hyperparameters."""
-        super().add_param_group(param_group)
-        self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
-
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         check_min(self._name, index, group, "lr")
         check_betas(self._name, index, group)
         check_min(self._name, index, group, "eps")
         check_min(self._name, index, group, "weight_decay")
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step over every tensor with a grad; returns the closure's loss (None without a closure)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            for device, params in group_by_device(with_grad).items():
-                self._step_device(group, params, device)
-        return loss
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)

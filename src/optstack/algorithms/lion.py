@@ -13,12 +13,19 @@ State per parameter: ``exp_avg`` (the momentum m), in the parameter's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 
-from optstack.algorithms._common import check_betas, check_impl, check_min, coalesce, zeros_in_runs
+from optstack.algorithms._common import (
+    PerDeviceOptimizer,
+    check_betas,
+    check_impl,
+    check_min,
+    coalesce,
+    zeros_in_runs,
+)
 
 __all__ = ["Lion", "lion_reference"]
 
@@ -48,7 +55,7 @@ def lion_reference(
     exp_avg.lerp_(grad, 1 - beta2)
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(PerDeviceOptimizer):
     """Lion on any leaf tensors with ``.grad`` set; tensors whose grad is None are skipped.
 
     Groups may override ``lr``, ``betas`` and ``weight_decay`` and carry extra keys. Lion's update has unit
@@ -75,49 +82,32 @@ class Lion(torch.optim.Optimizer):
         self.impl = impl
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (torch.optim semantics) and validate its hyperparameters."""
-        super().add_param_group(param_group)
-        self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
-
     @staticmethod
     def _check_group(index: int, group: dict[str, Any]) -> None:
         check_min("Lion", index, group, "lr")
         check_betas("Lion", index, group)
         check_min("Lion", index, group, "weight_decay")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step over every tensor with a grad; returns the closure's loss (None without a closure)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            new = [p for p in params if "exp_avg" not in self.state[p]]
-            for p, exp_avg in zip(new, zeros_in_runs(new), strict=True):
-                self.state[p]["exp_avg"] = exp_avg
-            grads = [p.grad for p in params]
-            exp_avgs = [self.state[p]["exp_avg"] for p in params]
-            beta1, beta2 = (float(b) for b in group["betas"])
-            hyper = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
-                     "weight_decay": float(group["weight_decay"])}
-            if self.impl == "reference":
-                for p, g, m in zip(params, grads, exp_avgs, strict=True):
-                    lion_reference(p, g, m, **hyper)
-                continue
-            # foreach ops need one device and dtype per call
-            batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-            for i, p in enumerate(params):
-                batches.setdefault((p.device, p.dtype), []).append(i)
-            for picked in batches.values():
-                merged, _ = coalesce([[ts[i] for i in picked] for ts in (params, grads, exp_avgs)])
-                _foreach(*merged, **hyper)
-        return loss
+    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
+        new = [p for p in params if "exp_avg" not in self.state[p]]
+        for p, exp_avg in zip(new, zeros_in_runs(new), strict=True):
+            self.state[p]["exp_avg"] = exp_avg
+        grads = [p.grad for p in params]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        hyper = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
+                 "weight_decay": float(group["weight_decay"])}
+        if self.impl == "reference":
+            for p, g, m in zip(params, grads, exp_avgs, strict=True):
+                lion_reference(p, g, m, **hyper)
+            return
+        # foreach ops need one dtype per call (the base class already split by device)
+        batches: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            batches.setdefault(p.dtype, []).append(i)
+        for picked in batches.values():
+            merged, _ = coalesce([[ts[i] for i in picked] for ts in (params, grads, exp_avgs)])
+            _foreach(*merged, **hyper)
 
 
 def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *,

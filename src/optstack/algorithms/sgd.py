@@ -9,17 +9,17 @@ in the parameter's dtype, as torch.optim.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from optstack.algorithms._common import (
     Impl,
+    PerDeviceOptimizer,
     check_impl,
     check_min,
     coalesce,
-    group_by_device,
     resolve_impl,
     zeros_in_runs,
 )
@@ -62,7 +62,7 @@ def sgd_reference(
     param.add_(d_p, alpha=-lr)
 
 
-class SGD(torch.optim.Optimizer):
+class SGD(PerDeviceOptimizer):
     """SGD, equal to ``torch.optim.SGD`` (without ``maximize``), on any leaf tensors with ``.grad`` set.
 
     Tensors whose grad is None are skipped. Groups may override every hyperparameter and carry extra keys.
@@ -99,11 +99,6 @@ class SGD(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (torch.optim semantics) and validate its hyperparameters."""
-        super().add_param_group(param_group)
-        self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
-
     @staticmethod
     def _check_group(index: int, group: dict[str, Any]) -> None:
         for key in ("lr", "momentum", "weight_decay"):
@@ -113,20 +108,6 @@ class SGD(torch.optim.Optimizer):
                 f"SGD param group {index}: nesterov needs momentum > 0 and dampening == 0, got "
                 f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
             )
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step over every tensor with a grad; returns the closure's loss (None without a closure)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            for device, params in group_by_device(with_grad).items():
-                self._step_device(group, params, device)
-        return loss
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)

@@ -15,6 +15,7 @@ falls back to an all-reduce when a backend has no native reduce-scatter.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized",
-    "world_rank", "world_size", "new_group", "new_subgroups",
+    "world_rank", "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group",
 ]
 
 ProcessGroup = dist.ProcessGroup
@@ -390,3 +391,46 @@ def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,
             mine = comm
     assert mine is not None  # every rank is in one list (checked above)
     return mine
+
+
+def init_process_group(
+    rank: int,
+    size: int,
+    *,
+    store_path: str | os.PathLike[str],
+    device: torch.device | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+) -> Comm | NullComm:
+    """Join a world of ``size`` processes on one machine that meet through a file (no port to pick).
+
+    Every rank calls it with the same ``store_path`` (a file in a directory all of them can write, which
+    must not exist before the first rank calls). The backend follows the device: NCCL for a CUDA
+    ``device`` (bound to it), gloo otherwise. ``timeout`` bounds the rendezvous and every collective of the
+    world group.
+
+    Returns:
+        The world as a ``Comm`` (``NullComm`` when ``size`` is 1).
+
+    Raises:
+        ValueError: ``rank`` / ``size`` out of range or a world already initialised.
+        CommError: the rendezvous failed or timed out.
+    """
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"init_process_group: need 0 <= rank < size, got rank={rank}, size={size}")
+    if is_initialized():
+        raise ValueError("init_process_group: torch.distributed is already initialised in this process")
+    cuda = device is not None and device.type == "cuda"
+    try:
+        store = dist.FileStore(os.fspath(store_path), size)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
+                                timeout=timeout, device_id=device if cuda else None)
+    except Exception as exc:
+        raise CommError(f"rank {rank} of {size} could not join the world through {os.fspath(store_path)!r} "
+                        f"within {timeout.total_seconds():g} s: {exc}") from exc
+    return world_comm("world", timeout)
+
+
+def destroy_process_group() -> None:
+    """Leave the world joined by ``init_process_group`` (nothing to do when none is initialised)."""
+    if is_initialized():
+        dist.destroy_process_group()

@@ -128,6 +128,10 @@ class DataParallel(nn.Module):
         self._slot_of_param: dict[int, tuple[int, ParamAndGradBuffer]] = {
             id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params
         }
+        # The hook's accumulation targets, made once: a view per call costs as much as the add for small params.
+        self._grad_views: dict[int, torch.Tensor] = {
+            id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params
+        }
         self._sync_enabled = True
         self._synced = True  # nothing accumulated since the last finish_grad_sync: calling it again is a no-op
         self._reset_sync_state()
@@ -149,9 +153,10 @@ class DataParallel(nn.Module):
                 "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step"
             )
         with torch.no_grad():
-            buf.grad_view(param).add_(param.grad)
+            self._grad_views[id(param)].add_(param.grad)
         param.grad = None
-        self._synced = False
+        if self._synced:  # nn.Module.__setattr__ is slow; write only on the first gradient of a step
+            self._synced = False
         if not self._sync_enabled:
             return
         self._ready.add(id(param))

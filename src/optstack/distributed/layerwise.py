@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from optstack.clip import count_zeros, grads_for_norm, local_norm_pow
+from optstack.clip import reduced_norm_pow, reduced_zero_count
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import DataParallel
-from optstack.distributed.sharded import ComposedComm, MakeOptimizer, ShardSpec
-from optstack.precision.stages import GradOf, MixedPrecisionStage
+from optstack.distributed.parallel import ComposedComm
+from optstack.distributed.shard_state import ShardSpec, load_param_state, param_state_entry
+from optstack.precision.stages import GradOf, MakeOptimizer, MixedPrecisionStage
 from optstack.protocol import Stage, phase
 
 __all__ = ["LayerWiseStage", "assign_params", "newton_schulz_cost"]
@@ -240,14 +241,12 @@ class LayerWiseStage(Stage):
         return out
 
     def grad_norm_sq(self, norm_type: float) -> torch.Tensor:
-        grads = grads_for_norm(self._params, self._all_grads(), tp_rank=self._tp_rank)
-        total = local_norm_pow(grads, norm_type, device=self._device)
-        return self._norm_comm.all_reduce(total, op="max" if math.isinf(norm_type) else "sum")
+        return reduced_norm_pow(self._params, self._all_grads(), norm_type, tp_rank=self._tp_rank,
+                                device=self._device, comm=self._norm_comm)
 
     def count_zeros(self) -> int:
-        grads = grads_for_norm(self._params, self._all_grads(), tp_rank=self._tp_rank)
-        total = torch.tensor([count_zeros(grads)], dtype=torch.int64, device=self._device)
-        return int(self._norm_comm.all_reduce(total, op="sum").item())
+        return reduced_zero_count(self._params, self._all_grads(), tp_rank=self._tp_rank,
+                                  device=self._device, comm=self._norm_comm)
 
     def scale_grads(self, factor: float) -> None:
         self._inner.scale_grads(factor)
@@ -324,18 +323,9 @@ class LayerWiseStage(Stage):
         """Per owned parameter name: ``"param"`` (the fp32 master or the parameter) and every element-wise
         optimizer state tensor as a ``ShardSpec`` covering the whole flattened parameter (references);
         scalar state as it is. Parameters other ranks own are absent."""
-        out: dict[str, dict[str, ShardSpec | Any]] = {}
         state = self._inner.optimizer.state
-        for name, param, inner in self._owned():
-            shape, numel = tuple(param.shape), param.numel()
-            entry: dict[str, ShardSpec | Any] = {"param": ShardSpec(shape, 0, numel, inner.view(-1))}
-            for key, value in state.get(inner, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == inner.shape:
-                    entry[key] = ShardSpec(shape, 0, numel, value.view(-1))
-                else:
-                    entry[key] = value
-            out[name] = entry
-        return out
+        return {name: param_state_entry(tuple(param.shape), 0, param.numel(), inner, state.get(inner, {}))
+                for name, param, inner in self._owned()}
 
     def load_sharded_param_state(self, state: dict[str, dict[str, ShardSpec | Any]]) -> None:
         """Load ``sharded_param_state``'s form; every owned parameter needs entries covering it whole.
@@ -343,30 +333,15 @@ class LayerWiseStage(Stage):
         Raises:
             ValueError: an owned parameter is missing or a ``ShardSpec`` does not cover it; nothing changes.
         """
-        optimizer = self._inner.optimizer
-        per_param: dict[int, dict[str, Any]] = {}
-        values: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for index, (name, param, inner) in enumerate(self._owned()):
-            entry = state.get(name)
-            if entry is None or "param" not in entry:
-                raise ValueError(f"LayerWiseStage: no state for parameter {name!r} (needs at least 'param')")
-            loaded = {}
-            for key, value in entry.items():
-                if isinstance(value, ShardSpec):
-                    if (tuple(value.global_shape) != tuple(param.shape) or value.flat_start != 0
-                            or value.flat_end != param.numel() or value.local.numel() != param.numel()):
-                        raise ValueError(
-                            f"LayerWiseStage: {key!r} of {name!r} must cover the whole parameter "
-                            f"{tuple(param.shape)}, got {value.global_shape} [{value.flat_start}, "
-                            f"{value.flat_end})")
-                    loaded[key] = value.local.reshape(inner.shape).to(inner.device).clone()
-                else:
-                    loaded[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            values.append((inner, loaded.pop("param")))
-            per_param[index] = loaded
-        saved = optimizer.state_dict()
-        saved["state"] = {i: v for i, v in per_param.items() if v}
-        optimizer.load_state_dict(saved)
-        with torch.no_grad():
-            for inner, value in values:
-                inner.copy_(value)
+        owned = self._owned()
+
+        def cut(index: int, key: str, value: ShardSpec) -> torch.Tensor:
+            name, param, inner = owned[index]
+            if (tuple(value.global_shape) != tuple(param.shape) or value.flat_start != 0
+                    or value.flat_end != param.numel() or value.local.numel() != param.numel()):
+                raise ValueError(
+                    f"LayerWiseStage: {key!r} of {name!r} must cover the whole parameter "
+                    f"{tuple(param.shape)}, got {value.global_shape} [{value.flat_start}, {value.flat_end})")
+            return value.local.reshape(inner.shape).to(inner.device).clone()
+
+        load_param_state("LayerWiseStage", self._inner.optimizer, [(n, i) for n, _, i in owned], state, cut)

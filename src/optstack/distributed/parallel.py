@@ -13,14 +13,19 @@ so an expert-parallel group is ``ep`` neighbouring data-parallel ranks and the e
 tensor x pipeline: all ranks with the same data-parallel rank (the grad norm is reduced over it).
 
 ``RankLayout`` is the pure rank arithmetic; ``ParallelGroups`` holds one ``Comm`` (or ``NullComm`` for a
-dimension of size 1) per kind. Only ``comm.py`` touches torch.distributed.
+dimension of size 1) per kind; ``ComposedComm`` all-reduces over several of them in turn. Only ``comm.py``
+touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
 
 from optstack.distributed.comm import (
     Comm,
@@ -31,7 +36,7 @@ from optstack.distributed.comm import (
     world_size,
 )
 
-__all__ = ["ParallelGroups", "RankLayout", "GroupKind"]
+__all__ = ["ComposedComm", "ParallelGroups", "RankLayout", "GroupKind"]
 
 GroupKind = Literal["dp", "tp", "pp", "ep", "expert_dp", "mp"]
 _NAMES: dict[str, str] = {
@@ -178,3 +183,22 @@ class ParallelGroups:
         else:
             comms["mp"] = comms["tp"] if "tp" in names else comms["pp"]
         return cls(ep=NullComm(_NAMES["ep"]), expert_dp=comms["dp"], **comms)
+
+
+class ComposedComm:
+    """All-reduce over several orthogonal groups in turn (e.g. data-parallel, then model-parallel): the
+    result is the reduction over their product. Only ``all_reduce`` is offered; it is what norms and
+    non-finite checks need."""
+
+    def __init__(self, comms: Sequence[Comm | NullComm]) -> None:
+        self.comms = [c for c in comms if c.size > 1]
+        self.name = " x ".join(c.name for c in comms) or "single-process"
+        self.size = math.prod(c.size for c in self.comms)
+
+    def __repr__(self) -> str:
+        return f"ComposedComm({self.name!r}, size={self.size})"
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        for comm in self.comms:
+            comm.all_reduce(tensor, op)
+        return tensor

@@ -24,66 +24,38 @@ Expert (MoE) parameters get their own stage (``expert=True``) over the expert da
 and non-finite check also reduce over the expert-parallel group, whose ranks hold different experts.
 
 The gathers themselves (whole buckets, or only this stage's pieces of a bucket shared with another stage;
-all-gather or broadcasts; the forward pre-hooks) are ``param_gather.py``'s.
+all-gather or broadcasts; the forward pre-hooks) are ``param_gather.py``'s; the name-keyed state form
+(``ShardSpec``) is ``shard_state.py``'s.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from optstack.clip import count_zeros, grads_for_norm, local_norm_pow
+from optstack.clip import reduced_norm_pow, reduced_zero_count
 from optstack.distributed.buffers import ParamAndGradBuffer
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import DataParallel
+from optstack.distributed.parallel import ComposedComm
 from optstack.distributed.param_gather import (
     BucketGather,
     gather_via,
     plan_bucket_gathers,
     register_wait_hooks,
 )
+from optstack.distributed.shard_state import ShardSpec, load_param_state, param_state_entry
+from optstack.precision.stages import MakeOptimizer
 from optstack.protocol import Stage, phase
 
+# ComposedComm, ShardSpec and MakeOptimizer live elsewhere; they are re-exported for existing imports.
 __all__ = ["ShardedStage", "ComposedComm", "ShardSpec", "MakeOptimizer"]
 
-MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class ComposedComm:
-    """All-reduce over several orthogonal groups in turn (e.g. data-parallel, then model-parallel): the
-    result is the reduction over their product. Only ``all_reduce`` is offered; it is what norms and
-    non-finite checks need."""
-
-    def __init__(self, comms: Sequence[Comm | NullComm]) -> None:
-        self.comms = [c for c in comms if c.size > 1]
-        self.name = " x ".join(c.name for c in comms) or "single-process"
-        self.size = math.prod(c.size for c in self.comms)
-
-    def __repr__(self) -> str:
-        return f"ComposedComm({self.name!r}, size={self.size})"
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        for comm in self.comms:
-            comm.all_reduce(tensor, op)
-        return tensor
-
-
-class ShardSpec(NamedTuple):
-    """Which flat range of a full parameter-shaped tensor this rank holds.
-
-    ``local`` is the 1-D tensor of elements ``[flat_start, flat_end)`` of the flattened ``global_shape``.
-    """
-
-    global_shape: tuple[int, ...]
-    flat_start: int
-    flat_end: int
-    local: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,7 +139,15 @@ class ShardedStage(Stage):
             raise ValueError("ShardedStage: make_optimizer must build the optimizer over exactly the groups "
                              "given, in order")
         self._optimizer = optimizer
-        self._grad_copies: list[torch.Tensor] | None = None  # fp32 grads when the grad buffer is not fp32
+        # Per-step bookkeeping, fixed by the pieces: computed once here, not in every step.
+        self._model_params = [p.param for p in self._pieces]
+        self._copied = [p for p in self._pieces if p.grad_view.dtype != p.inner.dtype]
+        self._piece_grads: list[torch.Tensor] | None = None  # each piece's .grad; built on the first step
+        self._grad_copies: list[torch.Tensor] = []  # fp32 grads when the grad buffer is not fp32
+        self._grads_by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # _piece_grads by dtype
+        with_master = [p for p in self._pieces if p.has_master]
+        self._publish_to = [p.model_view for p in with_master]
+        self._publish_from = [p.inner for p in with_master]
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
         for members in located:
             for name, param, buffer in members:
@@ -275,40 +255,39 @@ class ShardedStage(Stage):
         self.finish_param_sync()
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
         inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self._device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for grad in self._load_grads():
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        for grads in by_dtype.values():
+        for grads in self._load_grads().values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         self._reduce.all_reduce(found, op="max")
         return bool(found.item() > 0)
 
-    def _load_grads(self) -> list[torch.Tensor]:
-        """Point every piece's ``.grad`` at its owned gradient (copied to fp32 when the buffer is not)."""
-        copied = [p for p in self._pieces if p.grad_view.dtype != p.inner.dtype]
-        if copied and self._grad_copies is None:
-            self._grad_copies = _back_to_back([p.inner for p in copied])
-        if copied:
-            torch._foreach_copy_(self._grad_copies, [p.grad_view for p in copied])
-        copies = iter(self._grad_copies or ())
-        for piece in self._pieces:
-            piece.inner.grad = next(copies) if piece.grad_view.dtype != piece.inner.dtype else piece.grad_view
-        return [p.inner.grad for p in self._pieces]
+    def _load_grads(self) -> dict[torch.dtype, list[torch.Tensor]]:
+        """Point every piece's ``.grad`` at its owned gradient (copied to fp32 when the buffer is not);
+        returns those gradients by dtype."""
+        if self._piece_grads is None:  # the fp32 copies are allocated on first use
+            self._grad_copies = _back_to_back([p.inner for p in self._copied])
+            copies = iter(self._grad_copies)
+            self._piece_grads = [next(copies) if p.grad_view.dtype != p.inner.dtype else p.grad_view
+                                 for p in self._pieces]
+            for grad in self._piece_grads:
+                self._grads_by_dtype.setdefault(grad.dtype, []).append(grad)
+        if self._copied:
+            torch._foreach_copy_(self._grad_copies, [p.grad_view for p in self._copied])
+        for piece, grad in zip(self._pieces, self._piece_grads, strict=True):
+            piece.inner.grad = grad
+        return self._grads_by_dtype
 
     def _ready_grads(self) -> list[torch.Tensor]:
         return [p.inner.grad for p in self._pieces if p.inner.grad is not None]
 
     def grad_norm_sq(self, norm_type: float) -> torch.Tensor:
-        grads = grads_for_norm([p.param for p in self._pieces], [p.inner.grad for p in self._pieces],
-                               tp_rank=self._tp_rank)
-        total = local_norm_pow(grads, norm_type, device=self._device)
-        return self._reduce.all_reduce(total, op="max" if math.isinf(norm_type) else "sum")
+        grads = [p.inner.grad for p in self._pieces]
+        return reduced_norm_pow(self._model_params, grads, norm_type, tp_rank=self._tp_rank, device=self._device,
+                                comm=self._reduce)
 
     def count_zeros(self) -> int:
-        grads = grads_for_norm([p.param for p in self._pieces], [p.inner.grad for p in self._pieces],
-                               tp_rank=self._tp_rank)
-        total = torch.tensor([count_zeros(grads)], dtype=torch.int64, device=self._device)
-        return int(self._reduce.all_reduce(total, op="sum").item())
+        grads = [p.inner.grad for p in self._pieces]
+        return reduced_zero_count(self._model_params, grads, tp_rank=self._tp_rank, device=self._device,
+                                  comm=self._reduce)
 
     def scale_grads(self, factor: float) -> None:
         grads = self._ready_grads()
@@ -319,10 +298,9 @@ class ShardedStage(Stage):
         self.finish_param_sync()
         self._optimizer.step()
         with phase("publish_params"):
-            with_master = [p for p in self._pieces if p.has_master]
-            if with_master:
+            if self._publish_to:
                 with torch.no_grad():
-                    torch._foreach_copy_([p.model_view for p in with_master], [p.inner for p in with_master])
+                    torch._foreach_copy_(self._publish_to, self._publish_from)
         with phase("param_gather"):
             for gather in self._gathers:
                 gather.launch()
@@ -390,18 +368,12 @@ class ShardedStage(Stage):
         shape, flat range, local 1-D tensor; references). Scalar state (e.g. ``"step"``) is given as it is,
         not as a ``ShardSpec``. Parameters this rank owns nothing of are absent."""
         self.finish_param_sync()
-        out: dict[str, dict[str, ShardSpec | Any]] = {}
-        for piece in self._pieces:
-            shape = tuple(piece.param.shape)
-            entry: dict[str, ShardSpec | Any] = {
-                "param": ShardSpec(shape, piece.start, piece.end, piece.inner)}
-            for key, value in self._optimizer.state.get(piece.inner, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == piece.inner.shape:
-                    entry[key] = ShardSpec(shape, piece.start, piece.end, value)
-                else:
-                    entry[key] = value
-            out[piece.name] = entry
-        return out
+        state = self._optimizer.state
+        return {
+            piece.name: param_state_entry(tuple(piece.param.shape), piece.start, piece.end, piece.inner,
+                                          state.get(piece.inner, {}))
+            for piece in self._pieces
+        }
 
     def load_sharded_param_state(self, state: dict[str, dict[str, ShardSpec | Any]]) -> None:
         """Load name-keyed state in ``sharded_param_state``'s form. Each ``ShardSpec`` must cover this
@@ -413,22 +385,8 @@ class ShardedStage(Stage):
                 nothing is changed then.
         """
         self.finish_param_sync()
-        per_piece: dict[int, dict[str, Any]] = {}
-        masters: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for index, piece in enumerate(self._pieces):
-            entry = state.get(piece.name)
-            if entry is None or "param" not in entry:
-                raise ValueError(f"ShardedStage: no state for parameter {piece.name!r} (needs at least "
-                                 "'param')")
-            values = {key: _cut(piece, key, value) for key, value in entry.items()}
-            masters.append((piece.inner, values.pop("param")))
-            per_piece[index] = values
-        saved = self._optimizer.state_dict()
-        saved["state"] = {i: v for i, v in per_piece.items() if v}
-        self._optimizer.load_state_dict(saved)
-        with torch.no_grad():
-            for inner, value in masters:
-                inner.copy_(value)
+        load_param_state("ShardedStage", self._optimizer, [(p.name, p.inner) for p in self._pieces], state,
+                         lambda index, key, spec: _cut(self._pieces[index], key, spec))
 
 
 def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -445,10 +403,8 @@ def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
-def _cut(piece: _Piece, key: str, value: ShardSpec | Any) -> Any:
-    """This piece's part of one saved value (a ShardSpec), or the scalar state as it is."""
-    if not isinstance(value, ShardSpec):
-        return value.clone() if isinstance(value, torch.Tensor) else value
+def _cut(piece: _Piece, key: str, value: ShardSpec) -> torch.Tensor:
+    """This piece's part of one saved ``ShardSpec`` (a copy on the piece's device)."""
     if tuple(value.global_shape) != tuple(piece.param.shape):
         raise ValueError(f"ShardedStage: {key!r} of {piece.name!r} has global shape {value.global_shape}, "
                          f"the parameter is {tuple(piece.param.shape)}")

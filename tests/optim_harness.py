@@ -1,0 +1,55 @@
+"""Scaffolding shared by the algorithm tests (AdamW, SGD, Lion): a tiny seeded model and data, a training
+loop that records the trajectory, a relative-difference measure and back-to-back flat views."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IMPLS = ["auto", "fused", "foreach", "reference"]
+
+
+def make_model() -> nn.Module:
+    """A seeded two-layer MLP (6 -> 12 -> 3)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` seeded (input, target) pairs for ``make_model``."""
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(steps)]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data) -> list[list[torch.Tensor]]:
+    """Run the steps; return the parameters after every step."""
+    trajectory = []
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    return trajectory
+
+
+def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest ``max|x - y| / max|y|`` over pairs."""
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b, strict=True))
+
+
+def flat_views(numels: list[int], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Tensors that are back-to-back views of one flat buffer, with grads that are views of another."""
+    gen = torch.Generator().manual_seed(seed)
+    flat, flat_grad = torch.randn(sum(numels), generator=gen), torch.randn(sum(numels), generator=gen)
+    views = list(flat.split(numels))
+    for view, grad in zip(views, flat_grad.split(numels), strict=True):
+        view.grad = grad
+    return flat, views
+
+
+def clones_with_grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Separate copies of ``tensors`` and of their grads."""
+    clones = [t.detach().clone() for t in tensors]
+    for clone, t in zip(clones, tensors, strict=True):
+        clone.grad = t.grad.clone()
+    return clones
