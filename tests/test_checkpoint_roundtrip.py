@@ -108,6 +108,25 @@ def test_load_into_a_trained_optimizer_replaces_everything(tmp_path: Path) -> No
     assert_same(_snapshot(other_model, other), expected)
 
 
+def test_load_without_model_publishes_the_masters(tmp_path: Path) -> None:
+    """Without ``model=`` the bf16 parameters still come from the checkpoint: its fp32 masters, rounded."""
+    model = _model(torch.bfloat16)
+    built = _build(model, "bf16")
+    _train(model, built, range(3))
+    save_checkpoint(tmp_path, built.optimizer, step=3)
+    masters = {n: s.tensors["param"].clone() for n, s in built.optimizer.stages[0].param_shards().items()}
+    fresh_model = _model(torch.bfloat16, seed=4)
+    fresh = _build(fresh_model, "bf16")
+    named = dict(fresh_model.named_parameters())
+    assert masters.keys() == named.keys()
+    assert not any(torch.equal(p, masters[n].view(p.shape).bfloat16()) for n, p in named.items())
+    load_checkpoint(tmp_path, fresh.optimizer)
+    for name, param in named.items():
+        assert torch.equal(param, masters[name].view(param.shape).bfloat16()), name
+    assert torch.equal(torch.cat([p.detach().flatten() for p in named.values()]),
+                       torch.cat([p.detach().flatten() for p in model.parameters()]))
+
+
 def test_lazy_state_before_the_first_step(tmp_path: Path) -> None:
     """A checkpoint taken before any step has no moments; loading it into a trained optimizer drops them,
     and loading a later checkpoint into a fresh optimizer creates them."""

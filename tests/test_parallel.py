@@ -58,4 +58,4 @@ def test_package_re_exports_the_main_names() -> None:
     assert (distributed.Comm, distributed.NullComm, distributed.DataParallel) == (Comm, NullComm, DataParallel)
     assert distributed.ParallelGroups is ParallelGroups
     assert (distributed.ShardedStage, distributed.LayerWiseStage) == (ShardedStage, LayerWiseStage)
-    assert set(distributed.__all__) >= {"ShardedStage", "LayerWiseStage", "ComposedComm", "ShardSpec"}
+    assert set(distributed.__all__) >= {"ShardedStage", "LayerWiseStage", "ComposedComm"}

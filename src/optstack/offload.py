@@ -29,15 +29,13 @@ the truth a load writes to) and their gradients; what offload takes off the devi
 bytes per element for AdamW) and the update's work.
 
 ``state_dict`` / ``load_state_dict`` have exactly the form of the inner optimizer's (the same groups, the
-same per-tensor state indexed in group order), and the class of ``HybridDeviceOptimizer.wrap(inner, ...)``
-carries the inner class's name (checkpoints identify a group's algorithm by it), so a checkpoint saved
-offloaded loads into a plain optimizer and back. ``state`` maps each device tensor to its state, wherever
-that lives.
+same per-tensor state indexed in group order), and ``algorithm_name`` is the inner optimizer's (checkpoints
+identify a group's algorithm by ``protocol.algorithm_name``), so a checkpoint saved offloaded loads into a
+plain optimizer and back. ``state`` maps each device tensor to its state, wherever that lives.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,14 +46,9 @@ from optstack.algorithms.registry import AlgorithmSpec, algorithm_names, get_alg
 from optstack.config import OptimizerConfig
 from optstack.offload_state import NOT_SYNCED, Slot, StateView, loaded_groups, merge_state_dicts, split_state_dict
 from optstack.offload_transfers import copies_for
-from optstack.protocol import phase
+from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
-__all__ = [
-    "DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "MakeOptimizer", "offload_from_config", "offloaded",
-    "plan_offload",
-]
-
-MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offload_from_config", "offloaded", "plan_offload"]
 
 #: Elements per host chunk (64 MiB of fp32): large enough that per-chunk costs vanish, small enough that the
 #: copy back of one chunk overlaps the host step of the next.
@@ -112,8 +105,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ValueError: a bad ``fraction`` or ``chunk_numel``; ``inner`` not an optimizer; ``make_optimizer``
             not building over the groups given.
 
-    Groups are fixed at construction (``add_param_group`` afterwards raises).
+    Groups are fixed at construction (``add_param_group`` afterwards raises). ``algorithm_name`` is the
+    inner optimizer's (an offloaded ``AdamW`` is an ``AdamW`` to checkpoints).
     """
+
+    algorithm_name: str
 
     def __init__(
         self,
@@ -129,7 +125,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         _check_fraction(fraction)
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"HybridDeviceOptimizer: chunk_numel must be an int >= 1, got {chunk_numel!r}")
-        self._inner_name = type(inner).__name__
+        self.algorithm_name = algorithm_name(inner)
         super().__init__([dict(g) for g in inner.param_groups], dict(inner.defaults))
         params = [p for g in self.param_groups for p in g["params"]]
         count = plan_offload([p.numel() for p in params], fraction)
@@ -149,15 +145,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._reread = True
         if inner.state:
             self.load_state_dict(inner.state_dict())
-
-    @classmethod
-    def wrap(cls, inner: torch.optim.Optimizer, make_optimizer: MakeOptimizer, **options: Any
-             ) -> HybridDeviceOptimizer:
-        """Like the constructor, but the result's class is named after ``inner``'s (an offloaded ``AdamW``
-        is an ``AdamW`` to whatever identifies an algorithm by its class name, e.g. checkpoints)."""
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise ValueError(f"HybridDeviceOptimizer: inner must be a torch.optim.Optimizer, got {inner!r:.80}")
-        return _named_like(type(inner))(inner, make_optimizer, **options)
 
     # -- construction --------------------------------------------------------------------------------
     def _build(self, make_optimizer: MakeOptimizer, members: Mapping[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -219,7 +206,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         total = sum(p.numel() for g in self.param_groups for p in g["params"])
         host = sum(t.numel() for t in self.host_tensors)
-        return (f"HybridDeviceOptimizer({self._inner_name}, {host}/{total} elements on the host in "
+        return (f"HybridDeviceOptimizer({self.algorithm_name}, {host}/{total} elements on the host in "
                 f"{len(self._chunks)} chunk(s), overlap_transfers={self._copies.overlap})")
 
     # -- the step ------------------------------------------------------------------------------------
@@ -315,7 +302,7 @@ def offloaded(
     overlap_transfers: bool = False,
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
 ) -> MakeOptimizer:
-    """``make_optimizer`` with CPU offload: builds ``HybridDeviceOptimizer.wrap(make_optimizer(groups), ...)``.
+    """``make_optimizer`` with CPU offload: builds ``HybridDeviceOptimizer(make_optimizer(groups), ...)``.
 
     Plug the result in wherever a stage takes ``make_optimizer`` (``FP32Stage``, ``MixedPrecisionStage``,
     ``ShardedStage``); the arguments are ``HybridDeviceOptimizer``'s. Raises ``ValueError`` for a bad
@@ -324,8 +311,8 @@ def offloaded(
     _check_fraction(fraction)
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return HybridDeviceOptimizer.wrap(make_optimizer(groups), make_optimizer, fraction=fraction,
-                                          overlap_transfers=overlap_transfers, chunk_numel=chunk_numel)
+        return HybridDeviceOptimizer(make_optimizer(groups), make_optimizer, fraction=fraction,
+                                     overlap_transfers=overlap_transfers, chunk_numel=chunk_numel)
 
     return make
 
@@ -352,15 +339,6 @@ def offload_from_config(config: OptimizerConfig, spec: AlgorithmSpec, make_optim
             "offload.enabled=True cannot be combined with distributed.sharding='layerwise' (whole parameters "
             "assigned to ranks for Muon); use distributed.sharding='replicated' or 'zero1' with offload")
     return offloaded(make_optimizer, fraction=options.fraction, overlap_transfers=options.overlap_transfers)
-
-
-@functools.cache
-def _named_like(inner_cls: type[torch.optim.Optimizer]) -> type[HybridDeviceOptimizer]:
-    # Checkpoints identify the algorithm of a group by the optimizer's class name: a subclass carrying the
-    # inner name lets them move between offloaded and plain runs.
-    return type(inner_cls.__name__, (HybridDeviceOptimizer,),
-                {"__module__": __name__, "__qualname__": f"HybridDeviceOptimizer[{inner_cls.__qualname__}]",
-                 "__doc__": f"HybridDeviceOptimizer over {inner_cls.__qualname__} (see HybridDeviceOptimizer)."})
 
 
 def _chunk_positions(numels: Sequence[int], chunk_numel: int) -> list[range]:

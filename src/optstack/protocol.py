@@ -24,7 +24,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ParamShard", "StepResult", "Stage", "phase", "set_phase_hook"]
+__all__ = ["MakeOptimizer", "ParamShard", "StepResult", "Stage", "algorithm_name", "phase", "set_phase_hook"]
+
+#: Builds a stage's inner optimizer over exactly the param groups it is given (in order).
+MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+def algorithm_name(optimizer: torch.optim.Optimizer) -> str:
+    """The name that identifies ``optimizer``'s algorithm in checkpoints (``ParamShard.algorithm``): its
+    ``algorithm_name`` attribute when it has one (an optimizer standing in for another, e.g. CPU offload's
+    ``HybridDeviceOptimizer``, gives the name of the one it replaces), else its class name."""
+    return getattr(optimizer, "algorithm_name", type(optimizer).__name__)
 
 
 @dataclass(frozen=True)
@@ -67,8 +77,8 @@ class ParamShard:
         group: the settings of the param group holding the parameter (``lr``, ``weight_decay``, ``max_lr``,
             ``min_lr``, ``wd_mult``, ``lr_mult``, ...; never ``params``). When a stage gives it, it is its
             live group dict: a checkpoint writes the saved ``lr``/``weight_decay`` into it.
-        algorithm: the inner optimizer's class name (``"AdamW"``, ``"Muon"``): with the group's settings, it
-            identifies the group a parameter belongs to across layouts.
+        algorithm: ``algorithm_name`` of the inner optimizer (``"AdamW"``, ``"Muon"``): with the group's
+            settings, it identifies the group a parameter belongs to across layouts.
     """
 
     shape: tuple[int, ...]
@@ -156,8 +166,10 @@ class Stage(ABC):
     def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
         """Load name-keyed state: for each parameter this rank holds, a ``ParamShard`` of the same range
         as ``param_shards()`` gives (the checkpoint cuts it out). Optimizer state that does not exist yet
-        (before the first step) is created. Raises ``ValueError`` naming the parameter when one is missing
-        or does not fit; then nothing changes."""
+        (before the first step) is created, and the loaded values are published to the model parameters
+        as a step publishes them (collective: every rank of the stage calls it, as ``param_shards``), so
+        afterwards the model holds the loaded masters. Raises ``ValueError`` naming the parameter when one
+        is missing or does not fit; then nothing changes."""
         raise NotImplementedError(f"{type(self).__name__} does not implement load_param_shards(); it cannot "
                                   "be loaded from a name-keyed checkpoint")
 

@@ -104,6 +104,36 @@ def run(root: str, name: str, sharding: str, source: str | None, tag: str) -> in
     return world_comm().size
 
 
+def load_without_model(root: str, name: str, dtype: torch.dtype) -> dict[str, bool]:
+    """On every rank: train K steps and save without the model; load into a stack with other weights, again
+    without ``model=``. Its trainable parameters must then be the checkpoint's masters (rounded to their dtype)
+    on every rank: under ZeRO-1 each rank loads only its range, so this needs the parameter gather."""
+    case = {**CASES[name], "dtype": dtype}
+    _, wrapped, built = _stack(case, case["sharding"], seed=0)
+    _train(wrapped, built, range(K))
+    save_checkpoint(Path(root), built.optimizer, step=K)
+    model, _, fresh = _stack(case, case["sharding"], seed=7)
+    directory, manifest = read_manifest(root)
+    whole = {n: (0, torch.Size(p["shape"]).numel()) for n, p in manifest["params"].items()}
+    masters = {n: s["param"] for n, s in read_ranges(directory, manifest, whole, {n: ["param"] for n in whole}).items()}
+    named = dict(model.named_parameters())
+
+    def matches() -> bool:
+        return all(torch.equal(p, masters[n].view(p.shape).to(p.dtype)) for n, p in named.items())
+
+    before = matches()
+    load_checkpoint(Path(root), fresh.optimizer)  # with overlap_param_gather too: no gather left in flight
+    return {"names": sorted(named) == sorted(masters), "before": before, "after": matches()}
+
+
+@pytest.mark.parametrize("name, dtype", [("zero1-adamw-bf16", torch.bfloat16), ("zero1-adamw-bf16", torch.float32),
+                                         ("layerwise-muon", torch.float32)])
+def test_load_without_model_gives_every_rank_the_masters(world2, tmp_path: Path, name: str,
+                                                          dtype: torch.dtype) -> None:
+    for out in world2.run(load_without_model, str(tmp_path), name, dtype):
+        assert out == {"names": True, "before": False, "after": True}
+
+
 def _everything(root: Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """(manifest, every parameter's whole element-wise state, the model tensors) of a checkpoint root."""
     directory, manifest = read_manifest(root)

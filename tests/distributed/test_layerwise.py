@@ -22,8 +22,9 @@ from optstack.distributed import layerwise
 from optstack.distributed.comm import NullComm, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.layerwise import LayerWiseStage
-from optstack.distributed.sharded import ShardedStage, ShardSpec
+from optstack.distributed.sharded import ShardedStage
 from optstack.precision import FP32Stage, MixedPrecisionStage
+from optstack.protocol import ParamShard
 
 STEPS = 10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -126,7 +127,7 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
         norms.append(result.grad_norm)
         clipped += result.grad_norm > cfg["clip"]
         params.append(_flat(model))
-    owned = sorted(muon.sharded_param_state())
+    owned = sorted(muon.param_shards())
     state_numel = sum(t.numel() for s in muon.optimizer.state.values() for t in s.values())
     out = {"params": params, "norms": norms, "clipped": clipped, "owned": owned, "state_numel": state_numel}
     if world.rank == 0:
@@ -209,9 +210,10 @@ def layerwise_state_roundtrip() -> dict[str, Any]:
         return _flat(model)
 
     one_step(0)
-    named = {n: {k: (ShardSpec(v.global_shape, v.flat_start, v.flat_end, v.local.clone())
-                     if isinstance(v, ShardSpec) else v) for k, v in entry.items()}
-             for n, entry in muon.sharded_param_state().items()}
+    named = {n: ParamShard(s.shape, s.start, s.end, {k: t.clone() for k, t in s.tensors.items()},
+                           {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.scalars.items()},
+                           s.group, s.algorithm)
+             for n, s in muon.param_shards().items()}
     params = [p.detach().clone() for p in model.parameters()]
     after = one_step(1)
     with torch.no_grad():
@@ -219,7 +221,7 @@ def layerwise_state_roundtrip() -> dict[str, Any]:
             p.copy_(value)
     for state in muon.optimizer.state.values():
         state["momentum_buffer"].zero_()
-    muon.load_sharded_param_state(named)
+    muon.load_param_shards(named)
     # the AdamW stage's state moved on (its biases differ), but the Muon matrices see the same gradients
     # and the restored momentum: they must come out the same
     again = one_step(1)
@@ -227,7 +229,7 @@ def layerwise_state_roundtrip() -> dict[str, Any]:
     return {"same": torch.equal(after[mask], again[mask])}
 
 
-def test_sharded_param_state_round_trip(world2) -> None:
+def test_param_shards_round_trip(world2) -> None:
     assert all(out["same"] for out in world2.run(layerwise_state_roundtrip))
 
 

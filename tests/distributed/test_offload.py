@@ -66,11 +66,10 @@ def _values(model, built) -> tuple[list[float], list[float]]:
 
     state = []
     for stage in built.optimizer.stages:
-        for _, entry in sorted(stage.sharded_param_state().items()):
+        for _, shard in sorted(stage.param_shards().items()):
+            entry = {**shard.tensors, **shard.scalars}
             for key in sorted(entry):
-                value = entry[key]
-                tensor = value.local if hasattr(value, "local") else torch.as_tensor(value)
-                state.append(tensor.detach().float().flatten())
+                state.append(torch.as_tensor(entry[key]).detach().float().flatten())
     params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     return params.tolist(), (torch.cat(state) if state else torch.zeros(0)).tolist()
 

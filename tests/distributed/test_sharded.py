@@ -21,8 +21,9 @@ from optstack.chained import ChainedOptimizer
 from optstack.distributed.comm import world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
-from optstack.distributed.sharded import ShardedStage, ShardSpec
+from optstack.distributed.sharded import ShardedStage
 from optstack.precision import DynamicScaler, FP32Stage, MixedPrecisionStage
+from optstack.protocol import ParamShard
 
 STEPS = 10
 HYPER: dict[str, dict[str, Any]] = {
@@ -151,9 +152,8 @@ def train_sharded(cfg: dict[str, Any]) -> dict[str, Any]:
     stage.finish_param_sync()
     params.append(_flat(model))
     out = {"params": params, "norms": norms, "clipped": clipped, "masters": {}}
-    for name, entry in stage.sharded_param_state().items():
-        spec = entry["param"]
-        out["masters"][name] = (spec.flat_start, spec.flat_end, spec.local.clone())
+    for name, shard in stage.param_shards().items():
+        out["masters"][name] = (shard.start, shard.end, shard.tensors["param"].clone())
     if rank == 0:
         out["reference"] = _reference(cfg, dp)
     return out
@@ -386,7 +386,7 @@ def state_roundtrip() -> dict[str, Any]:
 
     one_step(0)
     saved = _clone(chain.state_dict())
-    sharded = _clone(stage.sharded_param_state())
+    sharded = _clone(stage.param_shards())
     model_saved = _flat(model)
     one_step(1)
     after_one = _flat(model)
@@ -396,29 +396,26 @@ def state_roundtrip() -> dict[str, Any]:
     one_step(1)
     same_local = torch.equal(_flat(model), after_one)
     # name-keyed load from full tensors (what a resharding checkpoint hands over)
-    full: dict[str, dict[str, Any]] = {}
+    full: dict[str, ParamShard] = {}
     for per_rank in world.all_gather_object(sharded):
-        for name, entry in per_rank.items():
-            full.setdefault(name, {})
-            for key, value in entry.items():
-                if isinstance(value, ShardSpec):
-                    have = full[name].get(key)
-                    flat = have.local if have is not None else torch.zeros(math.prod(value.global_shape))
-                    flat[value.flat_start:value.flat_end] = value.local
-                    full[name][key] = ShardSpec(value.global_shape, 0, flat.numel(), flat)
-                else:
-                    full[name][key] = value
+        for name, shard in per_rank.items():
+            numel = math.prod(shard.shape)
+            have = full.get(name)
+            tensors = dict(have.tensors) if have is not None else {}
+            for key, value in shard.tensors.items():
+                flat = tensors.setdefault(key, torch.zeros(numel, dtype=value.dtype))
+                flat[shard.start:shard.end] = value
+            full[name] = ParamShard(shard.shape, 0, numel, tensors, shard.scalars, {}, shard.algorithm)
     chain.load_state_dict(saved)  # then overwrite masters and moments from the full tensors
     for entry in stage.optimizer.state.values():
         entry["exp_avg"].zero_()
-    stage.load_sharded_param_state(full)
+    stage.load_param_shards(full)
     _set_flat(model, model_saved)
     one_step(1)
     same_sharded = torch.equal(_flat(model), after_one)
-    bad = {name: {"param": ShardSpec(v["param"].global_shape, 1, 2, torch.zeros(1))}
-           for name, v in full.items()}
+    bad = {name: ParamShard(shard.shape, 1, 2, {"param": torch.zeros(1)}) for name, shard in full.items()}
     try:
-        stage.load_sharded_param_state(bad)
+        stage.load_param_shards(bad)
         error = ""
     except ValueError as exc:
         error = str(exc)
@@ -436,8 +433,9 @@ def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:
 def _clone(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
-    if isinstance(obj, ShardSpec):
-        return ShardSpec(obj.global_shape, obj.flat_start, obj.flat_end, obj.local.detach().clone())
+    if isinstance(obj, ParamShard):  # a snapshot, without the live group (it holds the parameters)
+        return ParamShard(obj.shape, obj.start, obj.end, _clone(dict(obj.tensors)), _clone(dict(obj.scalars)),
+                          {}, obj.algorithm)
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -445,7 +443,7 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
-def test_state_dict_and_sharded_param_state_round_trip(world2) -> None:
+def test_state_dict_and_param_shards_round_trip(world2) -> None:
     for out in world2.run(state_roundtrip):
         assert out["local"] and out["sharded"]
         assert "this rank needs" in out["error"]

@@ -160,7 +160,9 @@ def load_checkpoint(
     Parameters are matched by name, groups by their identifying settings (algorithm, expert flag, max_lr,
     min_lr, wd_mult, lr_mult); each group's ``lr`` and ``weight_decay`` are restored. Optimizer state that
     does not exist yet (a fresh optimizer) is created. The optimizer's ``"param"`` is the fp32 master (or
-    the fp32 parameter itself, which is then written too); pass ``model`` to restore the model's tensors.
+    the fp32 parameter itself); the stages publish the loaded masters to the model's trainable parameters
+    (rounded to their dtype, gathered under ZeRO-1 and layer-wise) on every rank, so ``model`` is not
+    needed for them. Pass ``model`` to restore all its saved state-dict tensors too (buffers included).
 
     Args:
         path: a checkpoint directory, or a root whose ``latest`` pointer names one.

@@ -5,9 +5,7 @@ Everything here but ``collect`` / ``distribute`` is pure: plans and checks are f
 rank has (gathered by the caller over ``Comm``), so every rank reaches the same plan and the same verdict
 without talking.
 
-Stages speak ``Stage.param_shards`` / ``load_param_shards`` (``ParamShard``). Stages that instead offer
-``sharded_param_state`` / ``load_sharded_param_state`` (``ShardSpec`` entries: the ZeRO-1 and layer-wise
-stages) are adapted here.
+Stages speak ``Stage.param_shards`` / ``load_param_shards`` (``ParamShard``).
 """
 
 from __future__ import annotations
@@ -55,36 +53,6 @@ class HeldParam:
 
 
 # -- stages <-> ParamShard ------------------------------------------------------------------------------
-def _native(stage: Stage) -> bool:
-    return type(stage).param_shards is not Stage.param_shards
-
-
-def _is_spec(value: Any) -> bool:
-    return all(hasattr(value, a) for a in ("global_shape", "flat_start", "flat_end", "local"))
-
-
-def _stage_shards(stage: Stage) -> dict[str, ParamShard]:
-    if _native(stage):
-        return stage.param_shards()
-    legacy = getattr(stage, "sharded_param_state", None)
-    if legacy is None:
-        raise ValueError(f"{type(stage).__name__} cannot be checkpointed by name: it implements neither "
-                         "param_shards() nor sharded_param_state()")
-    groups = {n: g for g in stage.param_groups for n in g.get("param_names") or ()}
-    algorithm = type(getattr(stage, "optimizer", stage)).__name__
-    out = {}
-    for name, entry in legacy().items():
-        specs = {k: v for k, v in entry.items() if _is_spec(v)}
-        ranges = {(tuple(v.global_shape), v.flat_start, v.flat_end) for v in specs.values()}
-        if len(ranges) != 1 or name not in groups:
-            raise ValueError(f"{type(stage).__name__}: the state of {name!r} has ranges {sorted(ranges)} and "
-                             f"{'a' if name in groups else 'no'} named param group; expected one range")
-        shape, start, end = ranges.pop()
-        out[name] = ParamShard(shape, start, end, {k: v.local.reshape(-1) for k, v in specs.items()},
-                               {k: v for k, v in entry.items() if k not in specs}, groups[name], algorithm)
-    return out
-
-
 def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
     """Each stage's ``ParamShard``s on this rank, by parameter name.
 
@@ -94,7 +62,10 @@ def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
     out: list[dict[str, ParamShard]] = []
     seen: dict[str, int] = {}
     for index, stage in enumerate(stages):
-        shards = _stage_shards(stage)
+        if type(stage).param_shards is Stage.param_shards:
+            raise ValueError(f"{type(stage).__name__} cannot be checkpointed by name: it does not implement "
+                             "param_shards() / load_param_shards()")
+        shards = stage.param_shards()
         for name in shards:
             if seen.setdefault(name, index) != index:
                 raise ValueError(f"parameter {name!r} is in stages[{seen[name]}] and stages[{index}]; "
@@ -104,18 +75,9 @@ def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
 
 
 def distribute(stages: Sequence[Stage], per_stage: Sequence[Mapping[str, ParamShard]]) -> None:
-    """Load each stage's ``ParamShard``s (already checked to fit)."""
+    """Load each stage's ``ParamShard``s (already checked to fit); collective, as ``load_param_shards``."""
     for stage, shards in zip(stages, per_stage, strict=True):
-        if _native(stage):
-            stage.load_param_shards(shards)
-            continue
-        from optstack.distributed.sharded import ShardSpec  # only stages built on it get here
-
-        stage.load_sharded_param_state({  # type: ignore[attr-defined]
-            name: {**{k: ShardSpec(tuple(s.shape), s.start, s.end, t) for k, t in s.tensors.items()},
-                   **s.scalars}
-            for name, s in shards.items()
-        })
+        stage.load_param_shards(shards)
 
 
 def restore_group_settings(shards: Mapping[str, ParamShard], groups: Sequence[Mapping[str, Any]],

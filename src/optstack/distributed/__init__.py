@@ -13,7 +13,6 @@ from typing import Any
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ComposedComm, ParallelGroups, RankLayout
-from optstack.distributed.shard_state import ShardSpec
 
 __all__ = [
     "Comm",
@@ -23,7 +22,6 @@ __all__ = [
     "NullComm",
     "ParallelGroups",
     "RankLayout",
-    "ShardSpec",
     "ShardedStage",
     "world_comm",
 ]

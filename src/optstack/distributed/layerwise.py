@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,9 +32,9 @@ from optstack.clip import reduced_norm_pow, reduced_zero_count
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ComposedComm
-from optstack.distributed.shard_state import ShardSpec, load_param_state, param_state_entry
-from optstack.precision.stages import GradOf, MakeOptimizer, MixedPrecisionStage
-from optstack.protocol import Stage, phase
+from optstack.param_shards import Held, load_into, shards_of
+from optstack.precision.stages import GradOf, MixedPrecisionStage
+from optstack.protocol import MakeOptimizer, ParamShard, Stage, phase
 
 __all__ = ["LayerWiseStage", "assign_params", "newton_schulz_cost"]
 
@@ -110,6 +110,10 @@ class _OwnedParamsStage(MixedPrecisionStage):
     def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._device = device
+
+    def publish(self) -> None:
+        """Round the fp32 masters into the owned model parameters (after a load)."""
+        self._publish()
 
 
 class LayerWiseStage(Stage):
@@ -291,7 +295,7 @@ class LayerWiseStage(Stage):
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: ``{"kind", "owners": the assignment, "inner": the owned-parameter stage's
         state dict}`` (references). It loads into the same rank of the same assignment;
-        ``sharded_param_state`` is the name-keyed form."""
+        ``param_shards`` is the name-keyed form."""
         return {"kind": self.kind, "rank": self._comm.rank, "owners": list(self.owners),
                 "inner": self._inner.state_dict()}
 
@@ -305,43 +309,37 @@ class LayerWiseStage(Stage):
             raise ValueError(
                 f"LayerWiseStage: state dict was saved by rank {state_dict.get('rank')} with owners "
                 f"{state_dict.get('owners')}; this is rank {self._comm.rank} with owners {self.owners}. Load "
-                "another data-parallel size through sharded_param_state")
+                "another data-parallel size through a checkpoint (param_shards)")
         self._inner.validate_state_dict(state_dict.get("inner"))  # type: ignore[arg-type]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validate_state_dict(state_dict)
         self._inner.load_state_dict(state_dict["inner"])
 
-    def _owned(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """(name, model parameter, inner parameter: itself or its fp32 master) of each owned parameter."""
-        model = [(n, p) for n, p, o in zip(self._names, self._params, self.owners, strict=True)
-                 if o == self._comm.rank]
-        inner = [p for g in self._inner.optimizer.param_groups for p in g["params"]]
-        return [(n, p, i) for (n, p), i in zip(model, inner, strict=True)]
+    def _held(self) -> list[Held]:
+        """The owned parameters, whole, in the inner optimizer's order."""
+        return [Held(name, tuple(param.shape), 0, param.numel())
+                for name, param, owner in zip(self._names, self._params, self.owners, strict=True)
+                if owner == self._comm.rank]
 
-    def sharded_param_state(self) -> dict[str, dict[str, ShardSpec | Any]]:
-        """Per owned parameter name: ``"param"`` (the fp32 master or the parameter) and every element-wise
-        optimizer state tensor as a ``ShardSpec`` covering the whole flattened parameter (references);
-        scalar state as it is. Parameters other ranks own are absent."""
-        state = self._inner.optimizer.state
-        return {name: param_state_entry(tuple(param.shape), 0, param.numel(), inner, state.get(inner, {}))
-                for name, param, inner in self._owned()}
+    def param_shards(self) -> dict[str, ParamShard]:
+        """Per owned parameter name, the whole parameter: ``"param"`` (the fp32 master or the parameter)
+        and every element-wise optimizer state tensor (flat views, references); scalar state as it is.
+        Parameters other ranks own are absent."""
+        return shards_of(self._inner.optimizer, self._held())
 
-    def load_sharded_param_state(self, state: dict[str, dict[str, ShardSpec | Any]]) -> None:
-        """Load ``sharded_param_state``'s form; every owned parameter needs entries covering it whole.
+    def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
+        """Load name-keyed state (see ``Stage.load_param_shards``); every owned parameter needs a shard
+        covering it whole.
+
+        Then, as after a step, the owned masters are rounded into the parameters and every rank's are
+        gathered (collective: every rank of the stage calls it, with shards that fit, as a checkpoint checks
+        first), so every rank's model holds the loaded values.
 
         Raises:
-            ValueError: an owned parameter is missing or a ``ShardSpec`` does not cover it; nothing changes.
+            ValueError: an owned parameter is missing or its shard does not cover it; nothing changes.
         """
-        owned = self._owned()
-
-        def cut(index: int, key: str, value: ShardSpec) -> torch.Tensor:
-            name, param, inner = owned[index]
-            if (tuple(value.global_shape) != tuple(param.shape) or value.flat_start != 0
-                    or value.flat_end != param.numel() or value.local.numel() != param.numel()):
-                raise ValueError(
-                    f"LayerWiseStage: {key!r} of {name!r} must cover the whole parameter "
-                    f"{tuple(param.shape)}, got {value.global_shape} [{value.flat_start}, {value.flat_end})")
-            return value.local.reshape(inner.shape).to(inner.device).clone()
-
-        load_param_state("LayerWiseStage", self._inner.optimizer, [(n, i) for n, _, i in owned], state, cut)
+        load_into("LayerWiseStage", self._inner.optimizer, self._held(), shards)
+        self._inner.publish()
+        with phase("param_gather"):
+            self._gather()

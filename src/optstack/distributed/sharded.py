@@ -24,19 +24,20 @@ Expert (MoE) parameters get their own stage (``expert=True``) over the expert da
 and non-finite check also reduce over the expert-parallel group, whose ranks hold different experts.
 
 The gathers themselves (whole buckets, or only this stage's pieces of a bucket shared with another stage;
-all-gather or broadcasts; the forward pre-hooks) are ``param_gather.py``'s; the name-keyed state form
-(``ShardSpec``) is ``shard_state.py``'s.
+all-gather or broadcasts; the forward pre-hooks) are ``param_gather.py``'s; the loops behind the
+name-keyed state (``param_shards``) are ``param_shards.py``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from optstack.algorithms._common import zeros_in_runs
 from optstack.clip import reduced_norm_pow, reduced_zero_count
 from optstack.distributed.buffers import ParamAndGradBuffer
 from optstack.distributed.comm import Comm, NullComm
@@ -48,12 +49,11 @@ from optstack.distributed.param_gather import (
     plan_bucket_gathers,
     register_wait_hooks,
 )
-from optstack.distributed.shard_state import ShardSpec, load_param_state, param_state_entry
-from optstack.precision.stages import MakeOptimizer
-from optstack.protocol import Stage, phase
+from optstack.param_shards import Held, load_into, shards_of
+from optstack.protocol import MakeOptimizer, ParamShard, Stage, phase
 
-# ComposedComm, ShardSpec and MakeOptimizer live elsewhere; they are re-exported for existing imports.
-__all__ = ["ShardedStage", "ComposedComm", "ShardSpec", "MakeOptimizer"]
+# ComposedComm lives in parallel.py; it is re-exported for existing imports.
+__all__ = ["ShardedStage", "ComposedComm"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -264,7 +264,8 @@ class ShardedStage(Stage):
         """Point every piece's ``.grad`` at its owned gradient (copied to fp32 when the buffer is not);
         returns those gradients by dtype."""
         if self._piece_grads is None:  # the fp32 copies are allocated on first use
-            self._grad_copies = _back_to_back([p.inner for p in self._copied])
+            # fp32 gradients lying back to back where the pieces do, so the inner kernels step runs
+            self._grad_copies = zeros_in_runs([p.inner for p in self._copied])
             copies = iter(self._grad_copies)
             self._piece_grads = [next(copies) if p.grad_view.dtype != p.inner.dtype else p.grad_view
                                  for p in self._pieces]
@@ -297,6 +298,11 @@ class ShardedStage(Stage):
     def step_with_ready_grads(self) -> None:
         self.finish_param_sync()
         self._optimizer.step()
+        self._publish(wait=not self._overlap)
+
+    def _publish(self, *, wait: bool) -> None:
+        """Round the masters into the parameter buffer, then gather every rank's range to every rank
+        (collective); without ``wait`` the gathers are left in flight (``finish_param_sync``)."""
         with phase("publish_params"):
             if self._publish_to:
                 with torch.no_grad():
@@ -305,7 +311,7 @@ class ShardedStage(Stage):
             for gather in self._gathers:
                 gather.launch()
             self._pending = list(self._gathers)
-            if not self._overlap:
+            if wait:
                 self.finish_param_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -321,8 +327,8 @@ class ShardedStage(Stage):
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: ``{"kind", "shard": (rank, size), "optimizer": the inner optimizer's state
         dict (over the pieces), "fp32_masters": per group, the masters of its bf16/fp16 pieces}``. Tensors
-        are references. It loads only into the same rank of the same layout; ``sharded_param_state`` is
-        the name-keyed form that can be resharded."""
+        are references. It loads only into the same rank of the same layout; ``param_shards`` is the
+        name-keyed form that can be resharded."""
         self.finish_param_sync()
         return {"kind": self.kind, "shard": (self._comm.rank, self._comm.size),
                 "optimizer": self._optimizer.state_dict(),
@@ -337,7 +343,7 @@ class ShardedStage(Stage):
         if tuple(state_dict.get("shard", ())) != here:
             raise ValueError(
                 f"ShardedStage: state dict was saved by shard {state_dict.get('shard')} (rank, size), this "
-                f"is {here}; load a different data-parallel size through sharded_param_state instead")
+                f"is {here}; load a different data-parallel size through a checkpoint (param_shards) instead")
         saved = state_dict.get("optimizer")
         if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
             raise ValueError("ShardedStage: state dict needs an 'optimizer' entry with 'state' and "
@@ -362,56 +368,27 @@ class ShardedStage(Stage):
                 for value, master in zip(theirs, mine, strict=True):
                     master.copy_(value)
 
-    def sharded_param_state(self) -> dict[str, dict[str, ShardSpec | Any]]:
-        """Per parameter name, what this rank holds of it: ``"param"`` (the fp32 master, or the fp32
-        parameter itself) and every element-wise optimizer state tensor, each a ``ShardSpec`` (global
-        shape, flat range, local 1-D tensor; references). Scalar state (e.g. ``"step"``) is given as it is,
-        not as a ``ShardSpec``. Parameters this rank owns nothing of are absent."""
-        self.finish_param_sync()
-        state = self._optimizer.state
-        return {
-            piece.name: param_state_entry(tuple(piece.param.shape), piece.start, piece.end, piece.inner,
-                                          state.get(piece.inner, {}))
-            for piece in self._pieces
-        }
+    def _held(self) -> list[Held]:
+        return [Held(p.name, tuple(p.param.shape), p.start, p.end) for p in self._pieces]
 
-    def load_sharded_param_state(self, state: dict[str, dict[str, ShardSpec | Any]]) -> None:
-        """Load name-keyed state in ``sharded_param_state``'s form. Each ``ShardSpec`` must cover this
-        rank's range of its parameter (a full tensor, ``flat_start=0``, always does); this rank's part is
-        cut out. Non-``ShardSpec`` values are scalar state, set as they are.
+    def param_shards(self) -> dict[str, ParamShard]:
+        """Per parameter name, this rank's range ``[start, end)`` of it: ``"param"`` (the fp32 master, or the
+        fp32 parameter itself) and every element-wise optimizer state tensor (flat views, references);
+        scalar state (e.g. ``"step"``) as it is. Parameters this rank owns nothing of are absent."""
+        self.finish_param_sync()
+        return shards_of(self._optimizer, self._held())
+
+    def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
+        """Load name-keyed state (see ``Stage.load_param_shards``). Each shard must cover this rank's range
+        of its parameter (a whole parameter always does); this rank's part is cut out and copied. Then, as
+        after a step, the masters are rounded into the parameter buffer and the parameters are gathered
+        (collective: every rank of the stage calls it, with shards that fit, as a checkpoint checks first),
+        so every rank's model holds the loaded values.
 
         Raises:
             ValueError: a parameter this rank owns is missing, or a range does not cover this rank's part;
                 nothing is changed then.
         """
         self.finish_param_sync()
-        load_param_state("ShardedStage", self._optimizer, [(p.name, p.inner) for p in self._pieces], state,
-                         lambda index, key, spec: _cut(self._pieces[index], key, spec))
-
-
-def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Empty tensors shaped like ``like``, those of one dtype lying back to back (one flat allocation), so
-    the inner kernels can step them as one run."""
-    out: list[torch.Tensor | None] = [None] * len(like)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(like):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, indices in by_dtype.items():
-        flat = torch.empty(sum(like[i].numel() for i in indices), dtype=dtype, device=like[indices[0]].device)
-        for i, part in zip(indices, flat.split([like[i].numel() for i in indices]), strict=True):
-            out[i] = part.view(like[i].shape)
-    return out  # type: ignore[return-value]
-
-
-def _cut(piece: _Piece, key: str, value: ShardSpec) -> torch.Tensor:
-    """This piece's part of one saved ``ShardSpec`` (a copy on the piece's device)."""
-    if tuple(value.global_shape) != tuple(piece.param.shape):
-        raise ValueError(f"ShardedStage: {key!r} of {piece.name!r} has global shape {value.global_shape}, "
-                         f"the parameter is {tuple(piece.param.shape)}")
-    if not (value.flat_start <= piece.start and piece.end <= value.flat_end
-            and value.local.numel() == value.flat_end - value.flat_start):
-        raise ValueError(
-            f"ShardedStage: {key!r} of {piece.name!r} covers [{value.flat_start}, {value.flat_end}) with "
-            f"{value.local.numel()} elements; this rank needs [{piece.start}, {piece.end})")
-    lo = piece.start - value.flat_start
-    return value.local.reshape(-1)[lo : lo + piece.end - piece.start].to(piece.inner.device).clone()
+        load_into("ShardedStage", self._optimizer, self._held(), shards)
+        self._publish(wait=True)

@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-from optstack.clip import count_zeros, grads_for_norm, local_norm_pow
+from optstack.clip import reduced_norm_pow, reduced_zero_count
 from optstack.distributed.comm import Comm, NullComm
-from optstack.protocol import ParamShard, Stage, phase
+from optstack.param_shards import Held, load_into, shards_of
+from optstack.precision.state_checks import check_masters, check_optimizer_state
+from optstack.protocol import MakeOptimizer, ParamShard, Stage, phase
 
-__all__ = ["FP32Stage", "MixedPrecisionStage", "GradOf", "MakeOptimizer"]
+__all__ = ["FP32Stage", "MixedPrecisionStage", "GradOf"]
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
-MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -170,14 +171,12 @@ class _InnerOptimizerStage(Stage):
         return [p.grad for p in self._inner_params]
 
     def grad_norm_sq(self, norm_type: float) -> torch.Tensor:
-        grads = grads_for_norm(self._model_params, self._ready_grads(), tp_rank=self._tp_rank)
-        total = local_norm_pow(grads, norm_type, device=self._device)
-        return self._comm.all_reduce(total, op="max" if norm_type == float("inf") else "sum")
+        return reduced_norm_pow(self._model_params, self._ready_grads(), norm_type, tp_rank=self._tp_rank,
+                                device=self._device, comm=self._comm)
 
     def count_zeros(self) -> int:
-        grads = grads_for_norm(self._model_params, self._ready_grads(), tp_rank=self._tp_rank)
-        total = torch.tensor([count_zeros(grads)], dtype=torch.int64, device=self._device)
-        return int(self._comm.all_reduce(total, op="sum").item())
+        return reduced_zero_count(self._model_params, self._ready_grads(), tp_rank=self._tp_rank,
+                                  device=self._device, comm=self._comm)
 
     def scale_grads(self, factor: float) -> None:
         grads = [g for g in self._ready_grads() if g is not None]
@@ -207,61 +206,8 @@ class _InnerOptimizerStage(Stage):
     def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming what differs when ``state_dict`` does not fit this stage (group count,
         group sizes, parameter names, state shapes); change nothing."""
-        owner = type(self).__name__
-        if not isinstance(state_dict, dict) or state_dict.get("kind") != self.kind:
-            got = state_dict.get("kind") if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(f"{owner}: state dict is for a {got!r} stage, this stage is {self.kind!r}")
-        saved = state_dict.get("optimizer")
-        if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
-            raise ValueError(
-                f"{owner}: state dict needs an 'optimizer' entry with 'state' and 'param_groups'"
-            )
-        ours = self._optimizer.param_groups
-        if len(saved["param_groups"]) != len(ours):
-            raise ValueError(
-                f"{owner}: state dict has {len(saved['param_groups'])} param groups,"
-                f" this stage has {len(ours)}"
-            )
-        id_map: dict[Any, tuple[torch.Tensor, str]] = {}
-        position = 0
-        for index, (theirs, mine) in enumerate(zip(saved["param_groups"], ours, strict=True)):
-            if len(theirs["params"]) != len(mine["params"]):
-                raise ValueError(
-                    f"{owner}: param group {index} has {len(theirs['params'])} params in the state dict and "
-                    f"{len(mine['params'])} in this optimizer"
-                )
-            saved_names, our_names = theirs.get("param_names"), mine.get("param_names")
-            if saved_names is not None and our_names is not None and list(saved_names) != list(our_names):
-                first = next(j for j, (a, b) in enumerate(zip(saved_names, our_names, strict=True)) if a != b)
-                raise ValueError(
-                    f"{owner}: param group {index} position {first} is {saved_names[first]!r}"
-                    f" in the state dict but {our_names[first]!r} here; the state dict is from a different"
-                    " model or grouping"
-                )
-            for saved_id in theirs["params"]:
-                id_map[saved_id] = (self._inner_params[position], self._names[position])
-                position += 1
-        for saved_id, entry in saved["state"].items():
-            if saved_id not in id_map:
-                raise ValueError(f"{owner}: state dict has state for unknown parameter id {saved_id!r}")
-            param, name = id_map[saved_id]
-            current = self._optimizer.state.get(param, {})
-            for key, value in entry.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                expected = current.get(key)
-                # State shaped like the parameter must match it; other shapes (factored, scalar) are checked
-                # against the state already held when there is some.
-                want = (
-                    expected.shape
-                    if isinstance(expected, torch.Tensor)
-                    else (param.shape if value.dim() == param.dim() else None)
-                )
-                if want is not None and value.shape != want:
-                    raise ValueError(
-                        f"{owner}: state {key!r} of {name!r} has shape {tuple(value.shape)}"
-                        f" in the state dict, expected {tuple(want)}"
-                    )
+        check_optimizer_state(type(self).__name__, self.kind, state_dict, self._optimizer,
+                              self._inner_params, self._names)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load after validating everything; on a mismatch raise ``ValueError`` and leave the stage as it was.
@@ -273,59 +219,23 @@ class _InnerOptimizerStage(Stage):
         self._optimizer.load_state_dict(copy.deepcopy(state_dict["optimizer"]))
 
     # -- name-keyed state (checkpoints) ---------------------------------------------------------------
-    def _inner_by_name(self) -> list[tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]]:
-        """(name, model parameter, inner parameter, its inner group) in group order."""
-        groups = [g for g in self._optimizer.param_groups for _ in g["params"]]
-        return list(zip(self._names, self._model_params, self._inner_params, groups, strict=True))
+    def _held(self) -> list[Held]:
+        return [Held(name, tuple(model.shape), 0, model.numel())
+                for name, model in zip(self._names, self._model_params, strict=True)]
 
     def param_shards(self) -> dict[str, ParamShard]:
         """Every parameter whole (``start=0``, ``end=numel``): ``"param"`` is the fp32 master (the parameter
         itself when it is stepped directly), then each element-wise state tensor; the rest (``step``) as
         scalars. Tensors are flat views of the live ones."""
-        algorithm = type(self._optimizer).__name__
-        out = {}
-        for name, model, inner, group in self._inner_by_name():
-            tensors: dict[str, torch.Tensor] = {"param": inner.detach().reshape(-1)}
-            scalars: dict[str, Any] = {}
-            for key, value in self._optimizer.state.get(inner, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == inner.shape:
-                    tensors[key] = value.reshape(-1)
-                else:
-                    scalars[key] = value
-            out[name] = ParamShard(tuple(model.shape), 0, model.numel(), tensors, scalars, group, algorithm)
-        return out
+        return shards_of(self._optimizer, self._held())
 
     def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
         """Load whole-parameter ``ParamShard``s (see ``Stage.load_param_shards``): the inner optimizer's state
-        is replaced (created when it did not exist yet) and ``"param"`` is copied into the masters (into the
-        model parameters stepped directly). Everything is checked before anything changes."""
-        owner = type(self).__name__
-        per_index: dict[int, dict[str, Any]] = {}
-        values: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for index, (name, model, inner, _) in enumerate(self._inner_by_name()):
-            shard = shards.get(name)
-            if shard is None or "param" not in shard.tensors:
-                raise ValueError(f"{owner}: no state for parameter {name!r} (needs at least its 'param')")
-            numel = model.numel()
-            if tuple(shard.shape) != tuple(model.shape) or (shard.start, shard.end) != (0, numel):
-                raise ValueError(
-                    f"{owner}: state of {name!r} is elements [{shard.start}, {shard.end}) of shape "
-                    f"{tuple(shard.shape)}; this stage holds the whole parameter, shape {tuple(model.shape)}")
-            for key, tensor in shard.tensors.items():
-                if tensor.numel() != numel:
-                    raise ValueError(f"{owner}: {key!r} of {name!r} has {tensor.numel()} elements, the "
-                                     f"parameter has {numel}")
-            state = {k: t.reshape(inner.shape) for k, t in shard.tensors.items() if k != "param"}
-            state.update(shard.scalars)
-            if state:
-                per_index[index] = state
-            values.append((inner, shard.tensors["param"]))
-        saved = self._optimizer.state_dict()
-        saved["state"] = per_index
-        self._optimizer.load_state_dict(saved)
-        with torch.no_grad():
-            for inner, value in values:
-                inner.copy_(value.reshape(inner.shape))
+        is replaced (created when it did not exist yet), ``"param"`` is copied into the masters (into the
+        model parameters stepped directly) and the masters are rounded into the model parameters, as after
+        a step. Everything is checked before anything changes."""
+        load_into(type(self).__name__, self._optimizer, self._held(), shards)
+        self._publish()
 
 
 class FP32Stage(_InnerOptimizerStage):
@@ -447,30 +357,7 @@ class MixedPrecisionStage(_InnerOptimizerStage):
 
     def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().validate_state_dict(state_dict)
-        saved = state_dict.get("fp32_masters")
-        if not isinstance(saved, list) or len(saved) != len(self._group_masters):
-            got = len(saved) if isinstance(saved, list) else type(saved).__name__
-            raise ValueError(
-                f"MixedPrecisionStage: state dict 'fp32_masters' must list"
-                f" {len(self._group_masters)} groups, got {got}"
-            )
-        for index, (theirs, mine) in enumerate(zip(saved, self._group_masters, strict=True)):
-            if len(theirs) != len(mine):
-                raise ValueError(
-                    f"MixedPrecisionStage: param group {index} has {len(theirs)} fp32 masters"
-                    f" in the state dict, {len(mine)} here"
-                )
-            for position, (value, master) in enumerate(zip(theirs, mine, strict=True)):
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or value.shape != master.shape
-                    or not value.is_floating_point()
-                ):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"MixedPrecisionStage: fp32 master {position} of param group {index} is {got} in the "
-                        f"state dict, expected a floating tensor of shape {tuple(master.shape)}"
-                    )
+        check_masters("MixedPrecisionStage", state_dict.get("fp32_masters"), self._group_masters)
 
     def _load_validated(self, state_dict: dict[str, Any]) -> None:
         super()._load_validated(state_dict)
