@@ -139,7 +139,7 @@ def test_new_group_and_subgroups(world3):
 
 
 # -- timeouts: a stalled or failed peer gives a CommError naming the operation and the group --------------
-def _peer_fails(how: str, timeout_s: float) -> tuple[str, float]:
+def _peer_fails(how: str, timeout_s: float, op: str = "all_reduce") -> tuple[str, float]:
     import datetime
     import time
 
@@ -156,7 +156,10 @@ def _peer_fails(how: str, timeout_s: float) -> tuple[str, float]:
             if how == "raise":
                 raise RuntimeError("rank 1 fails before the collective")
             time.sleep(timeout_s + 1.5)  # arrives well after rank 0 gave up, even on a loaded machine
-        comm.all_reduce(torch.ones(3))
+        if op == "broadcast_async":
+            comm.broadcast_async(torch.ones(3), src=1).wait()
+        else:
+            comm.all_reduce(torch.ones(3))
         return "no error", time.monotonic() - start
     except (CommError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}", time.monotonic() - start
@@ -172,6 +175,39 @@ def test_peer_that_stalls_or_raises_gives_comm_error_within_timeout(world2, how)
     assert msg1 != "no error"
     # the session world still works
     assert world2.run(_all_reduce_and_gather)[0] == ([3.0, 1.0], [0, 1])
+
+
+def test_stalled_broadcast_async_gives_comm_error_naming_broadcast(world2):
+    (msg0, elapsed0), _ = world2.run(_peer_fails, "stall", 1.0, "broadcast_async")
+    assert msg0.startswith("CommError: broadcast on the 'short-timeout' group (rank 0 of 2, gloo, timeout 1 s)")
+    assert 0.9 < elapsed0 < 3.0
+
+
+def _broadcasts_in_flight() -> dict:
+    from optstack.distributed.comm import world_comm
+
+    comm = world_comm()
+    rank = comm.rank
+    # One in-place broadcast per source rank, all in flight at once (as the overlapped parameter gather
+    # does), into disjoint ranges of one buffer.
+    buf = torch.full((2, 3), float(rank + 1))
+    handles = [comm.broadcast_async(buf[src], src) for src in range(comm.size)]
+    ops = [h.op for h in handles]
+    for h in handles:
+        h.wait()
+    out = {"buf": buf.tolist(), "ops": ops, "done": all(h.is_completed() for h in handles)}
+    try:
+        comm.broadcast_async(buf[0], src=comm.size)
+    except ValueError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def test_broadcast_async_from_every_rank_at_once(world2):
+    for out in world2.run(_broadcasts_in_flight):
+        assert out["buf"] == [[1.0] * 3, [2.0] * 3]
+        assert out["ops"] == ["broadcast", "broadcast"] and out["done"]
+        assert "src must be a group rank in [0, 2), got 2" in out["error"]
 
 
 # -- process groups ------------------------------------------------------------------------------------
@@ -223,5 +259,8 @@ def test_null_comm_collectives_are_identity():
     h.wait()
     assert h.is_completed() and torch.equal(t, torch.arange(4.0))
     assert c.all_gather_uneven(t)[0] is t and c.broadcast_object("x") == "x"
+    b = c.broadcast_async(t)
+    b.wait()
+    assert b.op == "broadcast" and b.is_completed() and torch.equal(t, torch.arange(4.0))
     with pytest.raises(ValueError, match="equal size"):
         c.reduce_scatter(torch.empty(3), t)

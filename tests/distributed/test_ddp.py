@@ -47,7 +47,8 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int, use: b
 
 
 def _ddp_vs_reference(*, overlap: bool = True, shard: bool = False, sharded_reduction: str = "auto",
-                      bf16: bool = False, micro: int = 1, rank0_only_uses_sometimes: bool = False) -> dict:
+                      bf16: bool = False, micro: int = 1, rank0_only_uses_sometimes: bool = False,
+                      stale: bool = False) -> dict:
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -59,6 +60,10 @@ def _ddp_vs_reference(*, overlap: bool = True, shard: bool = False, sharded_redu
                        sharded_reduction=sharded_reduction, grad_dtype=torch.float32 if bf16 else None,
                        shard_align=4, param_align=4)
     pieces = _pieces(*_data(dtype), size, micro)
+    if stale:  # a previous step's leftovers (NaN: any that leaked would show) that zero_grad_buffer drops
+        for p in model.parameters():
+            ddp.main_grad(p).fill_(float("nan"))
+        ddp.zero_grad_buffer()
 
     def uses(r: int) -> bool:
         return r == 0 if rank0_only_uses_sometimes else True
@@ -114,6 +119,11 @@ CASES = {
     "bf16-fp32-grads": dict(bf16=True),
     "no-sync-2-micro": dict(micro=2),
     "unused-on-one-rank": dict(rank0_only_uses_sometimes=True, micro=2),
+    # after zero_grad_buffer: first gradients are copied (and scaled) into stale views, unused ones zeroed
+    "stale-overlap": dict(stale=True),
+    "stale-no-sync-2-micro": dict(stale=True, micro=2),
+    "stale-unused-on-one-rank": dict(stale=True, rank0_only_uses_sometimes=True, micro=2),
+    "stale-shard-bf16-fp32-grads": dict(stale=True, shard=True, bf16=True),
 }
 
 
@@ -132,7 +142,7 @@ def test_grads_equal_single_process_full_batch_at_size_2(world2, case):
             assert out["grad_dtype"] == "torch.float32"
 
 
-@pytest.mark.parametrize("case", ["overlap", "shard-reduce-scatter", "no-sync-2-micro"])
+@pytest.mark.parametrize("case", ["overlap", "shard-reduce-scatter", "no-sync-2-micro", "stale-overlap"])
 def test_grads_equal_single_process_full_batch_at_size_3(world3, case):
     for out in world3.run(_ddp_vs_reference, **CASES[case]):
         assert out["worst"] < 1e-5, out
@@ -207,8 +217,37 @@ def test_single_process_params_keep_values_and_grads_match():
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         want = q.grad if q.grad is not None else torch.zeros_like(q)
         torch.testing.assert_close(ddp.main_grad(p), want, msg=n)
-    ddp.zero_grad_buffer()
+    ddp.zero_grad_buffer()  # lazy: main_grad reads zero at once, the whole buffer after finish_grad_sync
+    assert all(ddp.main_grad(p).abs().sum() == 0 for p in model.parameters())
+    ddp.finish_grad_sync()
     assert all(b.grad_data.abs().sum() == 0 for b in ddp.param_and_grad_buffers)
+
+
+def test_lazy_zeroing_keeps_gradients_exact_across_steps():
+    """Steps after zero_grad_buffer write first gradients over stale values (unused ones are zeroed), and
+    accumulating without zero_grad_buffer still adds to the previous step's gradients."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    ddp = DataParallel(model, bucket_size=50)
+    x, y = _data(torch.float32)
+    for step, use in enumerate([True, False, True]):
+        ddp.zero_grad_buffer()
+        ref.zero_grad()
+        with ddp.no_sync():
+            _loss(ddp, x[:6], y[:6], 2, use).backward()
+        _loss(ddp, x[6:], y[6:], 2, step != 1).backward()
+        ddp.finish_grad_sync()
+        _loss(ref, x[:6], y[:6], 2, use).add(_loss(ref, x[6:], y[6:], 2, step != 1)).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            want = q.grad if q.grad is not None else torch.zeros_like(q)
+            torch.testing.assert_close(ddp.main_grad(p), want, msg=f"step {step}, {n}")
+    _loss(ddp, x[:6], y[:6], 1, True).backward()  # no zero_grad_buffer: adds to the last step's
+    ddp.finish_grad_sync()
+    _loss(ref, x[:6], y[:6], 1, True).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        want = q.grad if q.grad is not None else torch.zeros_like(q)
+        torch.testing.assert_close(ddp.main_grad(p), want, msg=n)
 
 
 def test_second_gradient_without_sync_is_an_error():

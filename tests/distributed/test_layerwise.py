@@ -112,7 +112,8 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
     muon_groups, adamw_groups = _split(model, cfg["muon"])
     muon = LayerWiseStage.from_data_parallel(ddp, muon_groups, _muon)
     if cfg["scalars"] == "zero1":
-        scalars = ShardedStage(adamw_groups, _adamw, ddp=ddp, param_gather=cfg.get("param_gather", "auto"))
+        scalars = ShardedStage(adamw_groups, _adamw, ddp=ddp, param_gather=cfg.get("param_gather", "auto"),
+                               overlap_param_gather=cfg.get("overlap_param", False))
     else:
         stage_cls = FP32Stage if cfg["dtype"] == "fp32" else MixedPrecisionStage
         scalars = stage_cls(adamw_groups, _adamw, grad_of=ddp.main_grad)
@@ -126,6 +127,7 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
         result = chain.step()
         norms.append(result.grad_norm)
         clipped += result.grad_norm > cfg["clip"]
+        chain.finish_param_sync()  # with overlap_param_gather the gathers are still in flight
         params.append(_flat(model))
     owned = sorted(muon.param_shards())
     state_numel = sum(t.numel() for s in muon.optimizer.state.values() for t in s.values())
@@ -148,6 +150,9 @@ CASES = {
     # the biases share buckets with the matrices: ZeRO-1 gathers only its own pieces, packed
     "fp32-zero1-scalars-all-gather": {"dtype": "fp32", "muon": ALL, "scalars": "zero1", "clip": 0.0,
                                       "param_gather": "all_gather", "in_place_from": 100},
+    # ... and overlapped: on gloo the packed pieces travel as one asynchronous broadcast per rank
+    "fp32-zero1-scalars-overlap": {"dtype": "fp32", "muon": ALL, "scalars": "zero1", "clip": 0.0,
+                                   "overlap_param": True, "in_place_from": 100},
 }
 
 

@@ -21,6 +21,7 @@ from optstack.chained import ChainedOptimizer
 from optstack.distributed.comm import world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
+from optstack.distributed.param_gather import gather_via
 from optstack.distributed.sharded import ShardedStage
 from optstack.precision import DynamicScaler, FP32Stage, MixedPrecisionStage
 from optstack.protocol import ParamShard
@@ -192,6 +193,9 @@ CASES_2 = {
                          "clip": 0.3},
     "lion-all-gather": {"algorithm": "lion", "dtype": "fp32", "micro": 1, "overlap_grad": False,
                         "param_gather": "all_gather"},
+    # "auto" overlapped gathers use broadcasts on gloo (the cases above); the all-gather overlaps too
+    "adamw-overlap-param-all-gather": {"algorithm": "adamw", "dtype": "fp32", "micro": 1, "overlap_param": True,
+                                       "param_gather": "all_gather"},
     "bf16-adamw-clip": {"algorithm": "adamw", "dtype": "bf16", "grad_dtype": "fp32", "micro": 2,
                         "overlap_param": True, "clip": 0.3},
 }
@@ -500,9 +504,6 @@ def test_bad_input() -> None:
         ShardedStage([{"params": [model[0].weight, model[0].weight]}], _make("adamw"), ddp=ddp)
     with pytest.raises(ValueError, match="param_gather must be 'auto', 'all_gather' or 'broadcast'"):
         ShardedStage(_groups(model), _make("adamw"), ddp=ddp, param_gather="ring")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="cannot overlap the next forward"):
-        ShardedStage(_groups(model), _make("adamw"), ddp=ddp, overlap_param_gather=True,
-                     param_gather="broadcast")
     with pytest.raises(ValueError, match="ddp must be an optstack DataParallel"):
         ShardedStage(_groups(model), _make("adamw"), ddp=model)  # type: ignore[arg-type]
     stage = ShardedStage(_groups(model), _make("adamw"), ddp=ddp)
@@ -518,3 +519,13 @@ def test_one_process_is_the_replicated_run() -> None:
     cfg = {"algorithm": "adamw", "dtype": "bf16", "grad_dtype": "fp32", "micro": 2, "overlap_param": True,
            "clip": 0.3}
     _check_against_reference([train_sharded(cfg)], cfg)
+
+
+def test_gather_transport_per_backend() -> None:
+    """gloo gathers by broadcasts, overlapped or not (several times faster than its all-gather); other
+    backends by all-gathers; an explicit choice wins."""
+    assert gather_via("auto", "gloo", overlap=True) == "broadcast"
+    assert gather_via("auto", "gloo", overlap=False) == "broadcast"
+    assert gather_via("auto", "nccl", overlap=True) == "all_gather"
+    assert gather_via("all_gather", "gloo", overlap=True) == "all_gather"
+    assert gather_via("broadcast", "nccl", overlap=True) == "broadcast"

@@ -254,8 +254,17 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from group rank ``src``."""
-        self._run("broadcast", dist.broadcast, tensor, src=self.global_ranks[src])
+        self.broadcast_async(tensor, src).wait()
         return tensor
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
+        """Start an in-place broadcast from group rank ``src``; every rank's ``tensor`` holds ``src``'s
+        once the handle's ``wait()`` returns (``src``'s own must not change until then)."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast on {self.name!r}: src must be a group rank in [0, {self.size}), "
+                             f"got {src}")
+        return Handle("broadcast", self, [self._start("broadcast", dist.broadcast, tensor,
+                                                        src=self.global_ranks[src])])
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order."""
@@ -334,6 +343,9 @@ class NullComm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
+        return Handle("broadcast", self)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]

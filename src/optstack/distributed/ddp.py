@@ -13,15 +13,22 @@ Rules worth knowing:
 
 - A post-accumulate-grad hook adds each parameter's ``.grad`` into its grad-buffer view and frees ``.grad``;
   the optimizer reads ``main_grad(param)``. Parameters with ``requires_grad=False`` are not wrapped.
+- ``zero_grad_buffer()`` does not write the buffers (a memset of every gradient per step): it marks them
+  stale. A parameter's first gradient after it is copied into its view instead of added, and when a bucket's
+  reduction starts the views that got no gradient are zeroed. So ``main_grad(param)`` reads as zero from
+  ``zero_grad_buffer()`` on (it zeroes a stale view on demand), and every gradient is complete after
+  ``finish_grad_sync()``; only ``grad_data`` read directly in between holds stale values.
 - Buckets are launched in one fixed order (backward order of their first parameter) on every rank, so
   collectives match across ranks even when hooks fire in a different order. A bucket that is complete waits
   for the buckets before it.
 - A parameter that got no gradient in the synchronising backward (unused) holds back its bucket: that
   bucket, and those after it, are reduced by ``finish_grad_sync()`` instead, with the unused parameter's
   accumulated gradient (zero if none). So ``finish_grad_sync`` never hangs on unused parameters.
-- ``average=True`` multiplies every bucket by 1 / data-parallel size before a sum, expert buckets included
+- ``average=True`` multiplies every gradient by 1 / data-parallel size before a sum, expert buckets included
   (their sum runs over the expert data-parallel group; as in Megatron, the all-to-all already gathered the
-  other expert-parallel ranks' contributions). ``average=False`` sums.
+  other expert-parallel ranks' contributions). ``average=False`` sums. When a step starts from zeroed
+  buffers without ``no_sync`` micro-batches, the hook scales each gradient as it writes it (no extra pass
+  over the bucket, the same numbers); otherwise each bucket is scaled when its reduction starts.
 - ``shard_grads=True`` promises only each rank's owned slice of every bucket (the range plan of
   ``buffers.py``) after the sync, which is what ZeRO-1 reads. It uses a reduce-scatter, or an all-reduce on
   backends where that is faster (gloo: see ``benchmarks/bench_collectives.py``); the numbers are the same.
@@ -134,6 +141,11 @@ class DataParallel(nn.Module):
         }
         self._sync_enabled = True
         self._synced = True  # nothing accumulated since the last finish_grad_sync: calling it again is a no-op
+        # Lazy zeroing: while _stale, only the views of parameters in _written hold this step's gradients.
+        self._stale = False
+        self._written: set[int] = set()
+        self._cleared = True  # the buffers are (logically) zero: a step's gradients can be scaled as written
+        self._hook_scale: float | None = None  # this step's scale applied in the hook (None: at launch)
         self._reset_sync_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
 
@@ -152,17 +164,42 @@ class DataParallel(nn.Module):
                 f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
                 "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step"
             )
-        with torch.no_grad():
-            self._grad_views[id(param)].add_(param.grad)
-        param.grad = None
-        if self._synced:  # nn.Module.__setattr__ is slow; write only on the first gradient of a step
+        if self._synced:  # the first gradient of a step (nn.Module.__setattr__ is slow: write only here)
             self._synced = False
+            # Scaling as written equals scaling the sum only when each gradient is the whole sum: a step from
+            # zeroed buffers with no no_sync micro-batches (unusual orders stay correct via alpha below).
+            self._hook_scale = self._average_scale() if self._cleared and self._sync_enabled else None
+        self._write_grad(param, param.grad)
+        param.grad = None
         if not self._sync_enabled:
             return
         self._ready.add(id(param))
         self._pending[pos] -= 1
         if self.overlap_grad_reduce:
             self._launch_ready()
+
+    def _write_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        view, scale = self._grad_views[id(param)], self._hook_scale
+        with torch.no_grad():
+            if self._stale and id(param) not in self._written:  # the first gradient since zero_grad_buffer
+                self._written.add(id(param))
+                if scale is None:
+                    view.copy_(grad)
+                elif grad.dtype == view.dtype:
+                    torch.mul(grad, scale, out=view)
+                else:  # scale in the buffer's (wider) dtype, as the bucket multiply would
+                    view.copy_(grad).mul_(scale)
+            elif scale is None:
+                view.add_(grad)
+            else:
+                view.add_(grad, alpha=scale)
+
+    def _zero_unwritten(self, params: list[nn.Parameter]) -> None:
+        """Zero the stale views of ``params`` that got no gradient since ``zero_grad_buffer``."""
+        for p in params:
+            if id(p) not in self._written:
+                self._written.add(id(p))
+                self._grad_views[id(p)].zero_()
 
     # -- reduction -----------------------------------------------------------------------------------
     def _reset_sync_state(self) -> None:
@@ -179,17 +216,23 @@ class DataParallel(nn.Module):
     def _launch(self, pos: int) -> None:
         buf, bucket = self._order[pos]
         comm = self.reduce_comm(buf)
+        if self._stale:
+            self._zero_unwritten(bucket.params)
         if self.check_for_nan and not bool(torch.isfinite(bucket.grad_data).all()):
             self._nonfinite += [buf.name_of(p) for p in bucket.params
                                 if not bool(torch.isfinite(buf.grad_view(p)).all())]
-        if self.average and self.groups.dp.size > 1:
-            bucket.grad_data.mul_(1.0 / self.groups.dp.size)
+        scale = self._average_scale()
+        if scale is not None and self._hook_scale is None:
+            bucket.grad_data.mul_(scale)
         if self.shard_grads and self._sharded_via(comm) == "reduce_scatter":
             handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data)
         else:
             handle = comm.all_reduce_async(bucket.grad_data)
         self._handles[pos] = handle
         self._next = pos + 1
+
+    def _average_scale(self) -> float | None:
+        return 1.0 / self.groups.dp.size if self.average and self.groups.dp.size > 1 else None
 
     def _sharded_via(self, comm: Comm | NullComm) -> str:
         if self._sharded_reduction != "auto":
@@ -207,6 +250,10 @@ class DataParallel(nn.Module):
         """
         self._check_params_unchanged()
         if self._synced:
+            if self._stale:  # no gradient since zero_grad_buffer: every gradient is zero
+                for buf in self.param_and_grad_buffers:
+                    buf.zero_grad()
+                self._stale, self._written = False, set()
             return
         while self._next < len(self._order):
             self._launch(self._next)
@@ -216,6 +263,7 @@ class DataParallel(nn.Module):
         nonfinite = self._nonfinite
         self._reset_sync_state()
         self._synced = True
+        self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
         if nonfinite:
             raise RuntimeError(
                 f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before the "
@@ -233,12 +281,12 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions, zero every grad buffer, and forget ready gradients."""
+        """Wait for in-flight reductions, zero every gradient, and forget ready gradients. The zeroing is
+        lazy (module docstring): ``main_grad`` reads zero, ``grad_data`` is stale until written."""
         for handle in self._handles:
             if handle is not None:
                 handle.wait()
-        for buf in self.param_and_grad_buffers:
-            buf.zero_grad()
+        self._stale, self._written, self._cleared = True, set(), True
         for _, p in self._named:
             p.grad = None
         self._reset_sync_state()
@@ -258,6 +306,8 @@ class DataParallel(nn.Module):
         if entry is None:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
                              "wrapped module")
+        if self._stale:
+            self._zero_unwritten([param])  # its gradient is zero until written
         return entry[1].grad_view(param)
 
     def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:

@@ -88,12 +88,12 @@ class ShardedStage(Stage):
         ddp: the data-parallel wrapper whose buffers hold the parameters and (reduced) gradients; its
             ``shard_grads=True`` is what ZeRO-1 needs (``False`` works too, reducing more than needed).
         expert: the groups hold expert (MoE) parameters: shard over the expert data-parallel group.
-        overlap_param_gather: start the parameter all-gathers after the step and wait for each bucket in a
+        overlap_param_gather: start the parameter gathers after the step and wait for each bucket in a
             forward pre-hook of the first module that uses it, overlapping the next forward; otherwise the
             step waits for them.
         param_gather: how parameters are gathered: ``"all_gather"`` (one per bucket), ``"broadcast"`` (one
-            per rank and bucket, synchronous), or ``"auto"``: the fastest for the backend (broadcast on
-            gloo), all-gather when overlapping. The numbers are the same either way.
+            per rank and bucket, in place), or ``"auto"``: the fastest for the backend (broadcast on gloo,
+            all-gather elsewhere). Either can overlap the next forward; the numbers are the same either way.
 
     Raises:
         ValueError: a parameter is not a trainable parameter of ``ddp``'s module, is in the wrong kind of
