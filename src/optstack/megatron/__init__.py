@@ -7,7 +7,7 @@
 ``optstack.groups``, ``optstack.schedule``, ``optstack.factory``), which never sees Megatron's names.
 """
 
-from optstack.megatron.config import OptimizerConfig, to_core
+from optstack.megatron.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig
 from optstack.megatron.groups import get_param_groups
 from optstack.megatron.keys import (
@@ -26,7 +26,7 @@ from optstack.megatron.optimizer import MegatronOptimizer, get_megatron_optimize
 from optstack.megatron.scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
 
 __all__ = [
-    "OptimizerConfig", "to_core",
+    "OptimizerConfig", "AdamOptimizerConfig", "SGDOptimizerConfig", "to_core",
     "ParamKey", "ParamPredicate", "ParamWithNamePredicate", "ParamGroupOverride",
     "combine_param_group_overrides", "param_group_override_to_tuple", "get_standard_config_overrides",
     "get_mup_config_overrides", "check_config_overrides_consistency", "to_rules", "get_param_groups",

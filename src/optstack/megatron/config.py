@@ -13,6 +13,9 @@ logging: ``store_param_remainders``, ``use_torch_optimizer_for_cpu_offload``, ``
 parallelism, where the three modes coincide); ``optimizer_offload_fraction`` while
 ``optimizer_cpu_offload`` is False (as in Megatron).
 
+``muon_use_nesterov`` (megatron-core 0.16's name) and ``muon_nesterov`` (later releases) are both accepted;
+either one set True turns Nesterov momentum on.
+
 Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precision Adam moments) does not need
 ``use_distributed_optimizer`` here.
 """
@@ -30,7 +33,10 @@ import torch
 
 from optstack import config as core
 
-__all__ = ["OptimizerConfig", "to_core", "core_algorithm", "SUPPORTED_OPTIMIZERS"]
+__all__ = [
+    "OptimizerConfig", "AdamOptimizerConfig", "SGDOptimizerConfig", "to_core", "core_algorithm",
+    "SUPPORTED_OPTIMIZERS",
+]
 
 #: Values of ``OptimizerConfig.optimizer`` optstack implements ('dist_muon' is Megatron's deprecated spelling
 #: of muon with the layer-wise distributed optimizer).
@@ -107,6 +113,8 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     muon_split_qkv: bool = True
     muon_nesterov: bool = False
+    # megatron-core 0.16's spelling of muon_nesterov (later releases renamed it); either one turns it on.
+    muon_use_nesterov: bool = False
     muon_scale_mode: str = "spectral"
     muon_fp32_matmul_prec: str = "medium"
     muon_coefficient_type: str = "quintic"
@@ -146,6 +154,20 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_supported(self)
+
+
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    """Megatron's Adam config class: ``OptimizerConfig`` with ``optimizer='adam'``."""
+
+    optimizer: str = "adam"
+
+
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    """Megatron's SGD config class: ``OptimizerConfig`` with ``optimizer='sgd'``."""
+
+    optimizer: str = "sgd"
 
 
 def _unsupported(field: str, value: object, fix: str) -> ValueError:
@@ -319,7 +341,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
             lion=core.LionConfig(beta1=config.lion_beta1, beta2=config.lion_beta2),
             muon=core.MuonConfig(
                 momentum=config.muon_momentum,
-                nesterov=config.muon_nesterov,
+                nesterov=config.muon_nesterov or config.muon_use_nesterov,
                 ns_steps=config.muon_num_ns_steps,
                 coefficients=config.muon_coefficient_type,
                 scale_mode=config.muon_scale_mode,

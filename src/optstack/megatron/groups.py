@@ -87,7 +87,12 @@ def get_param_groups(
             cannot take (``params``, ``lr``, ``weight_decay``).
 
     Differences from Megatron: an override that sets nothing does not make a group of its own; dense and
-    expert groups with the same override are ordered dense first (Megatron: first seen on the rank).
+    expert groups with the same override are ordered dense first (Megatron: first seen on the rank); a tensor
+    shared by two chunks is grouped once (Megatron lists it twice); override values that do not compare
+    (None and a float) keep a deterministic order (Megatron: TypeError); list values become tuples
+    (Megatron: TypeError); ``lr``, ``weight_decay``, the derived fields (``is_expert_parallel``,
+    ``default_config``, ``param_names``) and schedule values that are not finite numbers >= 0 are
+    ``ValueError`` s (Megatron copies them into the group).
     """
     chunks = as_chunks(model_chunks)
     if config_overrides is None:
