@@ -196,3 +196,9 @@ def test_ignored_fields_are_accepted() -> None:
     assert to_core(cfg) == to_core(OptimizerConfig(lr=1e-3))
     with pytest.raises(ValueError, match="optstack.megatron.OptimizerConfig"):
         to_core(core.OptimizerConfig())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["muon_nesterov", "muon_use_nesterov"])
+def test_either_spelling_of_muon_nesterov_turns_it_on(field: str) -> None:
+    cfg = OptimizerConfig(optimizer="muon", lr=0.02, **{field: True})
+    assert to_core(cfg).muon.nesterov
