@@ -50,7 +50,10 @@ def test_loss_falls_and_every_artefact_is_written(straight: Path) -> None:
                  "summary.json"):
         assert (straight / name).stat().st_size > 0, name
     checkpoints = sorted(p.name for p in (straight / "checkpoints").iterdir())
-    assert checkpoints == ["step_000030.pt", "step_000040.pt"]  # keep_checkpoints = 2
+    assert checkpoints == ["latest", "step_00000030", "step_00000030.train_state.json",  # keep_checkpoints = 2
+                           "step_00000040", "step_00000040.train_state.json"]
+    assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    assert (straight / "checkpoints" / "step_00000040" / "group_map.json").is_file()
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["last_step"] == 40 and summary["best_val_loss"] < first["loss"]
     assert (straight / "sample.txt").read_text().startswith("def ")

@@ -1,8 +1,10 @@
-"""The ``optstack`` command: ``optstack groups`` (who gets which settings) and ``optstack train`` (the demo).
+"""The ``optstack`` command: ``optstack groups`` (who gets which settings), ``optstack train`` (the demo) and
+``optstack compare`` (the demo with several optimizers).
 
 User errors (a bad flag value, an unknown config key, a missing data path, ...) print one message and exit
 with status 2, without a traceback; set ``OPTSTACK_DEBUG=1`` to see the traceback anyway. Ctrl-C during
-training exits with 130 and says how to resume.
+training exits with 130 and says how to resume; a rank of ``--nproc N`` that crashes or dies exits with 1,
+showing that rank's traceback (or exit code) and how to resume.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 __all__ = ["main", "build_parser", "load_model", "groups_report"]
 
 DEFAULT_MODEL = "optstack.demo.gpt:build_demo_model"
+COMPARE_STEPS = 200  # optstack compare: short runs, so three optimizers take minutes on 2 cores
 
 
 # -- groups -----------------------------------------------------------------------------------------------
@@ -145,35 +148,48 @@ def cmd_groups(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- train ------------------------------------------------------------------------------------------------
-def _train_overrides(args: argparse.Namespace) -> list[dict[str, Any]]:
+# -- train and compare ------------------------------------------------------------------------------------
+_MODEL_FLAGS = {"n_layer": "transformer blocks", "n_head": "attention heads", "d_model": "residual width",
+                "seq_len": "context length in bytes"}
+
+
+def _run_overrides(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--set`` overrides, then the shortcut flags the command has (train and compare share most)."""
     from optstack.demo.config import parse_override
 
     overrides = [parse_override(s) for s in args.set or []]
     flags = {  # shortcut flags, applied after --set
-        ("optimizer", "algorithm"): args.optimizer, ("optimizer", "lr"): args.lr,
+        ("optimizer", "algorithm"): getattr(args, "optimizer", None), ("optimizer", "lr"): getattr(args, "lr", None),
         ("train", "steps"): args.steps, ("train", "grad_accum"): args.grad_accum,
         ("train", "eval_every"): args.eval_every, ("train", "batch_size"): args.batch_size,
         ("train", "seed"): args.seed, ("data", "path"): args.data,
         ("optimizer", "precision"): "bf16" if args.bf16 else None,
+        **{("model", key): getattr(args, key) for key in _MODEL_FLAGS},
     }
     for (section, key), value in flags.items():
         if value is not None:
             overrides.append({section: {key: value}})
+    sharding = getattr(args, "sharding", None)
+    if sharding is not None:
+        overrides.append({"optimizer": {"distributed": {"sharding": sharding}}})
     return overrides
+
+
+def _bf16_note(cfg: Any) -> None:
+    if cfg.optimizer.precision == "bf16" and cfg.train.device != "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("note: bf16 on a CPU without native bf16 matmuls can be much slower than fp32",
+                  file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from optstack.demo.config import config_to_dict, load_config, to_toml
-    from optstack.demo.train import train
+    from optstack.demo.launch import launch
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nproc > 1:
-        raise ValueError(
-            f"--nproc {args.nproc}: multi-process training is not supported yet (it comes with the "
-            "distributed layer); run with --nproc 1"
-        )
     base = None
     if args.resume:
         if args.out is None:
@@ -184,19 +200,56 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"--resume: {str(saved)!r} not found; is {args.out!r} a run directory of optstack train?"
             )
         base = tomllib.loads(saved.read_text())
-    cfg = load_config(args.config, _train_overrides(args), base=base)
+    cfg = load_config(args.config, _run_overrides(args), base=base, nproc=args.nproc)
     if args.print_config:
         print(to_toml(config_to_dict(cfg)), end="")
         return 0
     out = args.out or f"runs/{cfg.optimizer.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if cfg.optimizer.precision == "bf16" and cfg.train.device != "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("note: bf16 on a CPU without native bf16 matmuls can be much slower than fp32",
-                  file=sys.stderr)
-    train(cfg, out, resume=args.resume, progress=args.progress)
+    _bf16_note(cfg)
+    launch(cfg, out, nproc=args.nproc, resume=args.resume, progress=args.progress)
     return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from optstack.algorithms import get_algorithm
+    from optstack.demo.compare import compare
+    from optstack.demo.config import load_config
+
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--optimizers must list distinct names separated by commas, got {args.optimizers!r}")
+    for name in names:
+        get_algorithm(name)  # an unknown name fails here, listing the known ones
+    shared = _run_overrides(args)
+    # Compare's own defaults sit below the config file and flags: short runs, evaluated ~10 times.
+    steps = load_config(args.config, shared, base={"train": {"steps": COMPARE_STEPS}}).train.steps
+    base = {"train": {"steps": COMPARE_STEPS, "eval_every": max(1, steps // 10)},
+            "schedule": {"warmup_steps": min(50, steps // 10)}}
+    configs = {name: load_config(args.config, [*shared, {"optimizer": {"algorithm": name}}], base=base)
+               for name in names}
+    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    _bf16_note(next(iter(configs.values())))
+    compare(configs, out, progress=args.progress)
+    return 0
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Flags train and compare share: config layers, loop, data and model size."""
+    p.add_argument("--config", help="TOML file with [model] [data] [train] [schedule] [optimizer] sections")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override any config field, e.g. --set optimizer.adam.beta2=0.95 (repeatable)")
+    p.add_argument("--bf16", action="store_true", default=None, help="bf16 params, fp32 master weights")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per step (= train.grad_accum)")
+    p.add_argument("--batch-size", type=int,
+                   help="sequences per micro-batch over all processes (= train.batch_size)")
+    p.add_argument("--steps", type=int, help="optimizer steps (= train.steps)")
+    p.add_argument("--eval-every", type=int, help="validation every N steps (= train.eval_every)")
+    p.add_argument("--seed", type=int, help="= train.seed")
+    p.add_argument("--data", help="a text file or folder to train on instead of the stdlib (= data.path)")
+    for key, what in _MODEL_FLAGS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=f"{what} (= model.{key})")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
 
 
 # -- parser -----------------------------------------------------------------------------------------------
@@ -225,26 +278,30 @@ def build_parser() -> argparse.ArgumentParser:
                        "--set section.key=value (repeatable; sections model, data, train, schedule, "
                        "optimizer), then the shortcut flags below. Without an explicit lr, each optimizer "
                        "gets its own default (optimizer.lr), min_lr = lr / 10 and weight_decay 0.1.")
-    t.add_argument("--config", help="TOML file with [model] [data] [train] [schedule] [optimizer] sections")
-    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                   help="override any config field, e.g. --set optimizer.adam.beta2=0.95 (repeatable)")
+    _add_run_flags(t)
     t.add_argument("--out", help="run directory (default runs/<optimizer>-<date>-<time>)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    t.add_argument("--nproc", type=int, default=1, help="processes (only 1 for now)")
+    t.add_argument("--nproc", type=int, default=1,
+                   help="processes on this machine (gloo on CPU, NCCL on CUDA); the global batch is split "
+                   "across them (default 1)")
+    t.add_argument("--sharding", choices=("replicated", "zero1", "layerwise"),
+                   help="optimizer state across processes (= optimizer.distributed.sharding; default with "
+                   "--nproc > 1: zero1, layerwise for muon)")
     t.add_argument("--optimizer", help="adamw | sgd | lion | muon (= optimizer.algorithm)")
     t.add_argument("--lr", type=float, help="peak learning rate (= optimizer.lr)")
-    t.add_argument("--bf16", action="store_true", default=None, help="bf16 params, fp32 master weights")
-    t.add_argument("--grad-accum", type=int, help="micro-batches per step (= train.grad_accum)")
-    t.add_argument("--batch-size", type=int, help="sequences per micro-batch (= train.batch_size)")
-    t.add_argument("--steps", type=int, help="optimizer steps (= train.steps)")
-    t.add_argument("--eval-every", type=int, help="validation every N steps (= train.eval_every)")
-    t.add_argument("--seed", type=int, help="= train.seed")
-    t.add_argument("--data", help="a text file or folder to train on instead of the stdlib (= data.path)")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config as TOML (a template for --config) and exit")
-    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: when stderr is a terminal)")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("compare", help="train with several optimizers and compare their validation loss",
+                       description="Run the same short training with each optimizer in turn (same model, data, "
+                       "seed; each with its own default lr), then write compare.png (validation loss by step "
+                       "and by wall time) and a table (compare.md / .json / .csv) into --out. Unless set, --steps is "
+                       f"{COMPARE_STEPS} and --eval-every a tenth of the steps.")
+    _add_run_flags(c)  # --steps defaults to COMPARE_STEPS here, --eval-every to a tenth of the steps
+    c.add_argument("--optimizers", default="adamw,muon,lion", help="comma-separated (default adamw,muon,lion)")
+    c.add_argument("--out", help="comparison directory (default runs/compare-<date>-<time>)")
+    c.set_defaults(func=cmd_compare)
     return parser
 
 
@@ -265,6 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:
         print(f"\noptstack {args.command}: {interrupt or 'interrupted'}", file=sys.stderr)
         return 130
+    except RuntimeError as error:
+        from optstack.demo.launch import RankFailed
+
+        if not isinstance(error, RankFailed) or os.environ.get("OPTSTACK_DEBUG"):
+            raise
+        # The failing rank's own traceback is in the message; the launcher's would only add noise.
+        print(f"optstack {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ one message naming the key (and its line in the file). The resolved config is wr
 run directory; ``--config runs/x/config.toml`` repeats the run.
 
 Demo defaults that differ from ``OptimizerConfig``'s own: when the user sets no ``optimizer.lr``, it is taken
-per algorithm from ``DEFAULT_LR``; ``min_lr`` defaults to lr / 10 and ``weight_decay`` to 0.1.
+per algorithm from ``DEFAULT_LR``; ``min_lr`` defaults to lr / 10 and ``weight_decay`` to 0.1; with several
+processes, ``optimizer.distributed.sharding`` defaults to ``zero1`` (``layerwise`` for Muon, which needs
+whole matrices).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -203,7 +206,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
         nested = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merge(out[key], value) if nested else value
+        out[key] = _merge(out[key], value) if nested else copy.deepcopy(value)  # never alias the caller's dicts
     return out
 
 
@@ -235,6 +238,7 @@ def load_config(
     overrides: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
     *,
     base: dict[str, Any] | None = None,
+    nproc: int = 1,
 ) -> TrainConfig:
     """Resolve a ``TrainConfig`` from defaults, an optional base dict, a TOML file, then overrides.
 
@@ -242,6 +246,8 @@ def load_config(
         file: a TOML file (sections as in ``TrainConfig``).
         overrides: nested dicts (``parse_override`` output), applied in order.
         base: a nested dict applied before the file (a resumed run's saved config).
+        nproc: the processes the run will have; with more than one and no ``optimizer.distributed.sharding``
+            given anywhere, the sharding defaults to ``zero1`` (``layerwise`` for Muon).
 
     Raises:
         ConfigError: unreadable file, TOML syntax error, unknown key or wrong type (naming key and line).
@@ -270,6 +276,8 @@ def load_config(
         if isinstance(lr, int | float) and not isinstance(lr, bool):
             opt.setdefault("min_lr", float(f"{lr / 10:.6g}"))
         opt.setdefault("weight_decay", 0.1)
+        if nproc > 1 and isinstance(dist := opt.setdefault("distributed", {}), dict):
+            dist.setdefault("sharding", "layerwise" if algorithm == "muon" else "zero1")
     return _build(TrainConfig, raw, "", where)
 
 

@@ -6,17 +6,28 @@ Layout::
       config.toml            the resolved config (``--config`` it to repeat the run)
       groups.json            which parameter went to which param group, with the group's settings
       metrics.jsonl          one JSON object per step
-      checkpoints/step_000200.pt ...   the last ``train.keep_checkpoints`` checkpoints
+      checkpoints/           optstack.checkpoint's directory (name-keyed, reshardable, atomic)
+        step_00000200/       one checkpoint: optimizer state, scheduler, model tensors, group_map.json
+        step_00000200.train_state.json   the loop's own state at that step (below)
+        latest               names the newest committed checkpoint
       loss.png lr.png grad_norm.png, sample.txt, summary.json   written at the end
 
-Checkpoints are written atomically (temporary file, fsync, rename, fsync of the folder), so a crash while
-saving leaves the previous checkpoint whole. This is the demo's own format until ``optstack.checkpoint``
-provides the name-keyed, reshardable one.
+The optimizer, scheduler and model go through ``optstack.checkpoint`` (collective: every rank writes what
+it owns). What only the training loop knows (the data sampler's RNG, torch's RNG, best validation loss,
+skipped steps, training time, the model size) is a small JSON *train state* beside each checkpoint. Rank 0
+writes it atomically (temporary file, fsync, rename) *before* the collective save, and ``latest`` moves
+only when that save commits; so the checkpoint ``latest`` names always has its train state on disk. A
+train state whose checkpoint never committed is harmless (overwritten or pruned by a later save). Every rank
+draws the same global batch from the same sampler (each then keeps its slice), so one sampler state serves
+any number of processes.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -24,10 +35,68 @@ from typing import Any
 
 import torch
 
-__all__ = ["RunDir", "CHECKPOINT_VERSION"]
+from optstack.checkpoint.io import LATEST, resolve_checkpoint
 
-CHECKPOINT_VERSION = 1
-_CKPT = re.compile(r"step_(\d+)\.pt")
+__all__ = ["RunDir", "TrainState", "TRAIN_STATE_VERSION"]
+
+TRAIN_STATE_VERSION = 1
+_STATE = re.compile(r"(step_\d+)\.train_state\.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """The training loop's state at a checkpoint (the optimizer's lives in the checkpoint itself).
+
+    Attributes:
+        step: the last step taken.
+        model: the model size (``GPTConfig`` fields) the run was created with.
+        data_rng / torch_rng: ``torch.Generator.get_state()`` of the batch sampler and of torch's default
+            CPU generator (uint8 tensors).
+        best_val_loss: best validation loss so far (``inf`` before the first evaluation).
+        skipped_steps: steps the optimizer skipped.
+        train_seconds: time spent in training steps so far.
+        world_size: processes the run had when it saved (for information: a resume may use another).
+    """
+
+    step: int
+    model: dict[str, Any]
+    data_rng: torch.Tensor
+    torch_rng: torch.Tensor
+    best_val_loss: float
+    skipped_steps: int
+    train_seconds: float
+    world_size: int
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self) | {
+            "version": TRAIN_STATE_VERSION,
+            "data_rng": _b64(self.data_rng), "torch_rng": _b64(self.torch_rng),
+            "best_val_loss": self.best_val_loss if math.isfinite(self.best_val_loss) else None,
+        }
+        return json.dumps(data, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> TrainState:
+        try:
+            data = json.loads(text)
+            if data.pop("version") != TRAIN_STATE_VERSION:
+                raise ValueError("another format version")
+            best = data.pop("best_val_loss")
+            return cls(**data | {
+                "data_rng": _unb64(data["data_rng"]), "torch_rng": _unb64(data["torch_rng"]),
+                "best_val_loss": math.inf if best is None else float(best),
+            })
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"train state {where!r} is damaged or from another optstack ({error}); "
+                             "start a new run with another --out") from None
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
 
 class RunDir:
@@ -56,54 +125,62 @@ class RunDir:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def checkpoint_paths(self) -> list[Path]:
-        """Checkpoints in step order (oldest first)."""
-        if not self.checkpoints.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.checkpoints.iterdir() if (m := _CKPT.fullmatch(p.name))]
-        return [p for _, p in sorted(found)]
-
     def latest_checkpoint(self) -> Path | None:
-        paths = self.checkpoint_paths()
-        return paths[-1] if paths else None
+        """The checkpoint ``checkpoints/latest`` names, or None when the run has committed none.
 
-    def save_checkpoint(self, step: int, payload: dict[str, Any], keep: int) -> Path:
-        """Write ``payload`` (plus step, version) as ``step_<step>.pt`` atomically; keep the last ``keep``."""
-        self.create()
-        final = self.checkpoints / f"step_{step:06d}.pt"
-        tmp = final.with_name(final.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save({"version": CHECKPOINT_VERSION, "step": step, **payload}, f)
+        Raises:
+            ValueError: ``latest`` exists but names no checkpoint (the directory was damaged by hand).
+        """
+        if not (self.checkpoints / LATEST).is_file():
+            return None
+        return resolve_checkpoint(self.checkpoints)
+
+    def check_start(self, resume: bool) -> Path | None:
+        """The checkpoint a run starts from (None for a fresh run), after checking ``resume`` fits the directory.
+
+        Raises:
+            ValueError: ``resume`` without a checkpoint, or a fresh run into a directory holding checkpoints.
+        """
+        latest = self.latest_checkpoint()
+        if resume and latest is None:
+            raise ValueError(f"--resume: no checkpoint in {str(self.checkpoints)!r} to resume from")
+        if not resume and latest is not None:
+            raise ValueError(
+                f"run directory {str(self.path)!r} already holds checkpoints (latest {latest.name}); pass "
+                "--resume to continue it, or choose another --out"
+            )
+        return latest
+
+    def train_state_path(self, checkpoint: Path) -> Path:
+        return checkpoint.parent / f"{checkpoint.name}.train_state.json"
+
+    def write_train_state(self, checkpoint: Path, state: TrainState) -> None:
+        """Write the train state of ``checkpoint`` (which need not exist yet) atomically."""
+        final = self.train_state_path(checkpoint)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(state.to_json())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.checkpoints)
-        for old in self.checkpoint_paths()[:-keep]:
-            old.unlink()
-        return final
+        _fsync_dir(final.parent)
 
-    @staticmethod
-    def load_checkpoint(path: Path) -> dict[str, Any]:
-        """Read a checkpoint written by ``save_checkpoint``.
-
-        Raises:
-            ValueError: the file is truncated, not a checkpoint, or from another format version.
-        """
+    def read_train_state(self, checkpoint: Path) -> TrainState:
+        path = self.train_state_path(checkpoint)
         try:
-            data = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as error:  # torch raises several types for a damaged file; all mean the same here
-            raise ValueError(
-                f"checkpoint {str(path)!r} cannot be read ({type(error).__name__}: {error}); it may be "
-                "truncated. Delete it to resume from the previous checkpoint, or start a new run with "
-                "another --out"
-            ) from None
-        if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION:
-            found = data.get("version") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(
-                f"checkpoint {str(path)!r} has format version {found!r}; this optstack reads version "
-                f"{CHECKPOINT_VERSION}"
-            )
-        return data
+            text = path.read_text()
+        except OSError:
+            raise ValueError(f"checkpoint {str(checkpoint)!r} has no train state {path.name!r} beside it; it was "
+                             "not written by optstack train (start a new run with another --out)") from None
+        return TrainState.from_json(text, str(path))
+
+    def prune_train_states(self) -> None:
+        """Delete train states whose checkpoint is gone (pruned by ``keep_last``, or never committed)."""
+        for entry in self.checkpoints.iterdir():
+            m = _STATE.fullmatch(entry.name)
+            if m and not (self.checkpoints / m.group(1)).is_dir():
+                entry.unlink(missing_ok=True)
 
     # -- metrics -----------------------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:

@@ -1,17 +1,25 @@
 """``optstack train``: train the demo GPT with the optimizer stack and leave a practitioner's run directory.
 
-``train(cfg, out)`` is the whole run in one process: load the corpus, build the model, build the optimizer
-and scheduler through ``make_optimizer`` (the one place the optimizer comes from), then loop: micro-batches
-with gradient accumulation, ``optimizer.step() -> StepResult``, the scheduler stepped only when the update
-was applied (as Megatron does), validation every ``train.eval_every`` steps, a metrics row per step and a
+``train(cfg, out)`` is the whole run on one rank: load the corpus, build the model, wrap it for data
+parallelism (``wrap_data_parallel``; a world of one process is a world too), build the optimizer and
+scheduler through ``make_optimizer`` (the one place the optimizer comes from), then loop: micro-batches with
+gradient accumulation, ``optimizer.step() -> StepResult``, the scheduler stepped only when the update was
+applied (as Megatron does), validation every ``train.eval_every`` steps, a metrics row per step and a
 checkpoint every ``train.checkpoint_every`` steps. At the end: plots, a generated text sample, a summary.
 
-Resuming restores the model, optimizer, scheduler and the data sampler's RNG, so a resumed run repeats the
-uninterrupted run's numbers exactly (same machine, same threads).
+Several processes (``optstack.demo.launch``) run the same function, one per rank: every rank draws the same
+global batch from the same sampler and keeps its slice of ``batch_size / world size`` rows; the wrapper
+averages the gradients, so the run equals one process on the same global batch (to fp32 round-off). The
+reported loss is the mean over ranks. Only rank 0 prints and writes metrics, plots and the sample; every rank
+takes part in the (collective) checkpoint saves and loads.
+
+Resuming restores the model, optimizer and scheduler (``optstack.checkpoint``, at any process count) and the
+loop's train state (``rundir.TrainState``), so a resumed run repeats the uninterrupted run's numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -25,14 +33,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optstack.checkpoint import load_checkpoint, save_checkpoint
+from optstack.checkpoint.io import checkpoint_name
 from optstack.demo.config import TrainConfig, config_to_dict, to_toml
 from optstack.demo.data import Corpus, load_corpus, unigram_entropy
 from optstack.demo.gpt import GPT, generate
 from optstack.demo.plots import write_plots
-from optstack.demo.rundir import RunDir
+from optstack.demo.progress import progress_bar, tensorboard
+from optstack.demo.rundir import RunDir, TrainState
+from optstack.distributed.comm import Comm, NullComm, world_comm
+from optstack.factory import build_optimizer, wrap_data_parallel
 from optstack.schedule import LRSchedule
 
-__all__ = ["TrainSummary", "make_optimizer", "train", "group_kind"]
+__all__ = ["TrainSummary", "make_optimizer", "train", "group_kind", "pick_device", "check_start"]
 
 
 @dataclass(frozen=True)
@@ -43,12 +56,14 @@ class TrainSummary:
         run_dir: the run directory.
         start_step / last_step: the step the run (re)started from and the last step taken.
         final_loss: training loss of the last step (nats/byte).
+        final_val_loss: validation loss at the last step (nats/byte), None if not evaluated.
         best_val_loss: best validation loss seen (nats/byte), None if never evaluated.
         baseline: unigram cross-entropy of the validation split under the training bytes' frequencies.
         train_seconds: time in training steps (all sessions of the run), excluding evaluation and checkpoints.
-        tokens_per_s: training throughput over the whole run.
+        tokens_per_s: training throughput over the whole run (all processes together).
         num_params: trainable parameters.
         skipped_steps: steps the optimizer skipped (non-finite gradients).
+        world_size: processes of this session.
         sample: the generated text.
     """
 
@@ -56,24 +71,29 @@ class TrainSummary:
     start_step: int
     last_step: int
     final_loss: float
+    final_val_loss: float | None
     best_val_loss: float | None
     baseline: float
     train_seconds: float
     tokens_per_s: float
     num_params: int
     skipped_steps: int
+    world_size: int
     sample: str
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
     """The optimizer stack and scheduler for ``model``: ``optstack.build_optimizer`` with the default rules.
 
-    Returns:
-        An object with ``optimizer`` (``step() -> StepResult``, ``zero_grad``, ``scale_loss``,
-        ``param_groups``, ``state_dict``), ``scheduler`` and ``param_groups`` (the model-side groups).
-    """
-    from optstack.factory import build_optimizer
+    Args:
+        cfg: the run's configuration.
+        model: the model, wrapped by ``wrap_data_parallel(cfg.optimizer, model)`` for any sharding but
+            ``replicated``.
 
+    Returns:
+        ``BuiltOptimizer``: ``optimizer`` (``step() -> StepResult``, ``zero_grad``, ``scale_loss``,
+        ``param_groups``, ``finish_param_sync``), ``scheduler`` and ``param_groups`` (the model-side groups).
+    """
     s = cfg.schedule
     lr_schedule = LRSchedule(
         init_lr=s.init_lr, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr, warmup_steps=s.warmup_steps,
@@ -98,12 +118,14 @@ def _lr_by_kind(groups: list[dict[str, Any]], base_algorithm: str) -> dict[str, 
     return {group_kind(g, base_algorithm): float(g["lr"]) for g in groups}
 
 
-def _pick_device(name: str) -> torch.device:
+def pick_device(name: str) -> torch.device:
+    """The device ``train.device`` names ('auto': CUDA when available); a CUDA device gets the current index
+    (the launcher sets one per rank)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device='cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -116,22 +138,58 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _my_rows(t: torch.Tensor, comm: Comm | NullComm) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch (its rows ``[rank * n, (rank + 1) * n)``)."""
+    n = t.shape[0] // comm.size
+    return t[comm.rank * n:(comm.rank + 1) * n]
+
+
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 @torch.no_grad()
-def _evaluate(model: nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
+def _evaluate(model: nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device,
+              comm: Comm | NullComm) -> float:
     # The same validation batches every time (fixed seed), so curves compare across steps and runs.
     gen = torch.Generator().manual_seed(cfg.train.seed + 1_000_003)
     model.eval()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(cfg.train.eval_batches):
         x, y = corpus.get_batch("val", cfg.train.batch_size, cfg.model.seq_len, gen)
-        total += _loss(model, x.to(device), y.to(device)).item()
+        total += _loss(model, _my_rows(x, comm).to(device), _my_rows(y, comm).to(device)).double()
     model.train()
-    return total / cfg.train.eval_batches
+    comm.all_reduce(total, "avg")
+    return total.item() / cfg.train.eval_batches
+
+
+def _silent(_: str) -> None: ...
+
+
+def check_start(cfg: TrainConfig, out: str | Path, *, resume: bool, world_size: int
+                ) -> tuple[Path | None, TrainState | None]:
+    """What a run can check before building anything: the run directory against ``resume``, the saved
+    model size against ``cfg.model``, and the batch split over ``world_size`` processes.
+
+    Returns:
+        The checkpoint to resume from and its train state (both None for a fresh run).
+
+    Raises:
+        ValueError: the user error found, naming the fix.
+    """
+    run = RunDir(out)
+    latest = run.check_start(resume)
+    if cfg.train.batch_size % world_size:
+        raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by the number of "
+                         f"processes ({world_size}): each takes an equal slice of the global batch")
+    saved = run.read_train_state(latest) if latest is not None else None
+    if saved is not None and saved.model != dataclasses.asdict(cfg.model):
+        raise ValueError(
+            f"cannot resume {str(run.path)!r}: it was created with model {saved.model}, but this config has "
+            f"model {dataclasses.asdict(cfg.model)}; drop the model overrides or use another --out"
+        )
+    return latest, saved
 
 
 def train(
@@ -142,29 +200,26 @@ def train(
     progress: bool | None = None,
     echo: Callable[[str], None] = print,
 ) -> TrainSummary:
-    """Train the demo GPT and write the run directory.
+    """Train the demo GPT and write the run directory (on every rank of the world, when there are several).
 
     Args:
         cfg: the resolved configuration.
         out: the run directory.
         resume: continue from the latest checkpoint in ``out`` (an error when there is none).
-        progress: show a tqdm progress bar (None = when stderr is a terminal).
-        echo: where status lines go.
+        progress: show a tqdm progress bar (None = when stderr is a terminal); rank 0 only.
+        echo: where status lines go (rank 0 only).
 
     Raises:
         ValueError: user errors (no checkpoint to resume, a run directory that already holds checkpoints
-            without ``resume``, a checkpoint from another model, bad data path, ...).
+            without ``resume``, a checkpoint from another model, bad data path, a batch the processes cannot
+            split evenly, ...).
     """
+    comm = world_comm("train")
+    lead = comm.rank == 0
+    echo = echo if lead else _silent
     run = RunDir(out)
-    latest = run.latest_checkpoint()
-    if resume and latest is None:
-        raise ValueError(f"--resume: no checkpoint in {str(run.checkpoints)!r} to resume from")
-    if not resume and latest is not None:
-        raise ValueError(
-            f"run directory {str(run.path)!r} already holds checkpoints (latest {latest.name}); pass "
-            "--resume to continue it, or choose another --out"
-        )
-    device = _pick_device(cfg.train.device)
+    latest, saved = check_start(cfg, run.path, resume=resume, world_size=comm.size)
+    device = pick_device(cfg.train.device)
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
     for split in ("train", "val"):
         if corpus.split(split).numel() < cfg.model.seq_len + 1:
@@ -174,77 +229,91 @@ def train(
             )
     baseline = unigram_entropy(corpus.val, reference=corpus.train)
 
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model).to(device=device, dtype=cfg.optimizer.param_dtype)
-    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    gpt = GPT(cfg.model).to(device=device, dtype=cfg.optimizer.param_dtype)
+    model = wrap_data_parallel(cfg.optimizer, gpt)
+    num_params = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     built = make_optimizer(cfg, model)
     optimizer, scheduler = built.optimizer, built.scheduler
     data_gen = torch.Generator().manual_seed(cfg.train.seed)
     start, best_val, skipped, train_time = 0, math.inf, 0, 0.0
-
-    run.create()
-    if resume:
-        start, best_val, skipped, train_time = _restore(run, latest, cfg, model, optimizer, scheduler, data_gen)
-        run.truncate_metrics(start)
-        echo(f"resumed {run.path} from {latest.name} (step {start})")
-    else:
-        run.metrics.unlink(missing_ok=True)
-    run.config.write_text(to_toml(config_to_dict(cfg)))
-    run.write_json("groups.json", _group_table(built.param_groups))
+    if saved is not None and latest is not None:
+        _restore(run, latest, saved, model, optimizer, scheduler, comm)
+        data_gen.set_state(saved.data_rng)
+        torch.set_rng_state(saved.torch_rng)
+        start, best_val, skipped, train_time = (saved.step, saved.best_val_loss, saved.skipped_steps,
+                                                saved.train_seconds)
+        echo(f"resumed {run.path} from {latest.name} (step {start}, saved by {saved.world_size} process(es))")
+    if lead:
+        run.create()
+        if saved is not None:
+            run.truncate_metrics(start)
+        else:
+            run.metrics.unlink(missing_ok=True)
+        run.config.write_text(to_toml(config_to_dict(cfg)))
+        run.write_json("groups.json", _group_table(built.param_groups))
 
     bs, seq, accum, steps = cfg.train.batch_size, cfg.model.seq_len, cfg.train.grad_accum, cfg.train.steps
-    tokens_per_step = bs * seq * accum
+    tokens_per_step = bs * seq * accum  # the global batch, over all processes
     echo(f"data: {corpus.source}: {corpus.train.numel():,} train / {corpus.val.numel():,} val bytes, "
          f"{corpus.num_files} files; unigram baseline {baseline.nats:.3f} nats/byte "
          f"({baseline.bits:.2f} bits)")
     echo(f"model: {num_params:,} parameters {dataclasses.asdict(cfg.model)} on {device}, "
          f"{cfg.optimizer.precision}; optimizer {cfg.optimizer.algorithm}, lr {cfg.optimizer.lr:g} "
          f"-> {cfg.optimizer.min_lr:g} ({cfg.schedule.style}, warmup {cfg.schedule.warmup_steps}); "
-         f"{len(built.param_groups)} param groups; {tokens_per_step:,} tokens/step")
-    board = _tensorboard(run.path)
-    show_bar = sys.stderr.isatty() if progress is None else progress
-    bar = _progress_bar(steps, start, show_bar)
+         f"{len(built.param_groups)} param groups; {tokens_per_step:,} tokens/step"
+         + (f" over {comm.size} processes ({cfg.optimizer.distributed.sharding})" if comm.size > 1 else ""))
+    board = tensorboard(run.path if lead else None)
+    show_bar = lead and (sys.stderr.isatty() if progress is None else progress)
+    bar = progress_bar(steps, start, show_bar)
     say = bar.write if show_bar else echo
-    last_loss, step = math.nan, start
+    last_loss, val_loss, step = math.nan, None, start
     try:
         for step in range(start + 1, steps + 1):
             t0 = time.perf_counter()
             optimizer.zero_grad()
-            loss_sum = 0.0
-            for _ in range(accum):
-                x, y = corpus.get_batch("train", bs, seq, data_gen)
-                loss = _loss(model, x.to(device), y.to(device)) / accum
-                optimizer.scale_loss(loss).backward()
-                loss_sum += loss.item()
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for micro in range(accum):
+                x, y = corpus.get_batch("train", bs, seq, data_gen)  # the global batch, on every rank
+                x, y = _my_rows(x, comm).to(device), _my_rows(y, comm).to(device)
+                # Gradients are reduced once per step: the last micro-batch's backward starts the reduction.
+                with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                    loss = _loss(model, x, y) / accum
+                    optimizer.scale_loss(loss).backward()
+                loss_sum += loss.detach().double()
             lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
-            result = optimizer.step()
+            result = optimizer.step()  # with overlap_param_gather, the next forward waits for the params
             if result.applied:
                 scheduler.step()
             else:
                 skipped += 1
+            last_loss = comm.all_reduce(loss_sum, "avg").item()
             dt = time.perf_counter() - t0
             train_time += dt
-            last_loss = loss_sum
             val_loss = None
             if step % cfg.train.eval_every == 0 or step == steps:
-                val_loss = _evaluate(model, corpus, cfg, device)
+                optimizer.finish_param_sync()  # every parameter current before evaluation reads them
+                val_loss = _evaluate(gpt, corpus, cfg, device, comm)
                 best_val = min(best_val, val_loss)
-                say(f"step {step}/{steps}: loss {loss_sum:.4f}, val loss {val_loss:.4f}, "
+                say(f"step {step}/{steps}: loss {last_loss:.4f}, val loss {val_loss:.4f}, "
                     f"{tokens_per_step / dt:,.0f} tokens/s")
-            row = {
-                "step": step, "loss": loss_sum, "val_loss": val_loss, "lr": lrs,
-                "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": not result.applied,
-                "tokens_per_s": tokens_per_step / dt, "peak_mem_mb": _peak_memory_mb(device),
-                "time_s": train_time,
-            }
-            run.append_metrics(row)
-            board.log(row)
+            if lead:
+                row = {
+                    "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs,
+                    "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                    "skipped": not result.applied, "tokens_per_s": tokens_per_step / dt,
+                    "peak_mem_mb": _peak_memory_mb(device), "time_s": train_time,
+                }
+                run.append_metrics(row)
+                board.log(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
+            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
                             gnorm=f"{result.grad_norm or math.nan:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             if step % cfg.train.checkpoint_every == 0 or step == steps:
-                payload = _payload(cfg, model, optimizer, scheduler, data_gen, best_val, skipped, train_time)
-                run.save_checkpoint(step, payload, keep=cfg.train.keep_checkpoints)
+                state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
+                                   torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
+                                   train_seconds=train_time, world_size=comm.size)
+                _save(run, state, cfg, model, optimizer, scheduler, comm)
     except KeyboardInterrupt:
         bar.close()
         ckpt = run.latest_checkpoint()
@@ -254,56 +323,9 @@ def train(
         ) from None
     bar.close()
     board.close()
-    return _finish(run, cfg, model, device, start, step, last_loss, best_val, baseline.nats, train_time,
-                   tokens_per_step, num_params, skipped, echo)
-
-
-def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is the `demo` extra; without it, status lines at each evaluation
-        enabled = False
-    if not enabled:
-        return _NoBar()
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-
-class _TensorBoard:
-    """Metrics rows to TensorBoard when ``tensorboard`` is installed; otherwise it does nothing."""
-
-    def __init__(self, writer: Any) -> None:
-        self._writer = writer
-
-    def log(self, row: dict[str, Any]) -> None:
-        if self._writer is None:
-            return
-        flat = {f"lr/{k}": v for k, v in row["lr"].items()}
-        flat |= {k: row[k] for k in ("loss", "val_loss", "grad_norm", "loss_scale", "tokens_per_s")}
-        for key, value in flat.items():
-            if value is not None:
-                self._writer.add_scalar(key, value, row["step"])
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-
-def _tensorboard(path: Path) -> _TensorBoard:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # the tensorboard package is optional
-        return _TensorBoard(None)
-    return _TensorBoard(SummaryWriter(str(path / "tensorboard")))
-
-
-class _NoBar:
-    """The progress bar's interface, doing nothing (so the loop has no `if bar` checks)."""
-
-    def update(self, n: int) -> None: ...
-    def set_postfix(self, **kw: Any) -> None: ...
-    def close(self) -> None: ...
-    def write(self, s: str) -> None:
-        print(s)
+    optimizer.finish_param_sync()  # the sample is generated from the final parameters
+    return _finish(run, cfg, gpt, device, start, step, last_loss, val_loss, best_val, baseline.nats, train_time,
+                   tokens_per_step, num_params, skipped, comm, echo)
 
 
 def _group_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -315,64 +337,63 @@ def _group_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _payload(cfg: TrainConfig, model: nn.Module, optimizer: Any, scheduler: Any, data_gen: torch.Generator,
-             best_val: float, skipped: int, train_time: float) -> dict[str, Any]:
-    return {
-        "model_size": dataclasses.asdict(cfg.model),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "data_rng": data_gen.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "best_val_loss": best_val,
-        "skipped_steps": skipped,
-        "train_seconds": train_time,
-    }
+def _save(run: RunDir, state: TrainState, cfg: TrainConfig, model: nn.Module, optimizer: Any, scheduler: Any,
+          comm: Comm | NullComm) -> None:
+    """The train state (rank 0, first), then the collective checkpoint; ``latest`` moves only at its commit."""
+    target = run.checkpoints / checkpoint_name(state.step)
+    error = None
+    if comm.rank == 0:
+        try:
+            run.write_train_state(target, state)
+        except OSError as exc:
+            error = f"cannot write the train state of {target}: {exc}"
+    error = comm.broadcast_object(error)  # every rank learns of rank 0's failure instead of waiting on it
+    if error:
+        raise RuntimeError(error)
+    save_checkpoint(run.checkpoints, optimizer, step=state.step, scheduler=scheduler, model=model, comm=comm,
+                    keep_last=cfg.train.keep_checkpoints)
+    if comm.rank == 0:
+        run.prune_train_states()
 
 
-def _restore(run: RunDir, path: Path, cfg: TrainConfig, model: nn.Module, optimizer: Any, scheduler: Any,
-             data_gen: torch.Generator) -> tuple[int, float, int, float]:
-    ckpt = run.load_checkpoint(path)
-    if ckpt["model_size"] != dataclasses.asdict(cfg.model):
-        raise ValueError(
-            f"cannot resume {str(run.path)!r}: it was created with model {ckpt['model_size']}, but this "
-            f"config has model {dataclasses.asdict(cfg.model)}; drop the model overrides or use another --out"
-        )
-    model.load_state_dict(ckpt["model"])
+def _restore(run: RunDir, path: Path, saved: TrainState, model: nn.Module, optimizer: Any, scheduler: Any,
+             comm: Comm | NullComm) -> None:
     try:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-    except (ValueError, KeyError, RuntimeError) as error:
+        info = load_checkpoint(path, optimizer, scheduler=scheduler, model=model, comm=comm)
+    except ValueError as error:
         raise ValueError(
             f"cannot resume {str(run.path)!r} from {path.name}: the optimizer or schedule in the config "
-            f"differs from the checkpoint's ({error}). Resume with the run's own config.toml (a longer run "
-            "needs schedule.decay_steps set from the start)"
+            f"differs from the checkpoint's, or the checkpoint is damaged ({error}). Resume with the run's own "
+            "config.toml (a longer run needs schedule.decay_steps set from the start)"
         ) from None
-    data_gen.set_state(ckpt["data_rng"])
-    torch.set_rng_state(ckpt["torch_rng"])
-    return int(ckpt["step"]), float(ckpt["best_val_loss"]), int(ckpt["skipped_steps"]), float(ckpt["train_seconds"])
+    if info.step != saved.step:  # the same on every rank: both files are shared
+        raise ValueError(f"checkpoint {str(path)!r} is of step {info.step} but its train state of step "
+                         f"{saved.step}; the run directory was changed by hand; start a new run with another --out")
 
 
 def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, start: int, step: int,
-            last_loss: float, best_val: float, baseline: float, train_time: float, tokens_per_step: int,
-            num_params: int, skipped: int, echo: Callable[[str], None]) -> TrainSummary:
-    write_plots(run.read_metrics(), run.path, baseline=baseline)
+            last_loss: float, val_loss: float | None, best_val: float, baseline: float, train_time: float,
+            tokens_per_step: int, num_params: int, skipped: int, comm: Comm | NullComm,
+            echo: Callable[[str], None]) -> TrainSummary:
     sample = ""
-    if cfg.train.sample_bytes:
-        prompt = torch.tensor(list(cfg.train.sample_prompt.encode()), dtype=torch.long, device=device)
-        ids = generate(model, prompt[-cfg.model.seq_len:], cfg.train.sample_bytes,
-                       temperature=cfg.train.sample_temperature,
-                       generator=torch.Generator().manual_seed(cfg.train.seed))
-        sample = bytes(ids.tolist()).decode("utf-8", errors="replace")
-        (run.path / "sample.txt").write_text(sample)
-        echo(f"--- sample ({cfg.train.sample_bytes} bytes) ---\n{sample}\n--- end of sample ---")
+    if comm.rank == 0:
+        write_plots(run.read_metrics(), run.path, baseline=baseline)
+        if cfg.train.sample_bytes:
+            prompt = torch.tensor(list(cfg.train.sample_prompt.encode()), dtype=torch.long, device=device)
+            ids = generate(model, prompt[-cfg.model.seq_len:], cfg.train.sample_bytes,
+                           temperature=cfg.train.sample_temperature,
+                           generator=torch.Generator().manual_seed(cfg.train.seed))
+            sample = bytes(ids.tolist()).decode("utf-8", errors="replace")
+            (run.path / "sample.txt").write_text(sample)
+            echo(f"--- sample ({cfg.train.sample_bytes} bytes) ---\n{sample}\n--- end of sample ---")
     summary = TrainSummary(
-        run_dir=str(run.path), start_step=start, last_step=step, final_loss=last_loss,
+        run_dir=str(run.path), start_step=start, last_step=step, final_loss=last_loss, final_val_loss=val_loss,
         best_val_loss=best_val if math.isfinite(best_val) else None, baseline=baseline,
         train_seconds=train_time, tokens_per_s=step * tokens_per_step / train_time if train_time else 0.0,
-        num_params=num_params, skipped_steps=skipped, sample=sample,
+        num_params=num_params, skipped_steps=skipped, world_size=comm.size, sample=sample,
     )
-    run.write_json("summary.json", dataclasses.asdict(summary))
+    if comm.rank == 0:
+        run.write_json("summary.json", dataclasses.asdict(summary))
     best = f"{summary.best_val_loss:.4f}" if summary.best_val_loss is not None else "n/a"
     echo(f"done: steps {start}->{step}, {train_time:.1f} s of training in all ({summary.tokens_per_s:,.0f} tokens/s); "
          f"best val loss {best} nats/byte ({_bits(summary.best_val_loss)}) vs unigram baseline "
@@ -382,4 +403,3 @@ def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, sta
 
 def _bits(nats: float | None) -> str:
     return "n/a" if nats is None else f"{nats / math.log(2):.3f} bits/byte"
-
