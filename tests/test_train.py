@@ -137,3 +137,11 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     for a, b in zip(big, accum, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_default_warmup_follows_a_short_run():
+    from optstack.demo.config import load_config
+
+    assert load_config(overrides=[{"train": {"steps": 20}}]).warmup_steps == 2
+    assert load_config().warmup_steps == 50  # the default 600-step run keeps its 50 warmup steps
+    assert load_config(overrides=[{"schedule": {"warmup_steps": 7}}]).warmup_steps == 7

@@ -90,11 +90,12 @@ class ScheduleConfig:
     """The LR schedule (weight decay stays ``optimizer.weight_decay`` times each group's ``wd_mult``).
 
     ``decay_steps`` unset = ``train.steps``; set it beyond ``train.steps`` to stop a run early and extend it
-    later with ``--resume`` on the same schedule.
+    later with ``--resume`` on the same schedule. ``warmup_steps`` unset = a tenth of the decay steps, at most
+    50 (so a short ``--steps`` run just works).
     """
 
     style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
-    warmup_steps: int = 50
+    warmup_steps: int | None = None
     decay_steps: int | None = None
     init_lr: float = 0.0
     wsd_decay_steps: int | None = None
@@ -117,15 +118,21 @@ class TrainConfig:
         decay = self.schedule.decay_steps
         if decay is not None and decay < self.train.steps:
             raise ValueError(f"schedule.decay_steps ({decay}) must be >= train.steps ({self.train.steps})")
-        if self.schedule.warmup_steps > self.decay_steps:
+        if self.warmup_steps > self.decay_steps:
             raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be <= the decay steps "
+                f"schedule.warmup_steps ({self.warmup_steps}) must be <= the decay steps "
                 f"({self.decay_steps}); lower it or raise train.steps"
             )
 
     @property
     def decay_steps(self) -> int:
         return self.schedule.decay_steps if self.schedule.decay_steps is not None else self.train.steps
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.schedule.warmup_steps is not None:
+            return self.schedule.warmup_steps
+        return min(50, self.decay_steps // 10)
 
 
 # -- building from nested dicts, with key and type checks -------------------------------------------------

@@ -96,7 +96,7 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
     """
     s = cfg.schedule
     lr_schedule = LRSchedule(
-        init_lr=s.init_lr, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr, warmup_steps=s.warmup_steps,
+        init_lr=s.init_lr, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr, warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.decay_steps, style=s.style, wsd_decay_steps=s.wsd_decay_steps, wsd_style=s.wsd_style,
     )
     return build_optimizer(cfg.optimizer, model, lr_schedule=lr_schedule)
@@ -260,7 +260,7 @@ def train(
          f"({baseline.bits:.2f} bits)")
     echo(f"model: {num_params:,} parameters {dataclasses.asdict(cfg.model)} on {device}, "
          f"{cfg.optimizer.precision}; optimizer {cfg.optimizer.algorithm}, lr {cfg.optimizer.lr:g} "
-         f"-> {cfg.optimizer.min_lr:g} ({cfg.schedule.style}, warmup {cfg.schedule.warmup_steps}); "
+         f"-> {cfg.optimizer.min_lr:g} ({cfg.schedule.style}, warmup {cfg.warmup_steps}); "
          f"{len(built.param_groups)} param groups; {tokens_per_step:,} tokens/step"
          + (f" over {comm.size} processes ({cfg.optimizer.distributed.sharding})" if comm.size > 1 else ""))
     board = tensorboard(run.path if lead else None)
