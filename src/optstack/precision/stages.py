@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from optstack.clip import reduced_norm_pow, reduced_zero_count
+from optstack.clip import AllReduce, reduced_norm_pow, reduced_zero_count
 from optstack.distributed.comm import Comm, NullComm
 from optstack.param_shards import Held, load_into, shards_of
 from optstack.precision.state_checks import check_masters, check_optimizer_state
@@ -116,9 +116,9 @@ class _InnerOptimizerStage(Stage):
         param_groups: Sequence[dict[str, Any]],
         make_optimizer: MakeOptimizer,
         *,
-        grad_of: GradOf | None,
-        norm_comm: Comm | NullComm | None,
-        tp_rank: int,
+        grad_of: GradOf | None = None,
+        norm_comm: AllReduce | None = None,
+        tp_rank: int = 0,
     ) -> None:
         owner = type(self).__name__
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
@@ -252,17 +252,6 @@ class FP32Stage(_InnerOptimizerStage):
 
     kind = "fp32"
 
-    def __init__(
-        self,
-        param_groups: Sequence[dict[str, Any]],
-        make_optimizer: MakeOptimizer,
-        *,
-        grad_of: GradOf | None = None,
-        norm_comm: Comm | NullComm | None = None,
-        tp_rank: int = 0,
-    ) -> None:
-        super().__init__(param_groups, make_optimizer, grad_of=grad_of, norm_comm=norm_comm, tp_rank=tp_rank)
-
     def prepare_grads(self, inv_scale: float) -> bool:
         grads = []
         for param in self._model_params:
@@ -295,7 +284,7 @@ class MixedPrecisionStage(_InnerOptimizerStage):
         make_optimizer: MakeOptimizer,
         *,
         grad_of: GradOf | None = None,
-        norm_comm: Comm | NullComm | None = None,
+        norm_comm: AllReduce | None = None,
         tp_rank: int = 0,
     ) -> None:
         self._group_masters: list[list[torch.Tensor]] = []
