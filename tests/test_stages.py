@@ -320,3 +320,14 @@ def test_mismatched_state_dict_is_refused_and_changes_nothing() -> None:
         with pytest.raises(ValueError, match=message):
             stage.load_state_dict(broken(edit))
         _assert_bitwise_equal(stage.state_dict(), before)
+
+
+def test_an_empty_stage_reduces_on_the_given_device():
+    # Under NCCL an empty rank must run its flag/norm reductions on the accelerator; here we check the
+    # device is taken from the argument (meta stands in for a device this CPU machine does not have).
+    from optstack.precision.stages import FP32Stage
+
+    stage = FP32Stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1),
+                      device=torch.device("meta"))
+    assert stage._device == torch.device("meta")
+    assert FP32Stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1))._device.type == "cpu"

@@ -311,7 +311,9 @@ def _stage(
     # expert norm also sums over the expert-parallel group.
     pg = ddp.groups
     norm_comm = ComposedComm([pg.ep, pg.mp]) if expert else pg.mp
-    return replicated(groups, make, grad_of=ddp.main_grad, norm_comm=norm_comm, tp_rank=pg.tp.rank)
+    buffers = ddp.param_and_grad_buffers
+    device = buffers[0].param_data.device if buffers else None
+    return replicated(groups, make, grad_of=ddp.main_grad, norm_comm=norm_comm, tp_rank=pg.tp.rank, device=device)
 
 
 def _maker(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Callable[[list[dict]], Any]:

@@ -104,12 +104,8 @@ def _grad_attr(param: torch.Tensor) -> torch.Tensor | None:
 
 
 class _OwnedParamsStage(MixedPrecisionStage):
-    """The inner stage over this rank's own parameters. A rank that owns nothing still runs the flag and
-    norm all-reduces, on the device of the model (the parent would pick the CPU for an empty stage)."""
-
-    def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._device = device
+    """The inner stage over this rank's own parameters (``device`` = the model's, so a rank that owns
+    nothing runs the flag and norm all-reduces there)."""
 
     def publish(self) -> None:
         """Round the fp32 masters into the owned model parameters (after a load)."""

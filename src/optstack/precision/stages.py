@@ -119,6 +119,7 @@ class _InnerOptimizerStage(Stage):
         grad_of: GradOf | None = None,
         norm_comm: AllReduce | None = None,
         tp_rank: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         owner = type(self).__name__
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
@@ -149,7 +150,10 @@ class _InnerOptimizerStage(Stage):
             )
         self._optimizer = optimizer
         self._inner_params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._device = self._model_params[0].device if self._model_params else torch.device("cpu")
+        # Where the flag and norm reductions run: the parameters' device, or ``device`` for a stage with no
+        # parameters on this rank (NCCL cannot reduce CPU tensors; every rank takes part even when empty).
+        fallback = device if device is not None else torch.device("cpu")
+        self._device = self._model_params[0].device if self._model_params else fallback
 
     def _make_inner_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return groups
@@ -248,6 +252,8 @@ class FP32Stage(_InnerOptimizerStage):
             (e.g. a grad-buffer view) that tensor becomes ``p.grad``.
         norm_comm: the model-parallel group the grad norm and the inf check are reduced over.
         tp_rank: this rank's tensor-parallel rank (tensor-parallel duplicates count on rank 0 only).
+        device: where a stage with no parameters on this rank runs its reductions (default CPU; pass the
+            model's device under NCCL).
     """
 
     kind = "fp32"
@@ -286,9 +292,11 @@ class MixedPrecisionStage(_InnerOptimizerStage):
         grad_of: GradOf | None = None,
         norm_comm: AllReduce | None = None,
         tp_rank: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self._group_masters: list[list[torch.Tensor]] = []
-        super().__init__(param_groups, make_optimizer, grad_of=grad_of, norm_comm=norm_comm, tp_rank=tp_rank)
+        super().__init__(param_groups, make_optimizer, grad_of=grad_of, norm_comm=norm_comm, tp_rank=tp_rank,
+                         device=device)
         self._pairs = [
             (m, i) for m, i in zip(self._model_params, self._inner_params, strict=True) if m is not i
         ]
