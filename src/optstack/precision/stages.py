@@ -12,6 +12,7 @@ data-parallel wrapper owns the gradients. The stage never knows whether it sees 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -284,37 +285,22 @@ class MixedPrecisionStage(_InnerOptimizerStage):
 
     kind = "mixed"
 
-    def __init__(
-        self,
-        param_groups: Sequence[dict[str, Any]],
-        make_optimizer: MakeOptimizer,
-        *,
-        grad_of: GradOf | None = None,
-        norm_comm: AllReduce | None = None,
-        tp_rank: int = 0,
-        device: torch.device | None = None,
-    ) -> None:
-        self._group_masters: list[list[torch.Tensor]] = []
-        super().__init__(param_groups, make_optimizer, grad_of=grad_of, norm_comm=norm_comm, tp_rank=tp_rank,
-                         device=device)
-        self._pairs = [
-            (m, i) for m, i in zip(self._model_params, self._inner_params, strict=True) if m is not i
-        ]
-
     def _make_inner_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        inner = []
-        for group in groups:
-            params, masters = [], []
-            for param in group["params"]:
-                if param.dtype in _LOW_PRECISION:
-                    master = param.detach().to(torch.float32, copy=True)
-                    params.append(master)
-                    masters.append(master)
-                else:
-                    params.append(param)
-            self._group_masters.append(masters)
-            inner.append({**group, "params": params})
-        return inner
+        def inner(param: torch.Tensor) -> torch.Tensor:
+            return param.detach().to(torch.float32, copy=True) if param.dtype in _LOW_PRECISION else param
+
+        return [{**group, "params": [inner(p) for p in group["params"]]} for group in groups]
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model param, its fp32 master) for every bf16/fp16 model parameter, in group order."""
+        return [(m, i) for m, i in zip(self._model_params, self._inner_params, strict=True) if m is not i]
+
+    @functools.cached_property
+    def _group_masters(self) -> list[list[torch.Tensor]]:
+        """Per inner group, the masters it holds (fp32 model params stepped directly are not masters)."""
+        masters = {id(i) for _, i in self._pairs}
+        return [[p for p in g["params"] if id(p) in masters] for g in self._optimizer.param_groups]
 
     @property
     def master_params(self) -> list[torch.Tensor]:
