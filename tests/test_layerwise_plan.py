@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optstack.distributed.layerwise import assign_params, newton_schulz_cost
+from optstack.stage import assign_params, newton_schulz_cost
 
 
 def _loads(costs: list[float], owners: list[int], dp_size: int) -> list[float]:

@@ -7,6 +7,7 @@ the transfers, the hyperparameter sync and the state mapping all run; only the C
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -16,9 +17,13 @@ from optstack.algorithms import SGD, AdamW
 from optstack.config import AdamConfig, DistributedConfig, LossScaleConfig, OffloadConfig, OptimizerConfig
 from optstack.factory import build_optimizer
 from optstack.offload import HybridDeviceOptimizer, offloaded, plan_offload
-from optstack.precision.stages import FP32Stage, MixedPrecisionStage
 from optstack.protocol import algorithm_name
 from optstack.schedule import LRSchedule, WDSchedule
+from optstack.stage import replicated_stage
+
+# the replicated stage with and without fp32 masters (the names of optstack 0.1)
+FP32Stage = functools.partial(replicated_stage, masters=False)
+MixedPrecisionStage = replicated_stage
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -322,7 +327,7 @@ def test_stage_checkpoints_move_between_offloaded_and_plain(precision: str) -> N
 
 def test_name_keyed_shards_move_between_offloaded_and_plain() -> None:
     def stage(params: list[torch.Tensor], make) -> MixedPrecisionStage:
-        return MixedPrecisionStage(_groups(params), make)
+        return replicated_stage(_groups(params), make)
 
     plain_params = [p.to(torch.bfloat16) for p in _params()]
     hybrid_params = [p.to(torch.bfloat16) for p in _params()]
@@ -330,8 +335,8 @@ def test_name_keyed_shards_move_between_offloaded_and_plain() -> None:
     hybrid = stage(hybrid_params, offloaded(AdamW, fraction=0.5))
     for s, params in ((plain, plain_params), (hybrid, hybrid_params)):
         _grads(params, 0)
-        s.prepare_grads(1.0)
-        s.step_with_ready_grads()
+        s.grad_stats(2.0)
+        s.step()
     ours, theirs = hybrid.param_shards(), plain.param_shards()
     assert ours.keys() == theirs.keys()
     for name, shard in theirs.items():

@@ -50,12 +50,13 @@ def test_single_process_groups_are_null():
 
 def test_package_re_exports_the_main_names() -> None:
     import optstack.distributed as distributed
+    import optstack.stage as stage
     from optstack.distributed.comm import Comm, NullComm
     from optstack.distributed.ddp import DataParallel
-    from optstack.distributed.layerwise import LayerWiseStage
-    from optstack.distributed.sharded import ShardedStage
+    from optstack.stage.stage import Stage
 
     assert (distributed.Comm, distributed.NullComm, distributed.DataParallel) == (Comm, NullComm, DataParallel)
     assert distributed.ParallelGroups is ParallelGroups
-    assert (distributed.ShardedStage, distributed.LayerWiseStage) == (ShardedStage, LayerWiseStage)
-    assert set(distributed.__all__) >= {"ShardedStage", "LayerWiseStage", "ComposedComm"}
+    assert stage.Stage is Stage
+    assert set(distributed.__all__) >= {"ComposedComm", "DataParallel"}
+    assert set(stage.__all__) >= {"Stage", "Whole", "Zero1", "LayerWise", "Direct", "Masters"}

@@ -4,15 +4,20 @@ loss scaling, skipped steps, gradient sources, state dicts."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from optstack.chained import ChainedOptimizer
-from optstack.precision import DynamicScaler, FP32Stage, MixedPrecisionStage
-from optstack.protocol import Stage
+from optstack.optimizer import ChainedOptimizer
+from optstack.precision import DynamicScaler
+from optstack.stage import Stage, replicated_stage
+
+# the replicated stage with and without fp32 masters (the names of optstack 0.1)
+FP32Stage = functools.partial(replicated_stage, masters=False)
+MixedPrecisionStage = replicated_stage
 
 LR = 1e-2
 
@@ -71,7 +76,7 @@ def _assert_bitwise_equal(a: object, b: object) -> None:
 
 def test_fp32_stage_equals_torch_adamw_bitwise() -> None:
     ours, ref = _model(), _model()
-    chain = ChainedOptimizer([FP32Stage(_groups(ours), _adamw)])
+    chain = ChainedOptimizer([replicated_stage(_groups(ours), _adamw, masters=False)])
     ref_opt = _adamw([{"params": list(ref.parameters())}])
     xs, ys = _batches(5)
     for x, y in zip(xs, ys, strict=True):
@@ -87,7 +92,7 @@ def test_fp32_stage_equals_torch_adamw_bitwise() -> None:
 
 def test_mixed_step_is_fp32_adamw_on_masters_then_rounded_back() -> None:
     model = _model(torch.bfloat16)
-    stage = MixedPrecisionStage(_groups(model), _adamw)
+    stage = replicated_stage(_groups(model), _adamw)
     ref = [p.detach().float().clone() for p in model.parameters()]
     ref_opt = _adamw([{"params": ref}])
     storage = [p.data_ptr() for p in model.parameters()]
@@ -96,8 +101,8 @@ def test_mixed_step_is_fp32_adamw_on_masters_then_rounded_back() -> None:
         _backward(model, x, y)
         for r, p in zip(ref, model.parameters(), strict=True):
             r.grad = p.grad.float()
-        assert not stage.prepare_grads(1.0)
-        stage.step_with_ready_grads()
+        assert stage.grad_stats(2.0)[1] == 0  # no non-finite gradient
+        stage.step()
         ref_opt.step()
         stage.zero_grad()
     for r, master, p in zip(ref, stage.master_params, model.parameters(), strict=True):
@@ -112,8 +117,8 @@ def test_bf16_with_fp32_masters_tracks_fp32_run() -> None:
     # Tolerance: bf16 forward/backward carries ~3 significant digits; over 20 AdamW steps the measured
     # loss gap stays below 1e-3 relative and the masters within 1% (L2) of the fp32 weights.
     ref, low = _model(), _model(torch.bfloat16)
-    ref_chain = ChainedOptimizer([FP32Stage(_groups(ref), _adamw)])
-    stage = MixedPrecisionStage(_groups(low), _adamw)
+    ref_chain = ChainedOptimizer([replicated_stage(_groups(ref), _adamw, masters=False)])
+    stage = replicated_stage(_groups(low), _adamw)
     chain = ChainedOptimizer([stage])
     xs, ys = _batches(20)
     for x, y in zip(xs, ys, strict=True):
@@ -129,7 +134,7 @@ def test_bf16_with_fp32_masters_tracks_fp32_run() -> None:
 
 def test_fp16_dynamic_scaling_recovers_from_injected_infs() -> None:
     model = _model(torch.float16)
-    stage = MixedPrecisionStage(_groups(model), _adamw)
+    stage = replicated_stage(_groups(model), _adamw)
     chain = ChainedOptimizer(
         [stage], scaler=DynamicScaler(initial_scale=1024.0, growth_interval=3, hysteresis=2)
     )
@@ -155,7 +160,7 @@ def test_fp16_dynamic_scaling_recovers_from_injected_infs() -> None:
 def test_fp16_real_overflow_backs_off_until_finite() -> None:
     model = _model(torch.float16)
     chain = ChainedOptimizer(
-        [MixedPrecisionStage(_groups(model), _adamw)],
+        [replicated_stage(_groups(model), _adamw)],
         scaler=DynamicScaler(initial_scale=2.0**24, hysteresis=1),
     )
     results = []
@@ -196,14 +201,25 @@ def test_grad_of_supplies_gradients_from_a_buffer() -> None:
     fp32, low = _model(), _model(torch.bfloat16)
     buffers = {p: torch.full_like(p, 0.5) for p in [*fp32.parameters(), *low.parameters()]}
     grad_of: Callable[[torch.Tensor], torch.Tensor] = buffers.__getitem__
-    fp32_stage = FP32Stage(_groups(fp32), _adamw, grad_of=grad_of)
-    mixed = MixedPrecisionStage(_groups(low), _adamw, grad_of=grad_of)
-    assert not fp32_stage.prepare_grads(0.5) and not mixed.prepare_grads(0.5)
+    fp32_stage = replicated_stage(_groups(fp32), _adamw, grad_of=grad_of, masters=False)
+    mixed = replicated_stage(_groups(low), _adamw, grad_of=grad_of)
+    # The loss scale (here 2) is not applied to the gradients before the step: the norm divides it out and
+    # the step folds it into its grad scale. Gradients are used where they are, or copied to fp32 masters.
+    assert fp32_stage.grad_stats(2.0)[1] == 0 and mixed.grad_stats(2.0)[1] == 0
     for p in fp32.parameters():
-        assert p.grad is buffers[p] and torch.equal(p.grad, torch.full_like(p, 0.25))
+        assert p.grad is buffers[p] and torch.equal(p.grad, torch.full_like(p, 0.5))
     for p, master in zip(low.parameters(), mixed.master_params, strict=True):
         assert p.grad is None and master.grad.dtype == torch.float32
-        assert torch.equal(master.grad, torch.full_like(master, 0.25))
+        assert torch.equal(master.grad, torch.full_like(master, 0.5))
+    ref = [p.detach().clone().requires_grad_(False) for p in fp32.parameters()]
+    for r in ref:
+        r.grad = torch.full_like(r, 0.25)
+    _adamw([{"params": ref}]).step()
+    fp32_stage.step(grad_scale=0.5)
+    for p, r in zip(fp32.parameters(), ref, strict=True):
+        assert torch.allclose(p, r, rtol=0, atol=1e-7)  # the step saw the unscaled gradients
+    mixed.step(grad_scale=0.5)
+    for p in low.parameters():
         assert torch.equal(buffers[p], torch.full_like(p, 0.5))  # the model-side buffer is left alone
 
 
@@ -222,7 +238,7 @@ class _GainHead(torch.nn.Module):
 def test_mixed_steps_fp32_params_directly() -> None:
     torch.manual_seed(0)
     model = _GainHead()
-    stage = MixedPrecisionStage(_groups(model), _adamw)
+    stage = replicated_stage(_groups(model), _adamw)
     inner = stage.param_groups[0]["params"]
     names = stage.param_groups[0]["param_names"]
     assert names == ["gain", "body.weight", "body.bias"]  # module's own params come first
@@ -238,9 +254,9 @@ def test_mixed_steps_fp32_params_directly() -> None:
 
 def test_zero_grad_keep_buffers() -> None:
     model = _model(torch.bfloat16)
-    stage = MixedPrecisionStage(_groups(model), _adamw)
+    stage = replicated_stage(_groups(model), _adamw)
     _backward(model, *(b[0] for b in _batches(1)))
-    stage.prepare_grads(1.0)
+    stage.grad_stats(2.0)
     stage.zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     assert all(m.grad is not None and not m.grad.any() for m in stage.master_params)
@@ -250,25 +266,25 @@ def test_bad_construction_is_refused() -> None:
     model = _model()
     params = list(model.parameters())
     with pytest.raises(ValueError, match="twice"):
-        FP32Stage([{"params": params}, {"params": params[:1]}], _adamw)
+        replicated_stage([{"params": params}, {"params": params[:1]}], _adamw, masters=False)
     with pytest.raises(ValueError, match="floating-point"):
-        FP32Stage([{"params": [torch.zeros(2, dtype=torch.int64)]}], _adamw)
+        replicated_stage([{"params": [torch.zeros(2, dtype=torch.int64)]}], _adamw, masters=False)
     with pytest.raises(ValueError, match="param_names"):
-        FP32Stage([{"params": params, "param_names": ["a"]}], _adamw)
+        replicated_stage([{"params": params, "param_names": ["a"]}], _adamw, masters=False)
     with pytest.raises(ValueError, match="exactly the groups"):
         FP32Stage([{"params": params}], lambda groups: _adamw([{"params": groups[0]["params"][::-1]}]))
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
-        FP32Stage([{"params": params}], lambda groups: None)  # type: ignore[arg-type,return-value]
+        replicated_stage([{"params": params}], lambda groups: None, masters=False)  # type: ignore[arg-type,return-value]
     with pytest.raises(ValueError, match="tp_rank"):
-        FP32Stage([{"params": params}], _adamw, tp_rank=-1)
+        replicated_stage([{"params": params}], _adamw, tp_rank=-1, masters=False)
     caller_groups = _groups(model)
-    FP32Stage(caller_groups, _adamw)
+    replicated_stage(caller_groups, _adamw, masters=False)
     assert set(caller_groups[0]) == {"params", "param_names", "wd_mult"}  # the caller's dict is not mutated
 
 
 def _trained_stage(dtype: torch.dtype, steps: int) -> tuple[torch.nn.Module, MixedPrecisionStage]:
     model = _model(dtype)
-    stage = MixedPrecisionStage(_groups(model), _adamw)
+    stage = replicated_stage(_groups(model), _adamw)
     xs, ys = _batches(steps)
     for x, y in zip(xs, ys, strict=True):
         _backward(model, x, y)
@@ -300,19 +316,19 @@ def test_mismatched_state_dict_is_refused_and_changes_nothing() -> None:
         return state
 
     def shrink_master(s: dict) -> None:
-        s["fp32_masters"][0][1] = torch.zeros(3)
+        s["params"]["0.bias"]["tensors"]["param"] = torch.zeros(3)
 
     def shrink_moment(s: dict) -> None:
-        s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)
+        s["params"]["0.weight"]["tensors"]["exp_avg"] = torch.zeros(9)
 
     def rename(s: dict) -> None:
-        s["optimizer"]["param_groups"][0]["param_names"][2] = "head.weight"
+        s["params"]["head.weight"] = s["params"].pop("2.weight")
 
     cases = {
-        "'fp32' stage": lambda s: s.update(kind="fp32"),
-        "2 param groups": lambda s: s["optimizer"]["param_groups"].append(s["optimizer"]["param_groups"][0]),
-        "3 params in the state dict": lambda s: s["optimizer"]["param_groups"][0]["params"].pop(),
-        "master 1 of param group 0": shrink_master,
+        "needs 'params'": lambda s: s.pop("params"),
+        "2 param groups": lambda s: s["groups"].append(s["groups"][0]),
+        "no state for": lambda s: s["params"].pop("0.bias"),
+        "'param' of '0.bias'": shrink_master,
         "'exp_avg' of '0.weight'": shrink_moment,
         "'head.weight'": rename,
     }
@@ -325,9 +341,9 @@ def test_mismatched_state_dict_is_refused_and_changes_nothing() -> None:
 def test_an_empty_stage_reduces_on_the_given_device():
     # Under NCCL an empty rank must run its flag/norm reductions on the accelerator; here we check the
     # device is taken from the argument (meta stands in for a device this CPU machine does not have).
-    from optstack.precision.stages import FP32Stage
+    from optstack.stage import replicated_stage
 
-    stage = FP32Stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1),
-                      device=torch.device("meta"))
-    assert stage._device == torch.device("meta")
-    assert FP32Stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1))._device.type == "cpu"
+    stage = replicated_stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1),
+                      device=torch.device("meta"), masters=False)
+    assert stage.device == torch.device("meta")
+    assert FP32Stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1)).device.type == "cpu"

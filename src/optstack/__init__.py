@@ -4,7 +4,6 @@ The public API is re-exported here; see README.md for a tour and ``optstack.mega
 Megatron-compatible face.
 """
 
-from optstack.chained import ChainedOptimizer
 from optstack.config import (
     AdamConfig,
     DistributedConfig,
@@ -16,6 +15,7 @@ from optstack.config import (
     SGDConfig,
 )
 from optstack.factory import BuiltOptimizer, build_optimizer, default_rules, wrap_data_parallel
+from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import StepResult, set_phase_hook
 from optstack.rules import Rule, explain, format_explain, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule

@@ -15,21 +15,18 @@ import torch
 from torch import nn
 
 from optstack.algorithms import AlgorithmSpec, get_algorithm
-from optstack.chained import ChainedOptimizer
 from optstack.config import OptimizerConfig, dtype_from_name
 from optstack.distributed.comm import is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.group_keys import union_group_keys
-from optstack.distributed.layerwise import LayerWiseStage
 from optstack.distributed.parallel import ParallelGroups
-from optstack.distributed.sharded import ComposedComm, ShardedStage
 from optstack.groups import build_param_groups, group_keys
 from optstack.offload import offload_from_config
+from optstack.optimizer import ChainedOptimizer
 from optstack.precision.scaler import LossScaler, make_scaler
-from optstack.precision.stages import FP32Stage, MixedPrecisionStage
-from optstack.protocol import Stage
 from optstack.rules import Rule, muon_routing_rule, mup_rules, named_parameters_of, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
+from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
 
 __all__ = [
     "BuiltOptimizer",
@@ -296,24 +293,17 @@ def _stage(
     grad_of: GradOf | None,
     ddp: DataParallel | None,
 ) -> Stage:
-    family = spec.family
     make = offload_from_config(config, spec, make)  # CPU offload lives inside the inner optimizer
-    replicated = FP32Stage if config.precision == "fp32" else MixedPrecisionStage
+    masters = config.precision != "fp32"
     if ddp is None:
-        return replicated(groups, make, grad_of=grad_of)
+        return replicated_stage(groups, make, masters=masters, grad_of=grad_of)
     sharding = config.distributed.sharding
     if sharding == "zero1":
-        return ShardedStage(groups, make, ddp=ddp, expert=expert,
-                            overlap_param_gather=config.distributed.overlap_param_gather)
-    if sharding == "layerwise" and family == "muon":
-        return LayerWiseStage.from_data_parallel(ddp, groups, make, expert=expert)
-    # Replicated: every rank holds the whole reduced gradient. Expert ranks hold different experts, so the
-    # expert norm also sums over the expert-parallel group.
-    pg = ddp.groups
-    norm_comm = ComposedComm([pg.ep, pg.mp]) if expert else pg.mp
-    buffers = ddp.param_and_grad_buffers
-    device = buffers[0].param_data.device if buffers else None
-    return replicated(groups, make, grad_of=ddp.main_grad, norm_comm=norm_comm, tp_rank=pg.tp.rank, device=device)
+        return zero1_stage(groups, make, ddp=ddp, expert=expert,
+                           overlap_param_gather=config.distributed.overlap_param_gather)
+    if sharding == "layerwise" and spec.family == "muon":
+        return layerwise_stage(groups, make, ddp=ddp, expert=expert)
+    return replicated_stage(groups, make, masters=masters, ddp=ddp, expert=expert)
 
 
 def _maker(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Callable[[list[dict]], Any]:

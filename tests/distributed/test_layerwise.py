@@ -9,6 +9,7 @@ different shapes, so Muon orthogonalises each on its own in both runs (no batchi
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,14 +18,16 @@ import torch
 from torch import nn
 
 from optstack.algorithms import get_algorithm
-from optstack.chained import ChainedOptimizer
-from optstack.distributed import layerwise
+from optstack.distributed import param_gather
 from optstack.distributed.comm import NullComm, world_comm
 from optstack.distributed.ddp import DataParallel
-from optstack.distributed.layerwise import LayerWiseStage
-from optstack.distributed.sharded import ShardedStage
-from optstack.precision import FP32Stage, MixedPrecisionStage
+from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
+from optstack.stage import layerwise_stage, replicated_stage, zero1_stage
+
+# the replicated stage with and without fp32 masters (the names of optstack 0.1)
+FP32Stage = functools.partial(replicated_stage, masters=False)
+MixedPrecisionStage = replicated_stage
 
 STEPS = 10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,12 +99,12 @@ def _reference(cfg: dict[str, Any], dp: int) -> dict[str, Any]:
 def train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
     # The test matrices are small: lower the size from which a matrix is broadcast in place (instead of
     # packed) to cover both ways; the plan is made when the stage is built.
-    default = layerwise._BROADCAST_IN_PLACE
-    layerwise._BROADCAST_IN_PLACE = cfg.get("in_place_from", default)
+    default = param_gather.BROADCAST_IN_PLACE
+    param_gather.BROADCAST_IN_PLACE = cfg.get("in_place_from", default)
     try:
         return _train_layerwise(cfg)
     finally:
-        layerwise._BROADCAST_IN_PLACE = default
+        param_gather.BROADCAST_IN_PLACE = default
 
 
 def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -110,9 +113,9 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
     ddp = DataParallel(model, bucket_size=150, grad_dtype=torch.float32, shard_grads=False, shard_align=4,
                        param_align=4, average=cfg.get("average", True))
     muon_groups, adamw_groups = _split(model, cfg["muon"])
-    muon = LayerWiseStage.from_data_parallel(ddp, muon_groups, _muon)
+    muon = layerwise_stage(muon_groups, _muon, ddp=ddp)
     if cfg["scalars"] == "zero1":
-        scalars = ShardedStage(adamw_groups, _adamw, ddp=ddp, param_gather=cfg.get("param_gather", "auto"),
+        scalars = zero1_stage(adamw_groups, _adamw, ddp=ddp, param_gather=cfg.get("param_gather", "auto"),
                                overlap_param_gather=cfg.get("overlap_param", False))
     else:
         stage_cls = FP32Stage if cfg["dtype"] == "fp32" else MixedPrecisionStage
@@ -203,8 +206,8 @@ def layerwise_state_roundtrip() -> dict[str, Any]:
     model = _mlp(torch.float32)
     ddp = DataParallel(model, bucket_size=None, shard_grads=False)
     muon_groups, adamw_groups = _split(model, ALL)
-    muon = LayerWiseStage.from_data_parallel(ddp, muon_groups, _muon)
-    chain = ChainedOptimizer([muon, FP32Stage(adamw_groups, _adamw, grad_of=ddp.main_grad)])
+    muon = layerwise_stage(muon_groups, _muon, ddp=ddp)
+    chain = ChainedOptimizer([muon, replicated_stage(adamw_groups, _adamw, grad_of=ddp.main_grad, masters=False)])
 
     def one_step(step: int) -> torch.Tensor:
         xs, ys = _batch(step, world.size)
@@ -246,7 +249,7 @@ def rejects_sharded() -> str:
     model = _mlp(torch.float32)
     ddp = DataParallel(model, shard_grads=True)
     try:
-        LayerWiseStage.from_data_parallel(ddp, _split(model, ALL)[0], _muon)
+        layerwise_stage(_split(model, ALL)[0], _muon, ddp=ddp)
     except ValueError as exc:
         return "shard_grads=False" if "shard_grads=False" in str(exc) else str(exc)
     return "no error"
@@ -256,11 +259,13 @@ def test_bad_input() -> None:
     model = _mlp(torch.float32)
     weight = model[0].weight
     with pytest.raises(ValueError, match="appears twice"):
-        LayerWiseStage([{"params": [weight]}, {"params": [weight]}], _muon, comm=NullComm())
+        layerwise_stage([{"params": [weight]}, {"params": [weight]}], _muon, comm=NullComm())
     with pytest.raises(ValueError, match="floating-point tensors"):
-        LayerWiseStage([{"params": [torch.zeros(2, 2, dtype=torch.int64)]}], _muon, comm=NullComm())
+        layerwise_stage([{"params": [torch.zeros(2, 2, dtype=torch.int64)]}], _muon, comm=NullComm())
     with pytest.raises(ValueError, match="param group 0 must be a dict with a 'params' list"):
-        LayerWiseStage([[weight]], _muon, comm=NullComm())  # type: ignore[list-item]
-    stage = LayerWiseStage(_split(model, ALL)[0], _muon, comm=NullComm())
-    with pytest.raises(ValueError, match="saved by rank 1"):
-        stage.load_state_dict({**stage.state_dict(), "rank": 1})
+        layerwise_stage([[weight]], _muon, comm=NullComm())  # type: ignore[list-item]
+    stage = layerwise_stage(_split(model, ALL)[0], _muon, comm=NullComm())
+    other = {"params": {n: {**e, "start": 1} for n, e in stage.state_dict()["params"].items()},
+             "groups": stage.state_dict()["groups"]}
+    with pytest.raises(ValueError, match="this rank needs"):  # e.g. another rank's state
+        stage.load_state_dict(other)

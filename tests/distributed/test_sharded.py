@@ -9,6 +9,7 @@ are accumulated and reduced in fp32).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,14 +18,18 @@ import torch
 from torch import nn
 
 from optstack.algorithms import get_algorithm
-from optstack.chained import ChainedOptimizer
 from optstack.distributed.comm import world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.param_gather import gather_via
-from optstack.distributed.sharded import ShardedStage
-from optstack.precision import DynamicScaler, FP32Stage, MixedPrecisionStage
+from optstack.optimizer import ChainedOptimizer
+from optstack.precision import DynamicScaler
 from optstack.protocol import ParamShard
+from optstack.stage import replicated_stage, zero1_stage
+
+# the replicated stage with and without fp32 masters (the names of optstack 0.1)
+FP32Stage = functools.partial(replicated_stage, masters=False)
+MixedPrecisionStage = replicated_stage
 
 STEPS = 10
 HYPER: dict[str, dict[str, Any]] = {
@@ -127,7 +132,7 @@ def train_sharded(cfg: dict[str, Any]) -> dict[str, Any]:
     rank = world_comm().rank
     model = _mlp(DTYPES[cfg["dtype"]])
     ddp = _ddp(model, cfg)
-    stage = ShardedStage(_groups(model), _make(cfg["algorithm"]), ddp=ddp,
+    stage = zero1_stage(_groups(model), _make(cfg["algorithm"]), ddp=ddp,
                          overlap_param_gather=cfg.get("overlap_param", False),
                          param_gather=cfg.get("param_gather", "auto"))
     chain = ChainedOptimizer([stage], clip_grad=cfg.get("clip", 0.0))
@@ -225,7 +230,7 @@ def state_bytes() -> dict[str, int]:
     model = _mlp(torch.bfloat16)
     cfg = {"grad_dtype": "fp32"}
     ddp = _ddp(model, cfg)
-    stage = ShardedStage(_groups(model), _make("adamw"), ddp=ddp)
+    stage = zero1_stage(_groups(model), _make("adamw"), ddp=ddp)
     chain = ChainedOptimizer([stage])
     x, y = _batch(0, 1, 1)
     _loss(ddp, x[0, 0], y[0, 0], 1).backward()
@@ -287,8 +292,8 @@ def train_moe(ep: int, num_experts: int) -> dict[str, Any]:
     mine = [e for e in range(num_experts) if e % ep == groups.ep.rank]
     model = _MoE(mine)
     ddp = DataParallel(model, groups=groups, bucket_size=60, shard_grads=True, shard_align=4, param_align=4)
-    dense = ShardedStage(_moe_groups(model, False), _make("adamw"), ddp=ddp, overlap_param_gather=True)
-    expert = ShardedStage(_moe_groups(model, True), _make("adamw"), ddp=ddp, expert=True)
+    dense = zero1_stage(_moe_groups(model, False), _make("adamw"), ddp=ddp, overlap_param_gather=True)
+    expert = zero1_stage(_moe_groups(model, True), _make("adamw"), ddp=ddp, expert=True)
     chain = ChainedOptimizer([dense, expert], clip_grad=0.3)
 
     ref_model = _MoE(list(range(num_experts)))
@@ -342,7 +347,7 @@ def fp16_inf_on_one_rank() -> dict[str, Any]:
     world = world_comm()
     model = _mlp(torch.float16)
     ddp = _ddp(model, {})
-    stage = ShardedStage(_groups(model), _make("adamw"), ddp=ddp)
+    stage = zero1_stage(_groups(model), _make("adamw"), ddp=ddp)
     chain = ChainedOptimizer([stage], scaler=DynamicScaler(initial_scale=2.0**10, hysteresis=1))
     applied, scales = [], []
     for step in range(3):
@@ -378,7 +383,7 @@ def state_roundtrip() -> dict[str, Any]:
     world = world_comm()
     model = _mlp(torch.bfloat16)
     ddp = _ddp(model, {"grad_dtype": "fp32"})
-    stage = ShardedStage(_groups(model), _make("adamw"), ddp=ddp)
+    stage = zero1_stage(_groups(model), _make("adamw"), ddp=ddp)
     chain = ChainedOptimizer([stage])
 
     def one_step(step: int) -> None:
@@ -462,7 +467,7 @@ def tiny_model_on_three_ranks() -> dict[str, Any]:
     model, ref = nn.Linear(3, 2), nn.Linear(3, 2)
     ref.load_state_dict(model.state_dict())
     ddp = DataParallel(model, shard_grads=True)
-    stage = ShardedStage([{"params": list(model.parameters())}], _make("adamw"), ddp=ddp)
+    stage = zero1_stage([{"params": list(model.parameters())}], _make("adamw"), ddp=ddp)
     chain = ChainedOptimizer([stage], clip_grad=0.1)
     acc = {p: torch.zeros(p.shape) for p in ref.parameters()}
     ref_chain = ChainedOptimizer([FP32Stage([{"params": list(ref.parameters())}], _make("adamw"),
@@ -497,20 +502,22 @@ def test_bad_input() -> None:
     model, other = _mlp(torch.float32), _mlp(torch.float32)
     ddp = DataParallel(model, shard_grads=True)
     with pytest.raises(ValueError, match="not a trainable parameter of the DataParallel-wrapped module"):
-        ShardedStage(_groups(other), _make("adamw"), ddp=ddp)
-    with pytest.raises(ValueError, match=r"ShardedStage\(expert=True\): '0.weight' is a dense parameter"):
-        ShardedStage(_groups(model), _make("adamw"), ddp=ddp, expert=True)
+        zero1_stage(_groups(other), _make("adamw"), ddp=ddp)
+    with pytest.raises(ValueError, match=r"ZeRO-1 \(expert=True\): '0.weight' is a dense parameter"):
+        zero1_stage(_groups(model), _make("adamw"), ddp=ddp, expert=True)
     with pytest.raises(ValueError, match="appears twice"):
-        ShardedStage([{"params": [model[0].weight, model[0].weight]}], _make("adamw"), ddp=ddp)
+        zero1_stage([{"params": [model[0].weight, model[0].weight]}], _make("adamw"), ddp=ddp)
     with pytest.raises(ValueError, match="param_gather must be 'auto', 'all_gather' or 'broadcast'"):
-        ShardedStage(_groups(model), _make("adamw"), ddp=ddp, param_gather="ring")  # type: ignore[arg-type]
+        zero1_stage(_groups(model), _make("adamw"), ddp=ddp, param_gather="ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ddp must be an optstack DataParallel"):
-        ShardedStage(_groups(model), _make("adamw"), ddp=model)  # type: ignore[arg-type]
-    stage = ShardedStage(_groups(model), _make("adamw"), ddp=ddp)
-    with pytest.raises(ValueError, match="state dict is for a 'mixed' stage"):
+        zero1_stage(_groups(model), _make("adamw"), ddp=model)  # type: ignore[arg-type]
+    stage = zero1_stage(_groups(model), _make("adamw"), ddp=ddp)
+    with pytest.raises(ValueError, match="the 0.1 'mixed' state dict has no 'optimizer'"):
         stage.load_state_dict({"kind": "mixed"})
-    with pytest.raises(ValueError, match=r"saved by shard \(1, 2\) \(rank, size\), this is \(0, 1\)"):
-        stage.load_state_dict({**stage.state_dict(), "shard": (1, 2)})
+    state = stage.state_dict()
+    other = {**state, "params": {n: {**e, "start": e["start"] + 1} for n, e in state["params"].items()}}
+    with pytest.raises(ValueError, match=r"covers \[1, .*this rank needs \[0, "):  # another rank's range
+        stage.load_state_dict(other)
 
 
 def test_one_process_is_the_replicated_run() -> None:

@@ -54,9 +54,16 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         """Step ``params`` (all on ``device``, all with a grad) with ``group``'s hyperparameters."""
         raise NotImplementedError
 
+    #: ``step(grad_scale=f)`` multiplies every gradient by ``f`` as it is read (the loss-scale and clip
+    #: factor of optstack's stages): folded into the kernel where it takes one, else one multiply pass.
+    takes_grad_scale = True
+    #: the subclass's ``_step_device`` takes ``grad_scale`` itself (its kernel applies it)
+    _folds_grad_scale = False
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step over every tensor with a grad; returns the closure's loss (None without a closure)."""
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float = 1.0) -> Any:  # type: ignore[override]
+        """One step over every tensor with a grad, the gradients multiplied by ``grad_scale``; returns the
+        closure's loss (None without a closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -65,6 +72,11 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
             self._check_group(index, group)
             with_grad = [p for p in group["params"] if p.grad is not None]
             for device, params in group_by_device(with_grad).items():
+                if self._folds_grad_scale:
+                    self._step_device(group, params, device, grad_scale=grad_scale)  # type: ignore[call-arg]
+                    continue
+                if grad_scale != 1.0:
+                    torch._foreach_mul_([p.grad for p in params], grad_scale)
                 self._step_device(group, params, device)
         return loss
 

@@ -147,7 +147,10 @@ class AdamW(PerDeviceOptimizer):
         check_min(self._name, index, group, "eps")
         check_min(self._name, index, group, "weight_decay")
 
-    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
+    _folds_grad_scale = True
+
+    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
+                     grad_scale: float = 1.0) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)
         # torch's fused CUDA kernel reads the step from device memory; elsewhere the step lives on the host.
         step_device = device if impl == "fused" and device.type != "cpu" else torch.device("cpu")
@@ -157,6 +160,8 @@ class AdamW(PerDeviceOptimizer):
             self._init_state([params[i] for i in fresh], [states[i] for i in fresh], step_device)
         steps, values = _advance_steps(states, step_device)
         grads = [p.grad for p in params]
+        if grad_scale != 1.0 and impl != "fused":
+            torch._foreach_mul_(grads, grad_scale)
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state[self._sq_key] for state in states]
         beta1, beta2 = (float(b) for b in group["betas"])
@@ -167,12 +172,15 @@ class AdamW(PerDeviceOptimizer):
             "eps": float(group["eps"]),
             "weight_decay": float(group["weight_decay"]),
             "decoupled": self.decoupled,
+            # torch's fused kernel divides the gradients by its grad_scale (and writes them back unscaled)
+            "grad_scale": torch.tensor(1.0 / grad_scale, device=device) if grad_scale != 1.0 else None,
         }
         as_rms = self._sq_key == _RMS_KEY
         if impl == "reference":
             for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, values, strict=True):
                 v_math = rms_to_v(v, step - 1, beta2) if as_rms else v
-                adamw_reference(p, g, m, v_math, step=int(step), **hyper)
+                adamw_reference(p, g, m, v_math, step=int(step),
+                                **{k: v for k, v in hyper.items() if k != "grad_scale"})
                 if as_rms:
                     v.copy_(v_to_rms(v_math, step, beta2))
             return
@@ -302,7 +310,7 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
     kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hyper["lr"], beta1=hyper["beta1"],
            beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False,
-           maximize=False)
+           maximize=False, grad_scale=hyper["grad_scale"])
 
 
 def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from optstack.chained import ChainedOptimizer
 from optstack.checkpoint.format import decode_scalar, encode_scalar
 from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
 from optstack.checkpoint.save import agree, check_optimizer
 from optstack.checkpoint.state import HeldParam, collect, describe, distribute, group_map, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
+from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 
 __all__ = ["export_torch_state_dict", "import_torch_state_dict", "write_group_map"]

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from optstack.chained import ChainedOptimizer
 from optstack.checkpoint import io
 from optstack.checkpoint.format import (
     MANIFEST,
@@ -38,6 +37,7 @@ from optstack.checkpoint.save import agree, check_optimizer, model_tensors
 from optstack.checkpoint.state import HeldParam, check_load, collect, describe, distribute, restore_group_settings
 from optstack.checkpoint.storage import Chunk, rank_dir_name, read_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
+from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 

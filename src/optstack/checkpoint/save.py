@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from optstack.chained import ChainedOptimizer
 from optstack.checkpoint import io
 from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
 from optstack.checkpoint.state import HeldParam, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
+from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scalar, identity_of, settings_of
-from optstack.protocol import ParamShard, Stage
+from optstack.protocol import ParamShard
+from optstack.stage import Stage
 
 __all__ = [
     "HeldParam", "SavePlan", "collect", "distribute", "describe", "plan_save", "check_load", "group_map",
@@ -62,9 +63,6 @@ def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
     out: list[dict[str, ParamShard]] = []
     seen: dict[str, int] = {}
     for index, stage in enumerate(stages):
-        if type(stage).param_shards is Stage.param_shards:
-            raise ValueError(f"{type(stage).__name__} cannot be checkpointed by name: it does not implement "
-                             "param_shards() / load_param_shards()")
         shards = stage.param_shards()
         for name in shards:
             if seen.setdefault(name, index) != index:

@@ -37,7 +37,7 @@ Rules worth knowing:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -46,6 +46,7 @@ from torch import nn
 from optstack.distributed.buffers import Bucket, ParamAndGradBuffer, build_buffers
 from optstack.distributed.comm import Comm, Handle, NullComm
 from optstack.distributed.parallel import ParallelGroups
+from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather_via, plan_bucket_gathers
 
 __all__ = ["DataParallel", "is_expert_param"]
 
@@ -148,6 +149,7 @@ class DataParallel(nn.Module):
         self._hook_scale: float | None = None  # this step's scale applied in the hook (None: at launch)
         self._reset_sync_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
+        self._gather_hooks: list[Any] = []  # forward pre-hooks waiting for overlapped parameter gathers
 
     # -- forward and hooks ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -299,6 +301,12 @@ class DataParallel(nn.Module):
         with overlap, all of them once backward ends, unless unused parameters held some back)."""
         return self._next
 
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live (CPU when the module has no trainable parameters)."""
+        buffers = self.param_and_grad_buffers
+        return buffers[0].param_data.device if buffers else torch.device("cpu")
+
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient in the grad buffer (its shape, the grad dtype); reduced after
         ``finish_grad_sync`` (with ``shard_grads``, only the owned slices are)."""
@@ -309,6 +317,59 @@ class DataParallel(nn.Module):
         if self._stale:
             self._zero_unwritten([param])  # its gradient is zero until written
         return entry[1].grad_view(param)
+
+    def sharded_layout(
+        self, params: Sequence[torch.Tensor], *, expert: bool = False, overlap_param_gather: bool = False,
+        param_gather: Literal["auto", "all_gather", "broadcast"] = "auto",
+    ) -> ShardedLayout:
+        """The views a ZeRO-1 placement steps ``params`` through: this rank's owned part of each (in the
+        shard group: data-parallel, or expert data-parallel for ``expert``), and the gather that publishes
+        them after a step: whole buckets, or only these parameters' pieces of a bucket shared with another
+        stage. With ``overlap_param_gather`` a forward pre-hook of each module using a bucket waits for its
+        gather, so the gathers overlap the next forward.
+
+        Args:
+            param_gather: ``"all_gather"`` (one per bucket), ``"broadcast"`` (one per rank and bucket, in
+                place), or ``"auto"``: the fastest for the backend (broadcast on gloo).
+
+        Raises:
+            ValueError: a parameter is not a trainable parameter of the wrapped module, is of the other kind
+                (dense vs expert), or appears twice; an unknown ``param_gather``.
+        """
+        comm = self.groups.expert_dp if expert else self.groups.dp
+        via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
+        slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
+        seen: set[int] = set()
+        for param in params:
+            buffer = next((b for b in self.param_and_grad_buffers if param in b), None)
+            if buffer is None:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                    "DataParallel-wrapped module; build the groups from ddp.module.named_parameters()")
+            name = buffer.name_of(param)
+            if buffer.key.is_expert != expert:
+                kind = "an expert" if buffer.key.is_expert else "a dense"
+                raise ValueError(f"ZeRO-1 (expert={expert}): {name!r} is {kind} parameter; put dense and expert "
+                                 "(allreduce=False) parameters in separate stages")
+            if id(param) in seen:
+                raise ValueError(f"parameter {name!r} appears twice in param_groups")
+            seen.add(id(param))
+            slot = buffer.slot_of(param)
+            part = next((s for s in buffer.layout.owned_slices(slot.bucket, comm.rank) if s.name == name), None)
+            if part is not None:
+                at = slice(part.buffer_start, part.buffer_start + part.numel)
+                slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
+            in_buckets.setdefault((id(buffer), slot.bucket), (buffer, slot.bucket, set()))[2].add(name)
+        gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
+                             overlap=overlap_param_gather)
+        if overlap_param_gather:
+            self._gather_hooks += _register_wait_hooks(self.module, gather)
+        groups = self.groups
+        buffers = [b for b in self.param_and_grad_buffers if b.key.is_expert == expert]
+        device = buffers[0].param_data.device if buffers else torch.device("cpu")
+        reduce_over = [comm, groups.ep, groups.mp] if expert else [comm, groups.mp]
+        return ShardedLayout(slices, reduce_over, groups.tp.rank, device, gather)
 
     def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer is reduced (and sharded) over: expert data-parallel for expert buffers."""
@@ -336,6 +397,27 @@ class DataParallel(nn.Module):
                 "the wrapped module's parameters changed after DataParallel was built: "
                 f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model"
             )
+
+
+def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
+    """Forward pre-hooks on every submodule with parameters in ``gather``'s buckets, each waiting for the
+    buckets it uses (finer than waiting for all: the first layer starts while later buckets travel)."""
+    spans = [(g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g) for g in gather.gathers]
+    hooks = []
+    for sub in module.modules():
+        needed = list(dict.fromkeys(g for p in sub.parameters(recurse=False) for lo, hi, g in spans
+                                    if lo <= p.data_ptr() < hi))
+        if needed:
+            hooks.append(sub.register_forward_pre_hook(_waiter(needed)))
+    return hooks
+
+
+def _waiter(gathers: list[Any]) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        for gather in gathers:
+            gather.wait()
+
+    return hook
 
 
 def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

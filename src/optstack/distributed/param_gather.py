@@ -17,9 +17,9 @@ same either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ from torch import nn
 from optstack.distributed.buffers import ParamAndGradBuffer
 from optstack.distributed.comm import Comm, Handle, NullComm
 
-__all__ = ["BucketGather", "GatherVia", "gather_via", "plan_bucket_gathers", "register_wait_hooks"]
+__all__ = ["BucketGather", "GatherVia", "OwnerBroadcast", "ParamGather", "ShardedLayout", "gather_via",
+           "plan_bucket_gathers"]
 
 GatherVia = Literal["all_gather", "broadcast"]
 
@@ -159,26 +160,89 @@ def plan_bucket_gathers(
     return [gather for _, gather in keyed]
 
 
-def register_wait_hooks(module: nn.Module, gathers: Sequence[BucketGather]) -> list[Any]:
-    """Forward pre-hooks on every submodule with parameters in ``gathers``' buckets, waiting for those
-    gathers (a no-op when none is in flight). Returns the hook handles (``.remove()`` them to detach)."""
-    spans = [(g.bucket_data.data_ptr(), g.bucket_data.data_ptr()
-              + g.bucket_data.numel() * g.bucket_data.element_size(), g) for g in gathers]
-    hooks = []
-    for sub in module.modules():
-        needed: list[BucketGather] = []
-        for param in sub.parameters(recurse=False):
-            for lo, hi, gather in spans:
-                if lo <= param.data_ptr() < hi and gather not in needed:
-                    needed.append(gather)
-        if needed:
-            hooks.append(sub.register_forward_pre_hook(_waiter(needed)))
-    return hooks
+@dataclass(eq=False)
+class ParamGather:
+    """The parameter gathers of one stage after its step, in forward order (every rank the same list).
+    ``wait`` is a no-op when nothing is in flight, so forward pre-hooks may call it every forward."""
+
+    gathers: list[BucketGather]
+    overlap: bool = False  # the step leaves the gathers in flight; forward pre-hooks wait for them
+    pending: bool = False
+
+    def launch(self) -> None:
+        for gather in self.gathers:
+            gather.launch()
+        self.pending = bool(self.gathers)
+
+    def wait(self) -> None:
+        if self.pending:
+            for gather in self.gathers:
+                gather.wait()
+            self.pending = False
 
 
-def _waiter(gathers: list[BucketGather]) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        for gather in gathers:
-            gather.wait()
+@dataclass(frozen=True, eq=False)
+class ShardedLayout:
+    """What a ZeRO-1 placement sees of a data-parallel wrapper (``DataParallel.sharded_layout``): per
+    parameter, the owned part of the flattened parameter and its views in the buffers; the groups gradient
+    statistics are reduced over; and the gather that publishes the stepped ranges.
 
-    return hook
+    Attributes:
+        slices: ``id(param)`` -> (start, end, parameter-buffer view, gradient-buffer view), 1-D, for the
+            parameters this rank owns part of.
+        reduce_over: the shard group first, then the groups holding other gradients.
+        tp_rank: this rank's tensor-parallel rank.
+        device: the buffers' device.
+        gather: the stage's parameter gather (its forward pre-hooks, with overlap, are the wrapper's).
+    """
+
+    slices: Mapping[int, tuple[int, int, torch.Tensor, torch.Tensor]]
+    reduce_over: Sequence[Comm | NullComm]
+    tp_rank: int
+    device: torch.device
+    gather: ParamGather
+
+    def owned(self, param: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        return self.slices.get(id(param))
+
+
+# Parameters with at least this many elements are broadcast in place; smaller ones are packed per owner and
+# dtype (one broadcast instead of a latency per tensor). Measured on gloo (2 ranks, 11.4M parameters in 24
+# matrices): ~30-35 ms, against ~35 ms for one broadcast per parameter and 95-195 ms for one padded
+# all-gather; for 24 small matrices (0.3M) packing wins (~1.1 ms against ~5 ms).
+BROADCAST_IN_PLACE = 1 << 16
+
+
+class OwnerBroadcast:
+    """Whole parameters from their owner ranks to every rank (the layer-wise placement's publish): per
+    owner, its large parameters broadcast in place and its small ones packed per dtype. Planned once."""
+
+    def __init__(self, comm: Comm | NullComm, params: Sequence[torch.Tensor], owners: Sequence[int]) -> None:
+        self.comm = comm
+        self.plan: list[tuple[int, list[torch.Tensor], list[list[torch.Tensor]]]] = []
+        for rank in range(comm.size):
+            mine = [p for p, owner in zip(params, owners, strict=True) if owner == rank]
+            large = [p for p in mine if p.numel() >= BROADCAST_IN_PLACE and p.is_contiguous()]
+            packs: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in mine:
+                if not (p.numel() >= BROADCAST_IN_PLACE and p.is_contiguous()):
+                    packs.setdefault(p.dtype, []).append(p)
+            self.plan.append((rank, large, list(packs.values())))
+
+    @torch.no_grad()
+    def run(self) -> None:
+        comm = self.comm
+        if comm.size == 1:
+            return
+        for owner, large, small in self.plan:
+            for param in large:
+                comm.broadcast(param.data, owner)
+            for members in small:
+                if owner == comm.rank:
+                    packet = torch.cat([p.detach().reshape(-1) for p in members])
+                else:
+                    packet = members[0].new_empty(sum(p.numel() for p in members))
+                comm.broadcast(packet, owner)
+                if owner != comm.rank:
+                    for p, part in zip(members, packet.split([p.numel() for p in members]), strict=True):
+                        p.copy_(part.view_as(p))

@@ -1,0 +1,229 @@
+"""Placements: which elements of which parameters this rank steps, where their gradients are, over which
+ranks the gradient statistics are reduced, and how the stepped values reach every rank.
+
+A placement turns the model-side param groups into ``Piece``s, the one record of "what a rank holds of a
+parameter": elements ``[start, end)`` of the flattened parameter, as a tensor of the model's own storage.
+
+- ``Whole``: every parameter whole on every rank (a single process, or replicated data parallelism).
+- ``Zero1``: this rank's range of every bucket of a data-parallel wrapper (``ShardedLayout``: views of its
+  buffers, never the wrapper); the ranges cut across parameters; the wrapper's gather publishes them.
+- ``LayerWise``: whole parameters, each stepped by one owner rank (balanced by cost), then broadcast.
+
+A DTensor placement (local shards of ``fully_shard`` / tensor-parallel parameters) is one more of these.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optstack.distributed.comm import Comm, NullComm
+from optstack.distributed.parallel import ComposedComm
+from optstack.distributed.param_gather import OwnerBroadcast, ParamGather, ShardedLayout
+from optstack.protocol import phase
+
+__all__ = ["GradOf", "LayerWise", "Piece", "Placement", "Whole", "Zero1", "assign_params", "newton_schulz_cost"]
+
+GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+def _grad_attr(param: torch.Tensor) -> torch.Tensor | None:
+    return param.grad
+
+
+@dataclass(eq=False)
+class Piece:
+    """What this rank steps of one parameter.
+
+    Attributes:
+        name: the parameter's name.
+        param: the model parameter (its attributes decide how its gradient counts in the norm).
+        start, end: the range ``[start, end)`` of the flattened parameter.
+        value: those elements in the model's storage: the parameter itself, or a 1-D view of its buffer.
+        grad: a fixed view of its (reduced) gradient, or None when the placement reads it each step.
+    """
+
+    name: str
+    param: torch.Tensor
+    start: int
+    end: int
+    value: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+class Placement:
+    """Whole parameters on every rank; the base of the other placements.
+
+    Args:
+        grad_of: a parameter's (reduced) gradient: ``p.grad`` by default, a grad-buffer view under a
+            data-parallel wrapper.
+        reduce_over: the groups whose ranks hold other gradients (model-parallel; expert-parallel for expert
+            parameters): norms and non-finite flags are reduced over them.
+        tp_rank: this rank's tensor-parallel rank (tensor-parallel duplicates count on rank 0 only).
+        device: where a rank with no parameters runs its reductions (NCCL cannot reduce CPU tensors).
+    """
+
+    kind = "whole"
+
+    def __init__(self, *, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (), tp_rank: int = 0,
+                 device: torch.device | None = None) -> None:
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
+            raise ValueError(f"tp_rank must be an int >= 0, got {tp_rank!r}")
+        self.grad_of: GradOf = grad_of if grad_of is not None else _grad_attr
+        self.comm = ComposedComm(list(reduce_over))
+        self.tp_rank = tp_rank
+        self.device = device
+
+    def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
+        """Per group, the pieces this rank steps (groups are kept, possibly empty)."""
+        return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True)]
+                for gn, gp in zip(names, params, strict=True)]
+
+    def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
+        """The current model gradient of each piece (shaped like ``piece.value``), None where absent."""
+        return [p.grad if p.grad is not None else self.grad_of(p.param) for p in pieces]
+
+    def norm_terms(self, pieces: Sequence[Piece], ready: Sequence[torch.Tensor | None]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """(parameters, gradients) whose norms make this rank's part of the global norm."""
+        return [p.param for p in pieces], list(ready)
+
+    def publish(self) -> None:
+        """Bring every rank's stepped values to every rank (collective); nothing to do for whole params."""
+
+    def finish(self) -> None:
+        """Wait for a publish still in flight."""
+
+    def clear_other_grads(self, set_to_none: bool) -> None:
+        """Clear gradients this rank holds of parameters it does not step."""
+
+
+class Whole(Placement):
+    """Every parameter whole on every rank (a single process, or replicated data parallelism)."""
+
+
+class Zero1(Placement):
+    """ZeRO-1: the pieces are this rank's ranges of a data-parallel wrapper's buckets.
+
+    Args:
+        layout: the wrapper's ``ShardedLayout`` for these parameters (``DataParallel.sharded_layout``): the
+            owned slices of the parameter and gradient buffers, the reduction groups and the gather.
+    """
+
+    kind = "zero1"
+
+    def __init__(self, layout: ShardedLayout) -> None:
+        super().__init__(reduce_over=layout.reduce_over, tp_rank=layout.tp_rank, device=layout.device)
+        self.layout = layout
+        self.gather: ParamGather = layout.gather
+
+    def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
+        out = []
+        for gn, gp in zip(names, params, strict=True):
+            group = []
+            for name, param in zip(gn, gp, strict=True):
+                owned = self.layout.owned(param)
+                if owned is not None:
+                    start, end, value, grad = owned
+                    group.append(Piece(name, param, start, end, value, grad))
+            out.append(group)
+        return out
+
+    def publish(self) -> None:
+        with phase("param_gather"):
+            self.gather.launch()
+            if not self.gather.overlap:  # else each bucket is waited for before the next forward uses it
+                self.gather.wait()
+
+    def finish(self) -> None:
+        self.gather.wait()
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> float:
+    """One parameter's update cost: ``max(m, n) * min(m, n) ** 2`` for an ``(m, n)`` matrix (a Newton-Schulz
+    iteration's matmuls), the element count otherwise (an element-wise update)."""
+    if len(shape) == 2:
+        m, n = shape
+        return float(max(m, n) * min(m, n) ** 2)
+    return float(math.prod(shape))
+
+
+def assign_params(costs: Sequence[float], dp_size: int) -> list[int]:
+    """The owner rank of each parameter: largest cost first, each to the least-loaded rank so far (ties: the
+    earlier parameter, the lower rank). Pure and deterministic; the largest load is at most the optimum plus
+    the largest single cost.
+
+    Raises:
+        ValueError: ``dp_size`` < 1, or a cost that is negative or not finite.
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    for index, cost in enumerate(costs):
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
+            raise ValueError(f"costs[{index}] must be a finite number >= 0, got {cost!r}")
+    loads = [(0.0, rank) for rank in range(dp_size)]
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + costs[i], rank))
+    return owners
+
+
+class LayerWise(Placement):
+    """Whole parameters, each stepped by its owner rank, then broadcast to every rank (what Muon needs).
+
+    Gradients are complete on every rank (a replicated reduction), so the norm is computed over every
+    parameter on every rank, in the order a replicated run uses: the clip factor is the replicated run's to
+    the bit. Only the model-parallel groups (``reduce_over``) are reduced over.
+
+    Args:
+        comm: the data-parallel group the parameters are spread over.
+        cost: a parameter's update cost from its shape (balances the assignment).
+        other arguments: as ``Placement``.
+    """
+
+    kind = "layerwise"
+
+    def __init__(self, *, comm: Comm | NullComm, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (),
+                 tp_rank: int = 0, device: torch.device | None = None,
+                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
+        super().__init__(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
+        self.dp = comm
+        self.cost = cost
+        self.owners: list[int] = []
+        self._all: list[torch.Tensor] = []
+        self._broadcast: OwnerBroadcast | None = None
+
+    def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
+        self._all = [p for group in params for p in group]
+        self.owners = assign_params([self.cost(tuple(p.shape)) for p in self._all], self.dp.size)
+        self._broadcast = OwnerBroadcast(self.dp, self._all, self.owners)
+        owner = iter(self.owners)
+        return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True) if next(owner) == self.dp.rank]
+                for gn, gp in zip(names, params, strict=True)]
+
+    def norm_terms(self, pieces: Sequence[Piece], ready: Sequence[torch.Tensor | None]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        mine = iter(ready)
+        grads = [next(mine) if owner == self.dp.rank else self.grad_of(p)
+                 for p, owner in zip(self._all, self.owners, strict=True)]
+        return list(self._all), grads
+
+    def publish(self) -> None:
+        if self._broadcast is not None:
+            with phase("param_gather"):
+                self._broadcast.run()
+
+    def clear_other_grads(self, set_to_none: bool) -> None:
+        for p, owner in zip(self._all, self.owners, strict=True):
+            if owner != self.dp.rank and p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()

@@ -1,0 +1,279 @@
+"""``Stage``: one inner algorithm over one placement and one precision; the step's phases happen here once
+for every combination.
+
+One step, as the optimizer sequences it over all its stages (one norm, one clip factor, one skip)::
+
+    grad_stats   gradients made ready (a view, or an fp32 copy for a master), then ONE read pass: a norm per
+                 tensor -> [sum |g|^p (max for inf), non-finite count], reduced over the placement's groups.
+                 A non-finite norm is the finite check; the loss scale is divided out of the norm afterwards.
+    step(f)      the inner algorithm with the gradients multiplied by f = clip factor / loss scale, folded
+                 into the fused kernel where the algorithm takes a grad scale (one pass fewer), then the
+                 masters rounded into the model and the placement's publish (gather / broadcast).
+
+The inner algorithm only sees local tensors (whole parameters, masters, flat shard views); it never knows
+which placement or precision it is stepped under. State is the one name-keyed format (``state.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from optstack.protocol import MakeOptimizer, ParamShard, phase
+from optstack.stage.placement import Piece, Placement, Whole
+from optstack.stage.precision import Masters, Precision
+from optstack.stage.state import from_plain, load_into, migrate, shards_of, to_plain
+
+__all__ = ["Stage"]
+
+
+def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
+    """Shallow copies of the caller's groups (torch.optim writes defaults into the dicts it is given),
+    after checking every group has a list of distinct floating-point tensors."""
+    if isinstance(param_groups, dict) or not isinstance(param_groups, Sequence):
+        raise ValueError(f"{owner}: param_groups must be a list of group dicts, got {type(param_groups).__name__}")
+    seen: set[int] = set()
+    copies = []
+    for index, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"{owner}: param group {index} must be a dict with a 'params' list, got {group!r:.80}")
+        params = list(group["params"])
+        names = group.get("param_names")
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"{owner}: param group {index} has {len(params)} params but {len(names)} param_names")
+        for position, param in enumerate(params):
+            name = names[position] if names is not None else f"group {index} param {position}"
+            if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+                raise ValueError(f"{owner}: parameters must be floating-point tensors; {name!r} is {param!r:.80}")
+            if id(param) in seen:
+                raise ValueError(f"{owner}: parameter {name!r} appears twice in param_groups; give each param once")
+            seen.add(id(param))
+        copies.append({**group, "params": params})
+    return copies
+
+
+def _counts(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether a parameter's gradient counts toward the global norm: not a ``shared`` parameter (a tied
+    embedding counted on another pipeline stage) and not a tensor-parallel duplicate off tp rank 0."""
+    if getattr(param, "shared", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class Stage:
+    """An inner optimizer over this rank's pieces of ``param_groups``.
+
+    Args:
+        param_groups: group dicts over model parameters (``params``, ``param_names``, any settings); not
+            modified. Every rank passes the same groups (a placement may leave some empty on a rank).
+        make_optimizer: builds the inner optimizer over exactly the groups it is given (the same dicts with
+            ``params`` = the tensors to step, ``param_names`` = their names).
+        placement: which parts of which parameters this rank steps (default ``Whole()``).
+        precision: what the algorithm steps for them (default ``Masters()``: fp32 masters for bf16/fp16).
+
+    Raises:
+        ValueError: malformed groups, a non-floating or repeated parameter, or an optimizer not built over
+            the groups given.
+    """
+
+    def __init__(self, param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *,
+                 placement: Placement | None = None, precision: Precision | None = None) -> None:
+        self.placement = placement if placement is not None else Whole()
+        self.precision = precision if precision is not None else Masters()
+        owner = self.name = f"{self.kind} stage"
+        groups = _check_groups(param_groups, owner)
+        names = [list(g.get("param_names") or [f"group {i} param {j}" for j in range(len(g["params"]))])
+                 for i, g in enumerate(groups)]
+        by_group = self.placement.pieces(names, [g["params"] for g in groups])
+        self.pieces: list[Piece] = [p for group in by_group for p in group]
+        first = self.pieces[0].value.device if self.pieces else None
+        fallback = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+        self.device: torch.device = self.placement.device or first or fallback
+        stepped = self.precision.inner(by_group, self.device)
+        inner_groups = [{**g, "params": s, "param_names": [p.name for p in pg]}
+                        for g, s, pg in zip(groups, stepped, by_group, strict=True)]
+        optimizer = make_optimizer(inner_groups)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"{owner}: make_optimizer must return a torch.optim.Optimizer, got {optimizer!r:.80}")
+        given = [[id(p) for p in g["params"]] for g in inner_groups]
+        built = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+        if given != built:
+            raise ValueError(f"{owner}: make_optimizer must build the optimizer over exactly the groups given, in "
+                             f"order (given {len(given)} groups of sizes {[len(g) for g in given]}, built "
+                             f"{len(built)} of sizes {[len(g) for g in built]})")
+        self.optimizer = optimizer
+        self._stepped = [t for group in stepped for t in group]
+        self._masters = {id(m) for m in self.precision.masters}
+        self._ready: list[torch.Tensor | None] = []
+        self._counted: torch.Tensor | None = None
+        self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
+
+    def __repr__(self) -> str:
+        return f"Stage({type(self.optimizer).__name__}, {self.kind}, {len(self.pieces)} pieces)"
+
+    @property
+    def kind(self) -> str:
+        """``placement+precision``, e.g. ``"zero1+masters"``."""
+        return f"{self.placement.kind}+{self.precision.kind}"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (live: a scheduler writes ``lr`` and ``weight_decay`` here)."""
+        return self.optimizer.param_groups
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 masters, in group order."""
+        return self.precision.masters
+
+    # -- the step ------------------------------------------------------------------------------------
+    def grad_stats(self, norm_type: float) -> torch.Tensor:
+        """Make the gradients ready and return ``[sum |g|^p (max |g| for inf), non-finite count]`` over
+        this stage's gradients as they are (loss-scaled), reduced over the placement's groups: a
+        2-element fp32 tensor, the same on every rank. Collective."""
+        self.placement.finish()
+        self._ready = self.precision.ready(self.placement.grads(self.pieces))
+        params, grads = self.placement.norm_terms(self.pieces, self._ready)
+        norms = _norms(grads, norm_type, self.device)
+        if self._counted is None:  # fixed with the parameters; where grads are absent the norm is 0
+            self._counted = torch.tensor([_counts(p, self.placement.tp_rank) for p in params], dtype=torch.bool,
+                                        device=self.device)
+        inf = math.isinf(norm_type)
+        counted = norms[self._counted]
+        local = (counted.max() if counted.numel() else norms.new_zeros(())) if inf else counted.pow(norm_type).sum()
+        stats = torch.stack([local, (~torch.isfinite(norms)).sum().to(torch.float32)])
+        return self.placement.comm.all_reduce(stats, op="max" if inf else "sum")
+
+    def count_zeros(self) -> torch.Tensor:
+        """Zero elements of the counted ready gradients, summed over the placement's groups (0-d int64)."""
+        params, grads = self.placement.norm_terms(self.pieces, self._ready)
+        tp = self.placement.tp_rank
+        counted = [g for p, g in zip(params, grads, strict=True) if g is not None and _counts(p, tp)]
+        total = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if counted:
+            numel = sum(g.numel() for g in counted)
+            total += numel - torch.stack([torch.count_nonzero(g).to(self.device) for g in counted]).sum()
+        return self.placement.comm.all_reduce(total, op="sum")[0]
+
+    def step(self, grad_scale: float = 1.0) -> None:
+        """The inner step with the ready gradients multiplied by ``grad_scale``, then publish."""
+        if self._takes_grad_scale:
+            self.optimizer.step(grad_scale=grad_scale)  # type: ignore[call-arg]
+        else:
+            if grad_scale != 1.0:
+                grads = [g for g in self._ready if g is not None]
+                if grads:
+                    torch._foreach_mul_(grads, grad_scale)
+            self.optimizer.step()
+        self._publish()
+
+    def _publish(self) -> None:
+        with phase("publish_params"):
+            self.precision.publish()
+        self.placement.publish()
+
+    def finish_param_sync(self) -> None:
+        """Wait for parameter gathers still in flight (with overlap they run during the next forward)."""
+        self.placement.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the stepped tensors' gradients and the model's (of whole parameters this rank steps)."""
+        self.precision.clear(set_to_none)
+        for param in (p.param for p in self.pieces if p.value is p.param):
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+        self.placement.clear_other_grads(set_to_none)
+
+    # -- state: the one name-keyed format ------------------------------------------------------------
+    def param_shards(self) -> dict[str, ParamShard]:
+        """What this rank holds of each parameter it steps, by name (flat views of the live tensors)."""
+        self.placement.finish()
+        return shards_of(self.optimizer, self.pieces)
+
+    def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
+        """Load name-keyed state (each shard must cover this rank's range of its parameter; the range is cut
+        out), then publish as a step does, so every rank's model holds the loaded values. Collective.
+
+        Raises:
+            ValueError: a parameter this rank steps is missing or does not fit; nothing changes then.
+        """
+        self.placement.finish()
+        load_into(self.name, self.optimizer, self.pieces, shards)
+        self._publish()
+        self.placement.finish()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, name-keyed: ``{"params": {name: {shape, start, end, tensors, scalars, group}},
+        "groups": [each group's settings]}`` (references; ``torch.save`` or deep-copy to snapshot)."""
+        return to_plain(self.param_shards(), self.optimizer.param_groups)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` (of any rank holding the same ranges; a 0.1 tagged one is migrated), all
+        or nothing: on a mismatch a ``ValueError`` names it and nothing changes."""
+        shards, settings = self.validate_state_dict(state_dict)
+        self.load_param_shards(shards)
+        for group, saved in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(copy.deepcopy(saved))
+
+    def validate_state_dict(self, state_dict: Any) -> tuple[dict[str, ParamShard], list[dict[str, Any]]]:
+        """The shards and group settings of ``state_dict`` after checking they fit (``ValueError`` naming
+        what differs); changes nothing."""
+        if isinstance(state_dict, dict) and "kind" in state_dict:
+            masters = [id(t) in self._masters for t in self._stepped]
+            state_dict = migrate(state_dict, self.pieces, self._stepped, masters)
+        shards = from_plain(self.name, state_dict, self.optimizer.param_groups)
+        missing = [p.name for p in self.pieces if p.name not in shards]
+        if missing:
+            ours = {p.name for p in self.pieces}
+            unknown = [n for n in shards if n not in ours]
+            raise ValueError(f"{self.name}: the state dict has no state for {missing[:8]}"
+                             + (f" but state for {unknown[:8]}" if unknown else "")
+                             + "; it is from another model, grouping or rank")
+        for piece, stepped in zip(self.pieces, self._stepped, strict=True):
+            shard = shards[piece.name]
+            fits = shard.start <= piece.start <= piece.end <= shard.end
+            if tuple(shard.shape) != tuple(piece.param.shape) or not fits:
+                raise ValueError(
+                    f"{self.name}: the state of {piece.name!r} covers [{shard.start}, {shard.end}) of shape "
+                    f"{tuple(shard.shape)}; this rank needs [{piece.start}, {piece.end}) of shape "
+                    f"{tuple(piece.param.shape)} (load another data-parallel size through a checkpoint)")
+            for key, tensor in shard.tensors.items():
+                current = self.optimizer.state.get(stepped, {}).get(key)
+                if isinstance(tensor, torch.Tensor) and isinstance(current, torch.Tensor) \
+                        and tensor.numel() != current.numel() and current.numel() == piece.end - piece.start:
+                    raise ValueError(f"{self.name}: state {key!r} of {piece.name!r} has {tensor.numel()} elements "
+                                     f"in the state dict, expected {current.numel()}")
+        settings = state_dict["groups"]
+        if any(not isinstance(s, dict) for s in settings):
+            raise ValueError(f"{self.name}: the state dict's 'groups' must be dicts of settings")
+        names = [g.get("param_names") for g in self.optimizer.param_groups]
+        for index, (saved, ours) in enumerate(zip(settings, names, strict=True)):
+            if "param_names" in saved and ours is not None and list(saved["param_names"]) != list(ours):
+                raise ValueError(f"{self.name}: param group {index} holds other parameters in the state dict")
+        return shards, settings
+
+
+def _norms(grads: Sequence[torch.Tensor | None], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The norm of each gradient (0 where absent) as one fp32 tensor on ``device``: one multi-tensor norm
+    per (device, dtype), low-precision gradients reduced in fp32."""
+    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            buckets.setdefault((grad.device, grad.dtype), []).append(i)
+    for (_, dtype), indices in buckets.items():
+        bucket = [grads[i] for i in indices]
+        # _foreach_norm refuses a narrowing dtype (fp64 -> fp32), so only widen low-precision inputs.
+        wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
+        norms = torch.stack(torch._foreach_norm(bucket, norm_type, **wide)).to(device=device, dtype=torch.float32)
+        if len(indices) == len(grads):
+            return norms
+        out[torch.tensor(indices, device=device)] = norms
+    return out
