@@ -120,8 +120,12 @@ def _fingerprint(values: torch.Tensor) -> str:
     """CRC-32 of the bits of about 1024 evenly spaced elements: cheap, exact and the same on every rank for
     the same numbers (a sum would depend on the thread count), and two different tensors (two experts under
     one name) differ in almost every element."""
-    sample = values.detach()[:: max(1, values.numel() // 1024)].contiguous().cpu()
-    return f"{zlib.crc32(sample.view(torch.uint8).numpy().tobytes()):08x}"
+    sample = values.detach()[:: max(1, values.numel() // 1024)].contiguous().view(torch.uint8)
+    # The bytes without numpy (not a core dependency): torch copies them into a bytearray, from any device.
+    data = bytearray(sample.numel())
+    if data:  # torch.frombuffer refuses an empty buffer; an empty shard's CRC is crc32(b"") as before
+        torch.frombuffer(data, dtype=torch.uint8).copy_(sample)
+    return f"{zlib.crc32(data):08x}"
 
 
 @dataclass(frozen=True)

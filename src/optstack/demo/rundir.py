@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from optstack._bytes import tensor_bytes
 from optstack.checkpoint.io import LATEST, resolve_checkpoint
 
 __all__ = ["RunDir", "TrainState", "TRAIN_STATE_VERSION"]
@@ -92,7 +93,7 @@ class TrainState:
 
 
 def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
+    return base64.b64encode(tensor_bytes(t)).decode()
 
 
 def _unb64(text: str) -> torch.Tensor:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from optstack._bytes import tensor_bytes
+
 __all__ = [
     "Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized",
     "world_rank", "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group",
@@ -269,7 +271,7 @@ class Comm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order."""
         data = _to_bytes(obj, self._object_device())
-        return [pickle.loads(t.cpu().numpy().tobytes()) for t in self.all_gather_uneven(data)]
+        return [pickle.loads(tensor_bytes(t)) for t in self.all_gather_uneven(data)]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Group rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
@@ -280,7 +282,7 @@ class Comm:
         if self.rank != src:
             data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
         self.broadcast(data, src)
-        return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())
+        return obj if self.rank == src else pickle.loads(tensor_bytes(data))
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
