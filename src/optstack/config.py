@@ -104,6 +104,11 @@ class AdamConfig:
         dtype_from_name(self.exp_avg_dtype, "adam.exp_avg_dtype")
         dtype_from_name(self.exp_avg_sq_dtype, "adam.exp_avg_sq_dtype")
 
+    @property
+    def state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The storage dtypes of (exp_avg, exp_avg_sq)."""
+        return dtype_from_name(self.exp_avg_dtype), dtype_from_name(self.exp_avg_sq_dtype)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SGDConfig:

@@ -83,33 +83,8 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def algorithm_kwargs(name: str, config: OptimizerConfig) -> dict[str, Any]:
-    """Constructor keyword arguments of the algorithm ``name`` taken from ``config``."""
-    spec = get_algorithm(name)
-    base: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if spec.family == "adam":
-        a = config.adam
-        base |= {
-            "betas": (a.beta1, a.beta2),
-            "eps": a.eps,
-            "exp_avg_dtype": dtype_from_name(a.exp_avg_dtype, "adam.exp_avg_dtype"),
-            "exp_avg_sq_dtype": dtype_from_name(a.exp_avg_sq_dtype, "adam.exp_avg_sq_dtype"),
-        }
-    elif spec.family == "sgd":
-        base |= {"momentum": config.sgd.momentum, "nesterov": config.sgd.nesterov}
-    elif spec.family == "lion":
-        base |= {"betas": (config.lion.beta1, config.lion.beta2)}
-    elif spec.family == "muon":
-        m = config.muon
-        base |= {
-            "momentum": m.momentum,
-            "nesterov": m.nesterov,
-            "ns_steps": m.ns_steps,
-            "ns_coefficients": m.coefficients,
-            "scale_mode": m.scale_mode,
-            "extra_scale_factor": m.extra_scale_factor,
-            "matmul_precision": m.matmul_precision,
-        }
-    return base | dict(spec.defaults)
+    """Constructor keyword arguments of the algorithm ``name`` taken from ``config`` (``AlgorithmSpec.kwargs``)."""
+    return get_algorithm(name).kwargs(config)
 
 
 def wrap_data_parallel(
