@@ -16,7 +16,7 @@ from torch import nn
 
 from optstack.algorithms import AlgorithmSpec, get_algorithm
 from optstack.chained import ChainedOptimizer
-from optstack.config import OptimizerConfig, dtype_from_name
+from optstack.config import OptimizerConfig, check_combination, dtype_from_name
 from optstack.distributed.comm import is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.group_keys import union_group_keys
@@ -24,8 +24,7 @@ from optstack.distributed.layerwise import LayerWiseStage
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.sharded import ComposedComm, ShardedStage
 from optstack.groups import build_param_groups, group_keys
-from optstack.offload import offload_from_config
-from optstack.precision.scaler import LossScaler, make_scaler
+from optstack.precision.scaler import LossScaler
 from optstack.precision.stages import FP32Stage, MixedPrecisionStage
 from optstack.protocol import Stage
 from optstack.rules import Rule, muon_routing_rule, mup_rules, named_parameters_of, resolve, standard_rules
@@ -151,6 +150,7 @@ def build_optimizer(
     A model wrapped by ``wrap_data_parallel`` gets the distributed stages ``config.distributed.sharding``
     names: replicated, ZeRO-1 (``zero1``) or layer-wise (``layerwise``, for Muon's matrices).
     """
+    check_combination(config)
     ddp = _data_parallel_of(model_chunks, config)
     named = trainable_named_parameters(model_chunks)
     if not named:
@@ -187,22 +187,8 @@ def build_optimizer(
 
 
 def scaler_from_config(config: OptimizerConfig) -> LossScaler:
-    """The loss scaler ``config`` asks for (dynamic by default for fp16, none for fp32/bf16)."""
-    ls = config.loss_scale
-    mode = ls.resolved_mode(config.precision)
-    if mode == "none":
-        return make_scaler("none")
-    if mode == "constant":
-        return make_scaler("constant", scale=ls.initial)
-    return make_scaler(
-        "dynamic",
-        initial_scale=ls.initial,
-        min_scale=ls.min_scale,
-        growth_factor=ls.growth_factor,
-        backoff_factor=ls.backoff_factor,
-        growth_interval=ls.window,
-        hysteresis=ls.hysteresis,
-    )
+    """The loss scaler ``config`` asks for (``LossScaleConfig.build``: dynamic by default for fp16, else none)."""
+    return config.loss_scale.build(config.precision)
 
 
 def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
@@ -272,7 +258,7 @@ def _stage(
     ddp: DataParallel | None,
 ) -> Stage:
     family = spec.family
-    make = offload_from_config(config, spec, make)  # CPU offload lives inside the inner optimizer
+    make = config.offload.wrap(make, spec)  # CPU offload lives inside the inner optimizer
     replicated = FP32Stage if config.precision == "fp32" else MixedPrecisionStage
     if ddp is None:
         return replicated(groups, make, grad_of=grad_of)
