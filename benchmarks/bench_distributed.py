@@ -31,8 +31,8 @@ Columns:
 The optstack rows are built as users build them: ``wrap_data_parallel(config, model)`` and
 ``build_optimizer(config, ddp, rules=[])`` with ``OptimizerConfig(algorithm="adamw", clip_grad=0.0,
 distributed=DistributedConfig(sharding=..., overlap_grad_reduce=..., overlap_param_gather=...))``: the
-``DataParallel`` wrapper over contiguous bucketed buffers, the replicated ``FP32Stage`` or the ZeRO-1
-``ShardedStage``, optstack's AdamW, in a ``ChainedOptimizer`` (clipping off; it still computes the global
+``DataParallel`` wrapper over contiguous bucketed buffers, the replicated or the ZeRO-1
+``Stage`` (placement Whole or Zero1), optstack's AdamW, in a ``ChainedOptimizer`` (clipping off; it still computes the global
 grad norm every step, for ``StepResult.grad_norm``).
 A second table gives the median time of each phase of the loop and, for optstack, of the named phases of the
 step (``optstack.protocol.set_phase_hook``). DeepSpeed rows need ``deepspeed``: imported here when it can
@@ -70,7 +70,7 @@ CONFIGS: dict[str, str] = {
     "fsdp2": "FSDP2 fully_shard + AdamW",
     "ds_zero1": "DeepSpeed ZeRO-1 + torch AdamW(fused)",
     "ds_zero2": "DeepSpeed ZeRO-2 + torch AdamW(fused)",
-    "optstack_replicated": "optstack replicated (DataParallel + FP32Stage)",
+    "optstack_replicated": "optstack replicated (DataParallel + whole-parameter Stage)",
     "optstack_zero1": "optstack ZeRO-1, no overlap",
     "optstack_zero1_overlap_grad": "optstack ZeRO-1, overlapped grad reduce",
     "optstack_zero1_overlap": "optstack ZeRO-1, overlapped grad reduce + param gather",

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 
 import torch
 
-from optstack.chained import ChainedOptimizer
-from optstack.precision import FP32Stage, MixedPrecisionStage
+from optstack.optimizer import ChainedOptimizer
+from optstack.stage import replicated_stage
 from optstack.protocol import set_phase_hook
 
 PHASES = ("prepare_grads", "grad_norm", "inner_step", "publish_params")
@@ -49,7 +49,7 @@ def build(mode: str, numel: int, tensors: int, device: torch.device) -> ChainedO
     def adamw(inner_groups: list[dict]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(inner_groups, lr=1e-4, weight_decay=0.1, fused=True)
 
-    stage = FP32Stage(groups, adamw) if mode == "fp32" else MixedPrecisionStage(groups, adamw)
+    stage = replicated_stage(groups, adamw, masters=mode != "fp32")
     return ChainedOptimizer([stage], clip_grad=1.0)
 
 

@@ -121,3 +121,73 @@ def test_spec_is_frozen() -> None:
         spec.name = "other"  # type: ignore[misc]
     with pytest.raises(TypeError):
         spec.defaults["lr"] = 1.0  # type: ignore[index]
+
+
+# -- constructor kwargs from the config ---------------------------------------------------------------
+def test_builtin_kwargs_come_from_their_config_section() -> None:
+    from optstack.config import AdamConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
+
+    cfg = OptimizerConfig(
+        lr=0.5, weight_decay=0.25, adam=AdamConfig(beta1=0.8, beta2=0.9, eps=1e-6, exp_avg_dtype="bf16"),
+        sgd=SGDConfig(momentum=0.7, nesterov=True), lion=LionConfig(beta1=0.5, beta2=0.6),
+        muon=MuonConfig(momentum=0.9, ns_steps=3, coefficients="simple", scale_mode="unit_rms_norm"),
+    )
+    base = {"lr": 0.5, "weight_decay": 0.25}
+    adam = {"betas": (0.8, 0.9), "eps": 1e-6, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.float32}
+    assert get_algorithm("adamw").kwargs(cfg) == base | adam | {"decoupled": True}
+    assert get_algorithm("adam").kwargs(cfg) == base | adam | {"decoupled": False}
+    assert get_algorithm("sgd").kwargs(cfg) == base | {"momentum": 0.7, "nesterov": True}
+    assert get_algorithm("lion").kwargs(cfg) == base | {"betas": (0.5, 0.6)}
+    assert get_algorithm("muon").kwargs(cfg) == base | {
+        "momentum": 0.9, "nesterov": False, "ns_steps": 3, "ns_coefficients": "simple",
+        "scale_mode": "unit_rms_norm", "extra_scale_factor": 1.0, "matmul_precision": "medium"}
+    assert get_algorithm("torch.optim.RMSprop").kwargs(cfg) == base  # a plug-in gets only lr / weight_decay
+    for name in ("adamw", "sgd", "lion", "muon", "torch.optim.RMSprop"):  # every set builds its optimizer
+        get_algorithm(name).cls([torch.zeros(2, 2, requires_grad=True)], **get_algorithm(name).kwargs(cfg))
+
+
+def test_factory_algorithm_kwargs_delegates_to_the_spec() -> None:
+    from optstack.config import OptimizerConfig
+    from optstack.factory import algorithm_kwargs
+
+    cfg = OptimizerConfig(lr=0.1)
+    assert algorithm_kwargs("adam", cfg) == get_algorithm("adam").kwargs(cfg)
+
+
+def test_muon_kwargs_are_resolved_lazily_with_its_class() -> None:
+    from optstack.algorithms import muon
+
+    assert get_algorithm("muon").kwargs_from_config is muon.kwargs_from_config
+    assert isinstance(registry._REGISTRY["muon"].kwargs, str)
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_register_with_kwargs_and_a_lazy_kwargs_path() -> None:
+    from optstack.config import OptimizerConfig
+
+    register("rmsprop", torch.optim.RMSprop, family="other", kwargs=lambda config: {"alpha": config.adam.beta2})
+    register("lion_lazy", "optstack.algorithms.lion:Lion", family="lion",
+             kwargs="optstack.algorithms.lion:kwargs_from_config")
+    cfg = OptimizerConfig(lr=0.1, weight_decay=0.0)
+    assert get_algorithm("rmsprop").kwargs(cfg) == {"lr": 0.1, "weight_decay": 0.0, "alpha": 0.999}
+    assert get_algorithm("lion_lazy").kwargs(cfg) == get_algorithm("lion").kwargs(cfg)
+
+
+@pytest.mark.usefixtures("scratch_registry")
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ("optstack.algorithms.lion.kwargs_from_config", "'package.module:function'"),
+        ({"alpha": 0.9}, "kwargs must be a function of the config"),
+    ],
+)
+def test_bad_kwargs_registrations(kwargs: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        register("mine", torch.optim.RMSprop, family="other", kwargs=kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_a_lazy_kwargs_path_that_is_not_a_function_fails_on_lookup() -> None:
+    register("mine", torch.optim.RMSprop, family="other", kwargs="optstack.algorithms.lion:__all__")
+    with pytest.raises(ValueError, match="is not a function of the config"):
+        get_algorithm("mine")

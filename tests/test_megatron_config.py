@@ -202,3 +202,11 @@ def test_ignored_fields_are_accepted() -> None:
 def test_either_spelling_of_muon_nesterov_turns_it_on(field: str) -> None:
     cfg = OptimizerConfig(optimizer="muon", lr=0.02, **{field: True})
     assert to_core(cfg).muon.nesterov
+
+
+def test_core_combination_errors_speak_megatron_names() -> None:
+    with pytest.raises(ValueError, match=r"OptimizerConfig: optimizer_cpu_offload=True needs an algorithm with a "
+                                         r"host kernel, but 'lion' has none"):
+        to_core(OptimizerConfig(lr=1e-3, optimizer="lion", optimizer_cpu_offload=True))
+    with pytest.raises(ValueError, match=r"distributed.sharding='layerwise' needs a Muon-family algorithm"):
+        to_core(OptimizerConfig(lr=1e-3, optimizer="adam", use_layer_wise_distributed_optimizer=True))

@@ -367,19 +367,23 @@ def test_offload_config_is_validated() -> None:
 
 @pytest.mark.parametrize("algorithm", ["lion", "muon", "torch.optim.RMSprop"])
 def test_offload_needs_an_algorithm_with_a_host_kernel(algorithm: str) -> None:
-    cfg = _config(algorithm, "fp32", OffloadConfig(enabled=True, fraction=0.5), clip_grad=0.0)
     with pytest.raises(ValueError, match=r"offload.enabled=True needs an algorithm with a host kernel.*"
                                          r"offloadable algorithms: adam, adamw, sgd"):
-        build_optimizer(cfg, _model())
+        _config(algorithm, "fp32", OffloadConfig(enabled=True, fraction=0.5), clip_grad=0.0)  # refused when made
+
+
+def test_offload_needs_a_host_kernel_for_every_algorithm_rules_route_to() -> None:
+    from optstack.rules import Name, Rule
+
+    cfg = _config("adamw", "fp32", OffloadConfig(enabled=True, fraction=0.5), clip_grad=0.0)
+    with pytest.raises(ValueError, match=r"offload.enabled=True needs an algorithm with a host kernel, but 'lion'"):
+        build_optimizer(cfg, _model(), rules=[Rule(Name("*"), algorithm="lion")])
 
 
 def test_offload_with_layerwise_sharding_is_refused() -> None:
-    from optstack.factory import wrap_data_parallel
-
-    cfg = _config("adamw", "fp32", OffloadConfig(enabled=True, fraction=0.5),
-                  distributed=DistributedConfig(sharding="layerwise"))
     with pytest.raises(ValueError, match="distributed.sharding='layerwise'"):
-        build_optimizer(cfg, wrap_data_parallel(cfg, _model()))
+        _config("adamw", "fp32", OffloadConfig(enabled=True, fraction=0.5),
+                distributed=DistributedConfig(sharding="layerwise"))
 
 
 def test_name_keyed_checkpoint_files_move_between_offloaded_and_plain(tmp_path) -> None:

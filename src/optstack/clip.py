@@ -36,9 +36,11 @@ _CLIP_EPS = 1.0e-6
 
 
 def check_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float, after checking it is a p > 0 or ``inf``."""
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
-        raise ValueError(f"norm_type must be a number > 0 or float('inf'), got {norm_type!r}")
+    """``norm_type`` as a float, after checking it is a p >= 1 or ``inf`` (below 1 it is no norm: p=0.01 makes
+    the "norm" of any real gradient overflow to inf every step)."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type >= 1:
+        raise ValueError(f"norm_type must be a number >= 1 (2.0 for L2, 1.0 for L1) or float('inf'), "
+                         f"got {norm_type!r}")
     return float(norm_type)
 
 

@@ -1,16 +1,30 @@
 """Typed, frozen configuration for the whole optimizer stack, validated once at construction.
 
+Each section checks its own fields in ``__post_init__``; ``check_combination`` is the one place that decides
+which settings may go together (one error each, naming the fields and the alternative), run when an
+``OptimizerConfig`` is made and again by ``build_optimizer``. Sections build their objects:
+``LossScaleConfig.build`` the loss scaler, ``OffloadConfig.wrap`` the offloading optimizer maker; an
+algorithm's constructor kwargs come from its registry entry (``AlgorithmSpec.kwargs``).
+
 The names here are optstack's own; Megatron's field names live only in ``optstack.megatron``, which
 translates to these. Every invalid value is a ``ValueError`` naming the field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
+
+from optstack.algorithms.registry import AlgorithmSpec, algorithm_names, get_algorithm
+from optstack.clip import check_norm_type
+from optstack.offload import offloaded
+from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
+from optstack.protocol import MakeOptimizer
 
 __all__ = [
     "AdamConfig",
@@ -21,6 +35,7 @@ __all__ = [
     "OffloadConfig",
     "OptimizerConfig",
     "SGDConfig",
+    "check_combination",
     "dtype_from_name",
 ]
 
@@ -30,10 +45,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def dtype_from_name(name: str, field_name: str = "dtype") -> torch.dtype:
     """'fp32' | 'bf16' | 'fp16' -> torch dtype (a ValueError naming ``field_name`` otherwise)."""
-    try:
+    if isinstance(name, str) and name in _DTYPES:
         return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"{field_name} must be one of {sorted(_DTYPES)}, got {name!r}") from None
+    raise ValueError(f"{field_name} must be one of {sorted(_DTYPES)}, got {name!r}")
 
 
 def _finite(name: str, value: float, *, lo: float | None = None, lo_open: bool = False) -> None:
@@ -46,6 +60,23 @@ def _finite(name: str, value: float, *, lo: float | None = None, lo_open: bool =
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _bool(name: str, value: Any) -> None:
+    # bool("false") is True: a string or 0/1 from a config file must not pass for a flag.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def _section(name: str, value: Any, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise ValueError(f"{name} must be of type {cls.__name__}, got {type(value).__name__} {value!r:.80}; "
+                         f"pass {name}={cls.__name__}(...)")
 
 
 def _beta(name: str, value: float) -> None:
@@ -74,19 +105,35 @@ class LossScaleConfig:
             raise ValueError(
                 f"loss_scale.min_scale ({self.min_scale}) must be <= loss_scale.initial ({self.initial})"
             )
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"loss_scale.window must be an int >= 1, got {self.window!r}")
-        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int) or self.hysteresis < 1:
-            raise ValueError(f"loss_scale.hysteresis must be an int >= 1, got {self.hysteresis!r}")
+        _int("loss_scale.window", self.window, 1)
+        _int("loss_scale.hysteresis", self.hysteresis, 1)
         _finite("loss_scale.growth_factor", self.growth_factor, lo=1.0, lo_open=True)
         _finite("loss_scale.backoff_factor", self.backoff_factor, lo=0.0, lo_open=True)
         if self.backoff_factor >= 1.0:
             raise ValueError(f"loss_scale.backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
 
     def resolved_mode(self, precision: Precision) -> Literal["none", "constant", "dynamic"]:
+        """The mode in effect for parameters of ``precision`` (``mode``, or its default when None)."""
         if self.mode is not None:
             return self.mode
         return "dynamic" if precision == "fp16" else "none"
+
+    def build(self, precision: Precision) -> LossScaler:
+        """The loss scaler for parameters of ``precision``: ``NoScaler``, ``ConstantScaler(initial)`` or a
+        ``DynamicScaler`` starting at ``initial`` (window -> growth_interval)."""
+        mode = self.resolved_mode(precision)
+        if mode == "none":
+            return NoScaler()
+        if mode == "constant":
+            return ConstantScaler(self.initial)
+        return DynamicScaler(
+            initial_scale=self.initial,
+            min_scale=self.min_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.window,
+            hysteresis=self.hysteresis,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +151,11 @@ class AdamConfig:
         dtype_from_name(self.exp_avg_dtype, "adam.exp_avg_dtype")
         dtype_from_name(self.exp_avg_sq_dtype, "adam.exp_avg_sq_dtype")
 
+    @property
+    def state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The storage dtypes of (exp_avg, exp_avg_sq)."""
+        return dtype_from_name(self.exp_avg_dtype), dtype_from_name(self.exp_avg_sq_dtype)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SGDConfig:
@@ -112,6 +164,7 @@ class SGDConfig:
 
     def __post_init__(self) -> None:
         _beta("sgd.momentum", self.momentum)
+        _bool("sgd.nesterov", self.nesterov)
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("sgd.nesterov needs sgd.momentum > 0, got momentum=0.0")
 
@@ -142,12 +195,15 @@ class MuonConfig:
 
     def __post_init__(self) -> None:
         _beta("muon.momentum", self.momentum)
-        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int) or self.ns_steps < 1:
-            raise ValueError(f"muon.ns_steps must be an int >= 1, got {self.ns_steps!r}")
+        _bool("muon.nesterov", self.nesterov)
+        _int("muon.ns_steps", self.ns_steps, 1)
         _choice("muon.coefficients", self.coefficients, ("quintic", "simple", "polar_express"))
         _choice("muon.scale_mode", self.scale_mode, ("spectral", "unit_rms_norm", "shape_scaling"))
         _finite("muon.extra_scale_factor", self.extra_scale_factor, lo=0.0, lo_open=True)
         _choice("muon.matmul_precision", self.matmul_precision, ("highest", "high", "medium"))
+        _bool("muon.split_qkv", self.split_qkv)
+        if not isinstance(self.scalar_algorithm, str) or not self.scalar_algorithm:
+            raise ValueError(f"muon.scalar_algorithm must be a non-empty registry name, got {self.scalar_algorithm!r}")
         if self.scalar_algorithm == "muon":
             raise ValueError("muon.scalar_algorithm must not be 'muon' (it takes what Muon cannot)")
 
@@ -157,7 +213,8 @@ class DistributedConfig:
     """How optimizer state is spread across data-parallel ranks.
 
     sharding: ``replicated`` (every rank holds everything), ``zero1`` (each rank owns an equal slice of every
-    bucket), ``layerwise`` (whole parameters assigned to ranks; what Muon needs).
+    bucket), ``layerwise`` (whole parameters assigned to ranks; what Muon needs, and only for Muon).
+    ``overlap_param_gather`` needs ``zero1`` (``check_combination`` decides what goes together).
     """
 
     sharding: Literal["replicated", "zero1", "layerwise"] = "replicated"
@@ -169,15 +226,13 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         _choice("distributed.sharding", self.sharding, ("replicated", "zero1", "layerwise"))
-        if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
-            raise ValueError(f"distributed.bucket_size must be an int >= 1 or None, got {self.bucket_size!r}")
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "average_in_collective"):
+            _bool(f"distributed.{name}", getattr(self, name))
+        size = self.bucket_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"distributed.bucket_size must be an int >= 1 or None, got {size!r}")
         if self.grad_dtype is not None:
             dtype_from_name(self.grad_dtype, "distributed.grad_dtype")
-        if self.overlap_param_gather and self.sharding != "zero1":
-            raise ValueError(
-                "distributed.overlap_param_gather needs distributed.sharding='zero1', "
-                f"got sharding={self.sharding!r}"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,8 +241,9 @@ class OffloadConfig:
     optimizer's elements (in group order; of this rank's shard under ZeRO-1) keep their fp32 master and
     optimizer state in host memory and are stepped there; the rest stay on the device. Fraction 0 and 1 are
     the two ends of the same code path. Needs an algorithm with a host kernel (adamw, adam, sgd) and
-    ``distributed.sharding`` 'replicated' or 'zero1'. While ``enabled`` is False the other fields are
-    ignored (as Megatron ignores ``optimizer_offload_fraction`` without ``optimizer_cpu_offload``).
+    ``distributed.sharding`` 'replicated' or 'zero1' (``check_combination``). While ``enabled`` is False the
+    other fields are ignored (as Megatron ignores ``optimizer_offload_fraction`` without ``optimizer_cpu_offload``).
+    ``wrap`` puts the offload into a stage's optimizer maker.
 
     Attributes:
         enabled: step through the host/device hybrid optimizer.
@@ -203,11 +259,22 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for name in ("enabled", "overlap_transfers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"offload.{name} must be a bool, got {getattr(self, name)!r}")
+            _bool(f"offload.{name}", getattr(self, name))
         _finite("offload.fraction", self.fraction)
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"offload.fraction must be in [0, 1], got {self.fraction!r}")
+
+    def wrap(self, make_optimizer: MakeOptimizer, spec: AlgorithmSpec) -> MakeOptimizer:
+        """``make_optimizer`` (building ``spec``'s optimizer) with this offload; itself while not ``enabled``.
+
+        Raises:
+            ValueError: ``spec`` has no host kernel. ``check_combination`` refuses that for the config's
+                algorithm; a rule may route groups to another one, which is refused here by the same check.
+        """
+        if not self.enabled:
+            return make_optimizer
+        _check_offloadable(spec)
+        return offloaded(make_optimizer, fraction=self.fraction, overlap_transfers=self.overlap_transfers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +291,8 @@ class OptimizerConfig:
         clip_grad: clip the global grad norm to this (0 = no clipping).
         grad_norm_skip_threshold: skip the step when the grad norm exceeds this (None = never).
         log_num_zeros_in_grad: count zero gradient elements each step.
+
+    Which settings may go together is decided by ``check_combination``, called at the end of construction.
     """
 
     algorithm: str = "adamw"
@@ -248,6 +317,8 @@ class OptimizerConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            _section(name, getattr(self, name), cls)
         if not isinstance(self.algorithm, str) or not self.algorithm:
             raise ValueError(f"algorithm must be a non-empty registry name, got {self.algorithm!r}")
         _finite("lr", self.lr, lo=0.0)
@@ -268,19 +339,12 @@ class OptimizerConfig:
         _finite("mup_width_mult", self.mup_width_mult, lo=0.0, lo_open=True)
         dtype_from_name(self.precision, "precision")
         _finite("clip_grad", self.clip_grad, lo=0.0)
-        if self.norm_type != math.inf:
-            _finite("norm_type", self.norm_type, lo=0.0, lo_open=True)
+        check_norm_type(self.norm_type)
         if self.grad_norm_skip_threshold is not None:
             _finite("grad_norm_skip_threshold", self.grad_norm_skip_threshold, lo=0.0, lo_open=True)
-        if self.algorithm == "muon" and self.precision == "fp16":
-            raise ValueError(
-                "precision='fp16' is not supported with algorithm='muon' (Newton-Schulz overflows in fp16); "
-                "use precision='bf16' or 'fp32'"
-            )
-        if self.loss_scale.resolved_mode(self.precision) != "none" and self.precision == "fp32":
-            raise ValueError(
-                f"loss_scale.mode={self.loss_scale.mode!r} needs precision 'fp16' or 'bf16', got 'fp32'"
-            )
+        for name in ("apply_wd_to_qk_layernorm", "log_num_zeros_in_grad"):
+            _bool(name, getattr(self, name))
+        check_combination(self)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -293,3 +357,71 @@ class OptimizerConfig:
         if unknown:
             raise ValueError(f"OptimizerConfig has no field(s) {unknown}; known fields: {sorted(known)}")
         return replace(self, **changes)
+
+
+# The sections of an OptimizerConfig and their types (a dict or None in their place is refused by name).
+_SECTIONS: dict[str, type] = {
+    "loss_scale": LossScaleConfig, "adam": AdamConfig, "sgd": SGDConfig, "lion": LionConfig, "muon": MuonConfig,
+    "distributed": DistributedConfig, "offload": OffloadConfig,
+}
+
+
+def check_combination(config: OptimizerConfig, spec_of: Callable[[str], AlgorithmSpec] = get_algorithm) -> None:
+    """Decide whether the settings of ``config`` may go together: the one place that does.
+
+    Refused, each with its own error naming the fields and what to do instead:
+
+    - ``precision='fp16'`` with a Muon-family algorithm (Newton-Schulz overflows in fp16);
+    - a loss scale (``loss_scale.mode`` 'constant' or 'dynamic') with ``precision='fp32'``;
+    - ``distributed.overlap_param_gather`` without ``distributed.sharding='zero1'`` (only shards are gathered);
+    - ``offload.enabled`` with an algorithm that has no host kernel, or with ``distributed.sharding='layerwise'``;
+    - ``distributed.sharding='layerwise'`` with an algorithm outside the Muon family (its parameters would
+      silently stay replicated).
+
+    ``OptimizerConfig`` calls it when constructed and ``build_optimizer`` before it builds. The algorithm is
+    looked up (``spec_of``, the registry by default) only for a rule that needs it, so a plug-in is not
+    imported sooner than it must be.
+
+    Raises:
+        ValueError: the first refused combination (or an unknown algorithm, from ``spec_of``).
+    """
+    algorithm, precision, distributed = config.algorithm, config.precision, config.distributed
+    spec = functools.cache(lambda: spec_of(algorithm))
+    if precision == "fp16" and spec().family == "muon":
+        raise ValueError(
+            f"precision='fp16' is not supported with algorithm={algorithm!r} (Newton-Schulz overflows in fp16); "
+            "use precision='bf16' or 'fp32'"
+        )
+    if precision == "fp32" and config.loss_scale.resolved_mode(precision) != "none":
+        raise ValueError(
+            f"loss_scale.mode={config.loss_scale.mode!r} needs precision 'fp16' or 'bf16', got 'fp32'; "
+            "leave loss_scale.mode None (or 'none') for fp32"
+        )
+    if distributed.overlap_param_gather and distributed.sharding != "zero1":
+        raise ValueError(
+            "distributed.overlap_param_gather needs distributed.sharding='zero1' (only sharded parameters are "
+            f"gathered), got sharding={distributed.sharding!r}; set overlap_param_gather=False or sharding='zero1'"
+        )
+    if config.offload.enabled:
+        _check_offloadable(spec())
+        if distributed.sharding == "layerwise":
+            raise ValueError(
+                "offload.enabled=True cannot be combined with distributed.sharding='layerwise' (whole parameters "
+                "assigned to ranks for Muon); use distributed.sharding='replicated' or 'zero1' with offload"
+            )
+    if distributed.sharding == "layerwise" and spec().family != "muon":
+        raise ValueError(
+            f"distributed.sharding='layerwise' needs a Muon-family algorithm (it assigns whole matrices to ranks "
+            f"for Newton-Schulz), got algorithm={algorithm!r}, whose state would silently stay replicated; use "
+            "distributed.sharding='zero1' to shard it, or algorithm='muon'"
+        )
+
+
+def _check_offloadable(spec: AlgorithmSpec) -> None:
+    if not spec.offloadable:
+        able = ", ".join(n for n in algorithm_names() if get_algorithm(n).offloadable)
+        raise ValueError(
+            f"offload.enabled=True needs an algorithm with a host kernel, but {spec.name!r} has none; "
+            f"offloadable algorithms: {able}. Set offload.enabled=False, or route these parameters to one of "
+            "them with a rule (e.g. Rule(..., algorithm='adamw'))"
+        )

@@ -15,15 +15,14 @@ import torch
 from torch import nn
 
 from optstack.algorithms import AlgorithmSpec, get_algorithm
-from optstack.config import OptimizerConfig, dtype_from_name
+from optstack.config import OptimizerConfig, check_combination, dtype_from_name
 from optstack.distributed.comm import is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys
-from optstack.offload import offload_from_config
 from optstack.optimizer import ChainedOptimizer
-from optstack.precision.scaler import LossScaler, make_scaler
+from optstack.precision.scaler import LossScaler
 from optstack.rules import Rule, muon_routing_rule, mup_rules, named_parameters_of, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
@@ -80,33 +79,8 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def algorithm_kwargs(name: str, config: OptimizerConfig) -> dict[str, Any]:
-    """Constructor keyword arguments of the algorithm ``name`` taken from ``config``."""
-    spec = get_algorithm(name)
-    base: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if spec.family == "adam":
-        a = config.adam
-        base |= {
-            "betas": (a.beta1, a.beta2),
-            "eps": a.eps,
-            "exp_avg_dtype": dtype_from_name(a.exp_avg_dtype, "adam.exp_avg_dtype"),
-            "exp_avg_sq_dtype": dtype_from_name(a.exp_avg_sq_dtype, "adam.exp_avg_sq_dtype"),
-        }
-    elif spec.family == "sgd":
-        base |= {"momentum": config.sgd.momentum, "nesterov": config.sgd.nesterov}
-    elif spec.family == "lion":
-        base |= {"betas": (config.lion.beta1, config.lion.beta2)}
-    elif spec.family == "muon":
-        m = config.muon
-        base |= {
-            "momentum": m.momentum,
-            "nesterov": m.nesterov,
-            "ns_steps": m.ns_steps,
-            "ns_coefficients": m.coefficients,
-            "scale_mode": m.scale_mode,
-            "extra_scale_factor": m.extra_scale_factor,
-            "matmul_precision": m.matmul_precision,
-        }
-    return base | dict(spec.defaults)
+    """Constructor keyword arguments of the algorithm ``name`` taken from ``config`` (``AlgorithmSpec.kwargs``)."""
+    return get_algorithm(name).kwargs(config)
 
 
 def wrap_data_parallel(
@@ -173,6 +147,7 @@ def build_optimizer(
     A model wrapped by ``wrap_data_parallel`` gets the distributed stages ``config.distributed.sharding``
     names: replicated, ZeRO-1 (``zero1``) or layer-wise (``layerwise``, for Muon's matrices).
     """
+    check_combination(config)
     ddp = _data_parallel_of(model_chunks, config)
     named = trainable_named_parameters(model_chunks)
     if not named:
@@ -209,22 +184,8 @@ def build_optimizer(
 
 
 def scaler_from_config(config: OptimizerConfig) -> LossScaler:
-    """The loss scaler ``config`` asks for (dynamic by default for fp16, none for fp32/bf16)."""
-    ls = config.loss_scale
-    mode = ls.resolved_mode(config.precision)
-    if mode == "none":
-        return make_scaler("none")
-    if mode == "constant":
-        return make_scaler("constant", scale=ls.initial)
-    return make_scaler(
-        "dynamic",
-        initial_scale=ls.initial,
-        min_scale=ls.min_scale,
-        growth_factor=ls.growth_factor,
-        backoff_factor=ls.backoff_factor,
-        growth_interval=ls.window,
-        hysteresis=ls.hysteresis,
-    )
+    """The loss scaler ``config`` asks for (``LossScaleConfig.build``: dynamic by default for fp16, else none)."""
+    return config.loss_scale.build(config.precision)
 
 
 def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
@@ -293,7 +254,7 @@ def _stage(
     grad_of: GradOf | None,
     ddp: DataParallel | None,
 ) -> Stage:
-    make = offload_from_config(config, spec, make)  # CPU offload lives inside the inner optimizer
+    make = config.offload.wrap(make, spec)  # CPU offload lives inside the inner optimizer
     masters = config.precision != "fp32"
     if ddp is None:
         return replicated_stage(groups, make, masters=masters, grad_of=grad_of)

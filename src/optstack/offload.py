@@ -1,7 +1,8 @@
 """CPU offload of optimizer state: a chosen fraction of the parameters stepped on the host, the rest on the device.
 
 ``HybridDeviceOptimizer`` stands where an inner ``torch.optim`` optimizer stands (a stage's ``make_optimizer``
-builds it, see ``offloaded``), so the precision and ZeRO-1 stages know nothing of offload. It takes over the
+builds it, see ``offloaded``), so the precision and ZeRO-1 stages know nothing of offload. This module takes
+plain arguments; ``optstack.config.OffloadConfig.wrap`` reads a config and decides whether to offload. It takes over the
 groups of the inner optimizer it wraps (the fp32 masters, fp32 parameters or ZeRO-1 pieces the stage steps:
 the *device tensors*) and splits them, in one code path for every fraction from 0 to 1:
 
@@ -42,13 +43,11 @@ from typing import Any
 
 import torch
 
-from optstack.algorithms.registry import AlgorithmSpec, algorithm_names, get_algorithm
-from optstack.config import OptimizerConfig
 from optstack.offload_state import NOT_SYNCED, Slot, StateView, loaded_groups, merge_state_dicts, split_state_dict
 from optstack.offload_transfers import copies_for
 from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offload_from_config", "offloaded", "plan_offload"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offloaded", "plan_offload"]
 
 #: Elements per host chunk (64 MiB of fp32): large enough that per-chunk costs vanish, small enough that the
 #: copy back of one chunk overlaps the host step of the next.
@@ -304,8 +303,8 @@ def offloaded(
 ) -> MakeOptimizer:
     """``make_optimizer`` with CPU offload: builds ``HybridDeviceOptimizer(make_optimizer(groups), ...)``.
 
-    Plug the result in wherever a stage takes ``make_optimizer`` (``FP32Stage``, ``MixedPrecisionStage``,
-    ``ShardedStage``); the arguments are ``HybridDeviceOptimizer``'s. Raises ``ValueError`` for a bad
+    Plug the result in wherever a stage takes ``make_optimizer`` (``Stage`` and its builders in
+    ``optstack.stage``); the arguments are ``HybridDeviceOptimizer``'s. Raises ``ValueError`` for a bad
     ``fraction`` at once.
     """
     _check_fraction(fraction)
@@ -315,30 +314,6 @@ def offloaded(
                                      overlap_transfers=overlap_transfers, chunk_numel=chunk_numel)
 
     return make
-
-
-def offload_from_config(config: OptimizerConfig, spec: AlgorithmSpec, make_optimizer: MakeOptimizer
-                        ) -> MakeOptimizer:
-    """``make_optimizer`` with the offload ``config.offload`` asks for (itself when offload is off).
-
-    Raises:
-        ValueError: offload with an algorithm that has no host kernel (the message lists those that have),
-            or with ``distributed.sharding='layerwise'``.
-    """
-    options = config.offload
-    if not options.enabled:
-        return make_optimizer
-    if not spec.offloadable:
-        able = ", ".join(n for n in algorithm_names() if get_algorithm(n).offloadable)
-        raise ValueError(
-            f"offload.enabled=True needs an algorithm with a host kernel, but {spec.name!r} has none; "
-            f"offloadable algorithms: {able}. Set offload.enabled=False, or route these parameters to one of "
-            "them with a rule (e.g. Rule(..., algorithm='adamw'))")
-    if config.distributed.sharding == "layerwise":
-        raise ValueError(
-            "offload.enabled=True cannot be combined with distributed.sharding='layerwise' (whole parameters "
-            "assigned to ranks for Muon); use distributed.sharding='replicated' or 'zero1' with offload")
-    return offloaded(make_optimizer, fraction=options.fraction, overlap_transfers=options.overlap_transfers)
 
 
 def _chunk_positions(numels: Sequence[int], chunk_numel: int) -> list[range]:

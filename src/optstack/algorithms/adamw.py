@@ -43,7 +43,7 @@ from optstack.algorithms._common import (
 )
 from optstack.algorithms._staging import rms_to_v, run_staged, v_to_rms
 
-__all__ = ["AdamW", "adamw_reference"]
+__all__ = ["AdamW", "adamw_reference", "kwargs_from_config"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _RMS_KEY = "grad_rms"
@@ -90,6 +90,15 @@ def adamw_reference(
     for result, storage in ((p, param), (m, exp_avg), (v, exp_avg_sq)):
         if result is not storage:
             storage.copy_(result)
+
+
+def kwargs_from_config(config: Any) -> dict[str, Any]:
+    """``AdamW``'s constructor kwargs from an ``OptimizerConfig``'s ``adam`` section (the registry adds
+    ``lr``, ``weight_decay`` and ``decoupled``)."""
+    adam = config.adam
+    exp_avg_dtype, exp_avg_sq_dtype = adam.state_dtypes
+    return {"betas": (adam.beta1, adam.beta2), "eps": adam.eps,
+            "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
 
 
 class AdamW(PerDeviceOptimizer):

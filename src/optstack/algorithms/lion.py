@@ -27,7 +27,7 @@ from optstack.algorithms._common import (
     zeros_in_runs,
 )
 
-__all__ = ["Lion", "lion_reference"]
+__all__ = ["Lion", "kwargs_from_config", "lion_reference"]
 
 
 def lion_reference(
@@ -53,6 +53,12 @@ def lion_reference(
         param.mul_(1 - lr * weight_decay)
     param.add_(update, alpha=-lr)
     exp_avg.lerp_(grad, 1 - beta2)
+
+
+def kwargs_from_config(config: Any) -> dict[str, Any]:
+    """``Lion``'s constructor kwargs from an ``OptimizerConfig``'s ``lion`` section (the registry adds ``lr``
+    and ``weight_decay``)."""
+    return {"betas": (config.lion.beta1, config.lion.beta2)}
 
 
 class Lion(PerDeviceOptimizer):

@@ -51,7 +51,7 @@ from optstack.algorithms.newton_schulz import (
     newton_schulz,
 )
 
-__all__ = ["Muon", "ScaleMode", "muon_reference", "muon_scale_factor", "SCALE_MODES"]
+__all__ = ["Muon", "ScaleMode", "kwargs_from_config", "muon_reference", "muon_scale_factor", "SCALE_MODES"]
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
@@ -130,6 +130,15 @@ def muon_reference(
 # elements: big enough to batch many small matrices (one BLAS call instead of dozens), small enough that
 # the stack and Newton-Schulz's three temporaries of its size stay a modest extra memory (~0.5 GB fp32).
 _MAX_STACK_ELEMENTS = 2**25
+
+
+def kwargs_from_config(config: Any) -> dict[str, Any]:
+    """``Muon``'s constructor kwargs from an ``OptimizerConfig``'s ``muon`` section (the registry adds ``lr``
+    and ``weight_decay``; ``scalar_algorithm`` is read by the routing rule, not by Muon)."""
+    m = config.muon
+    return {"momentum": m.momentum, "nesterov": m.nesterov, "ns_steps": m.ns_steps,
+            "ns_coefficients": m.coefficients, "scale_mode": m.scale_mode,
+            "extra_scale_factor": m.extra_scale_factor, "matmul_precision": m.matmul_precision}
 
 
 class Muon(torch.optim.Optimizer):

@@ -24,7 +24,7 @@ from optstack.algorithms._common import (
     zeros_in_runs,
 )
 
-__all__ = ["SGD", "sgd_reference"]
+__all__ = ["SGD", "kwargs_from_config", "sgd_reference"]
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -60,6 +60,12 @@ def sgd_reference(
             momentum_buffer.mul_(momentum).add_(d_p, alpha=1 - dampening)
         d_p = d_p.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     param.add_(d_p, alpha=-lr)
+
+
+def kwargs_from_config(config: Any) -> dict[str, Any]:
+    """``SGD``'s constructor kwargs from an ``OptimizerConfig``'s ``sgd`` section (the registry adds ``lr`` and
+    ``weight_decay``)."""
+    return {"momentum": config.sgd.momentum, "nesterov": config.sgd.nesterov}
 
 
 class SGD(PerDeviceOptimizer):

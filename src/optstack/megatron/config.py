@@ -53,7 +53,7 @@ _CORE_TO_MEGATRON = {
     "muon.extra_scale_factor": "muon_extra_scale_factor", "muon.matmul_precision": "muon_fp32_matmul_prec",
     "loss_scale.initial": "initial_loss_scale (or loss_scale)", "loss_scale.min_scale": "min_loss_scale",
     "loss_scale.window": "loss_scale_window", "loss_scale.hysteresis": "hysteresis",
-    "offload.fraction": "optimizer_offload_fraction",
+    "offload.fraction": "optimizer_offload_fraction", "offload.enabled": "optimizer_cpu_offload",
 }
 
 
