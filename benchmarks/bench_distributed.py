@@ -31,9 +31,9 @@ Columns:
 The optstack rows are built as users build them: ``wrap_data_parallel(config, model)`` and
 ``build_optimizer(config, ddp, rules=[])`` with ``OptimizerConfig(algorithm="adamw", clip_grad=0.0,
 distributed=DistributedConfig(sharding=..., overlap_grad_reduce=..., overlap_param_gather=...))``: the
-``DataParallel`` wrapper over contiguous bucketed buffers, the replicated or the ZeRO-1
-``Stage`` (placement Whole or Zero1), optstack's AdamW, in a ``ChainedOptimizer`` (clipping off; it still computes the global
-grad norm every step, for ``StepResult.grad_norm``).
+``DataParallel`` wrapper over contiguous bucketed buffers, a ``Stage`` (placement Whole or Zero1) with
+optstack's AdamW, in a ``ChainedOptimizer`` (clipping off; it still computes the global grad norm every
+step, for ``StepResult.grad_norm``).
 A second table gives the median time of each phase of the loop and, for optstack, of the named phases of the
 step (``optstack.protocol.set_phase_hook``). DeepSpeed rows need ``deepspeed``: imported here when it can
 be, else rerun under ``--peers-python`` (default ``.venv-peers/bin/python``; see benchmarks/README.md).

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import torch
 
 from optstack.optimizer import ChainedOptimizer
-from optstack.stage import replicated_stage
 from optstack.protocol import set_phase_hook
+from optstack.stage import replicated_stage
 
 PHASES = ("prepare_grads", "grad_norm", "inner_step", "publish_params")
 
