@@ -196,11 +196,12 @@ class AdamW(PerDeviceOptimizer):
         kernel = _fused if impl == "fused" else _foreach
         native: dict[torch.dtype, list[int]] = {}
         staged: list[int] = []
+        # The moments are ours (laid out contiguous in their storage dtypes): only their dtype can differ.
+        state_native = {d for d in (torch.float32, torch.float64)
+                        if self.exp_avg_dtype == d and self.exp_avg_sq_dtype == d}
         for i, p in enumerate(params):
-            tensors = (p, grads[i], exp_avgs[i], exp_avg_sqs[i])
-            if p.dtype in (torch.float32, torch.float64) and all(
-                t.dtype == p.dtype and t.is_contiguous() for t in tensors
-            ):
+            g = grads[i]
+            if p.dtype in state_native and g.dtype == p.dtype and p.is_contiguous() and g.is_contiguous():
                 native.setdefault(p.dtype, []).append(i)
             else:
                 staged.append(i)

@@ -138,14 +138,14 @@ class Stage:
         self.placement.finish()
         self._ready = self.precision.ready(self.placement.grads(self.pieces))
         params, grads = self.placement.norm_terms(self.pieces, self._ready)
-        norms = _norms(grads, norm_type, self.device)
+        pows = _norm_pows(grads, norm_type, self.device)
         if self._counted is None:  # fixed with the parameters; where grads are absent the norm is 0
             self._counted = torch.tensor([_counts(p, self.placement.tp_rank) for p in params], dtype=torch.bool,
                                         device=self.device)
         inf = math.isinf(norm_type)
-        counted = norms[self._counted]
-        local = (counted.max() if counted.numel() else norms.new_zeros(())) if inf else counted.pow(norm_type).sum()
-        stats = torch.stack([local, (~torch.isfinite(norms)).sum().to(torch.float32)])
+        counted = pows[self._counted]
+        local = (counted.max() if counted.numel() else pows.new_zeros(())) if inf else counted.sum()
+        stats = torch.stack([local, (~torch.isfinite(pows)).sum().to(torch.float32)])
         return self.placement.comm.all_reduce(stats, op="max" if inf else "sum")
 
     def count_zeros(self) -> torch.Tensor:
@@ -260,20 +260,32 @@ class Stage:
         return shards, settings
 
 
-def _norms(grads: Sequence[torch.Tensor | None], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The norm of each gradient (0 where absent) as one fp32 tensor on ``device``: one multi-tensor norm
-    per (device, dtype), low-precision gradients reduced in fp32."""
+# A BLAS dot per tensor beats ``_foreach_norm`` on CPU from about this size (one thread: 16% on 1M-element
+# tensors); below it the per-call cost of a view and a dot loses to the multi-tensor norm.
+_DOT_FROM = 1 << 16
+
+
+def _norm_pows(grads: Sequence[torch.Tensor | None], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``|g|_p^p`` of each gradient (``max |g|`` for the inf-norm; 0 where absent) as one fp32 tensor on
+    ``device``: per (device, dtype), one multi-tensor norm, or for the 2-norm of large contiguous fp32 CPU
+    tensors one BLAS dot each (no square root to undo)."""
     out = torch.zeros(len(grads), dtype=torch.float32, device=device)
-    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, grad in enumerate(grads):
         if grad is not None:
-            buckets.setdefault((grad.device, grad.dtype), []).append(i)
-    for (_, dtype), indices in buckets.items():
-        bucket = [grads[i] for i in indices]
-        # _foreach_norm refuses a narrowing dtype (fp64 -> fp32), so only widen low-precision inputs.
-        wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
-        norms = torch.stack(torch._foreach_norm(bucket, norm_type, **wide)).to(device=device, dtype=torch.float32)
+            dot = (norm_type == 2.0 and grad.dtype == torch.float32 and grad.device.type == "cpu"
+                   and grad.numel() >= _DOT_FROM and grad.is_contiguous())
+            buckets.setdefault((grad.device, grad.dtype, dot), []).append(i)
+    for (_, dtype, dot), indices in buckets.items():
+        bucket: list[torch.Tensor] = [grads[i] for i in indices]  # type: ignore[misc]
+        if dot:
+            pows = torch.stack([torch.dot(v, v) for v in (g.view(-1) for g in bucket)]).to(device)
+        else:
+            # _foreach_norm refuses a narrowing dtype (fp64 -> fp32), so only widen low-precision inputs.
+            wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
+            norms = torch.stack(torch._foreach_norm(bucket, norm_type, **wide)).to(device=device, dtype=torch.float32)
+            pows = norms if math.isinf(norm_type) else norms.pow(norm_type)
         if len(indices) == len(grads):
-            return norms
-        out[torch.tensor(indices, device=device)] = norms
+            return pows
+        out[torch.tensor(indices, device=device)] = pows
     return out
