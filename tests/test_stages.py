@@ -347,3 +347,21 @@ def test_an_empty_stage_reduces_on_the_given_device():
                       device=torch.device("meta"), masters=False)
     assert stage.device == torch.device("meta")
     assert FP32Stage([{"params": []}], lambda groups: torch.optim.SGD(groups, lr=0.1)).device.type == "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_0_1_tagged_state_dict_is_migrated(dtype: torch.dtype) -> None:
+    # optstack 0.1 saved {"kind", "optimizer": the inner torch state dict, "fp32_masters"}; directly stepped
+    # parameters were the model checkpoint's business, so the model is loaded first, as it was then.
+    trained_model, trained = _trained_stage(dtype, 3)
+    old = copy.deepcopy({"kind": "mixed" if dtype == torch.bfloat16 else "fp32",
+                         "optimizer": trained.optimizer.state_dict(),
+                         "fp32_masters": [list(trained.master_params)]})
+    if dtype == torch.float32:
+        del old["fp32_masters"]
+    model, fresh = _trained_stage(dtype, 0)
+    model.load_state_dict(trained_model.state_dict())
+    fresh.load_state_dict(old)
+    _assert_bitwise_equal(fresh.state_dict(), trained.state_dict())
+    with pytest.raises(ValueError, match="unknown 0.1 stage state kind 'sparse'"):
+        fresh.load_state_dict({**old, "kind": "sparse"})

@@ -1,8 +1,5 @@
-"""Gradient statistics for clipping: which gradients count toward the norm, the local norm, the clip factor
-and the zero count.
-
-These are local computations. A stage reduces the result over the ranks its gradients are split across
-(through its ``Comm``; ``reduced_norm_pow`` and ``reduced_zero_count`` do both steps), and the chained
+"""Gradient statistics: which gradients count toward the global norm, the norm of each gradient, the zero
+count, and the clip factor. Local computations: a stage reduces them over its placement's groups and the
 optimizer combines the stages into the one global norm.
 """
 
@@ -10,26 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
-__all__ = [
-    "AllReduce",
-    "check_norm_type",
-    "clip_coefficient",
-    "count_zeros",
-    "grads_for_norm",
-    "local_norm_pow",
-    "reduced_norm_pow",
-    "reduced_zero_count",
-]
-
-
-class AllReduce(Protocol):
-    """What the reductions below need of a group: a ``Comm``, a ``NullComm`` or a ``ComposedComm``."""
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+__all__ = ["check_norm_type", "clip_coefficient", "counts_toward_norm", "norm_pows", "zero_count"]
 
 # Megatron adds this to the norm so a zero norm does not divide by zero.
 _CLIP_EPS = 1.0e-6
@@ -44,66 +25,54 @@ def check_norm_type(norm_type: float) -> float:
     return float(norm_type)
 
 
-def grads_for_norm(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *, tp_rank: int
-) -> list[torch.Tensor]:
-    """The gradients that count toward the global norm, each counted once across model-parallel ranks.
+def counts_toward_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether ``param``'s gradient counts toward the global norm on this rank, so that each counts once
+    across model-parallel ranks: not a parameter with a truthy ``shared`` attribute (a tied embedding counted
+    on another pipeline stage), and a tensor-parallel duplicate (``tensor_model_parallel`` falsy: replicated
+    across the tensor-parallel group) only on tensor-parallel rank 0."""
+    if getattr(param, "shared", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
-    Excluded: missing gradients, parameters with a truthy ``shared`` attribute (e.g. a tied embedding already
-    counted on another pipeline stage), and tensor-parallel duplicates (a parameter whose
-    ``tensor_model_parallel`` attribute is falsy is replicated across the tensor-parallel group and counts
-    only on tensor-parallel rank 0).
 
-    Args:
-        params: model parameters, parallel to ``grads`` (their attributes decide).
-        grads: the ready gradients (fp32 masters' grads in a mixed-precision stage), None where absent.
-        tp_rank: this rank's tensor-parallel rank.
-    """
-    if len(params) != len(grads):
-        raise ValueError(
-            f"params and grads must be parallel lists, got {len(params)} params and {len(grads)} grads"
-        )
-    out = []
-    for param, grad in zip(params, grads, strict=True):
-        if grad is None or getattr(param, "shared", False):
-            continue
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-            out.append(grad)
+# A BLAS dot per tensor beats ``_foreach_norm`` on CPU from about this size (one thread: 16% on 1M-element
+# tensors); below it the per-call cost of a view and a dot loses to the multi-tensor norm.
+_DOT_FROM = 1 << 16
+
+
+def norm_pows(grads: Sequence[torch.Tensor | None], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``|g|_p^p`` of each gradient (``max |g|`` for the inf-norm; 0 where absent) as one fp32 tensor on
+    ``device``: per (device, dtype), one multi-tensor norm, or for the 2-norm of large contiguous fp32 CPU
+    tensors one BLAS dot each (no square root to undo)."""
+    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            dot = (norm_type == 2.0 and grad.dtype == torch.float32 and grad.device.type == "cpu"
+                   and grad.numel() >= _DOT_FROM and grad.is_contiguous())
+            buckets.setdefault((grad.device, grad.dtype, dot), []).append(i)
+    for (_, dtype, dot), indices in buckets.items():
+        bucket: list[torch.Tensor] = [grads[i] for i in indices]  # type: ignore[misc]
+        if dot:
+            pows = torch.stack([torch.dot(v, v) for v in (g.view(-1) for g in bucket)]).to(device)
+        else:
+            # _foreach_norm refuses a narrowing dtype (fp64 -> fp32), so only widen low-precision inputs.
+            wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
+            norms = torch.stack(torch._foreach_norm(bucket, norm_type, **wide)).to(device=device, dtype=torch.float32)
+            pows = norms if math.isinf(norm_type) else norms.pow(norm_type)
+        if len(indices) == len(grads):
+            return pows
+        out[torch.tensor(indices, device=device)] = pows
     return out
 
 
-def local_norm_pow(
-    grads: Sequence[torch.Tensor], norm_type: float, *, device: torch.device | None = None
-) -> torch.Tensor:
-    """Sum of ``|g|^p`` over all elements of ``grads`` (``max |g|`` for the inf-norm), as a 0-d fp32 tensor.
-
-    One multi-tensor norm per (device, dtype) instead of a kernel per tensor; low-precision gradients are
-    reduced in fp32.
-
-    Args:
-        grads: gradients of any floating dtype, on any devices.
-        norm_type: p > 0 or ``inf``.
-        device: where the result lives (default: the first gradient's device, CPU when there is none).
-    """
-    norm_type = check_norm_type(norm_type)
-    if device is None:
-        device = grads[0].device if grads else torch.device("cpu")
-    partials = []
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        buckets.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (_, dtype), bucket in buckets.items():
-        # _foreach_norm refuses a narrowing dtype (fp64 -> fp32), so only widen low-precision inputs.
-        if dtype in (torch.float16, torch.bfloat16):
-            norms = torch._foreach_norm(bucket, norm_type, dtype=torch.float32)
-        else:
-            norms = torch._foreach_norm(bucket, norm_type)
-        stacked = torch.stack(norms).to(device=device, dtype=torch.float32)
-        partials.append(stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum())
-    if not partials:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    stacked = torch.stack(partials)
-    return stacked.max() if math.isinf(norm_type) else stacked.sum()
+def zero_count(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Zero elements across ``grads`` as a 1-element int64 tensor on ``device``, without a host sync."""
+    total = torch.zeros(1, dtype=torch.int64, device=device)
+    if grads:
+        numel = sum(g.numel() for g in grads)
+        total += numel - torch.stack([torch.count_nonzero(g).to(device) for g in grads]).sum()
+    return total
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -113,37 +82,3 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
         raise ValueError(f"max_norm (clip_grad) must be > 0 to clip, got {max_norm!r}")
     coeff = max_norm / (total_norm + _CLIP_EPS)
     return coeff if coeff < 1.0 else 1.0
-
-
-def count_zeros(grads: Sequence[torch.Tensor]) -> int:
-    """Number of elements equal to zero across ``grads`` (one host sync)."""
-    if not grads:
-        return 0
-    return int(_zeros(grads, grads[0].device).item())
-
-
-def reduced_norm_pow(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], norm_type: float, *, tp_rank: int,
-    device: torch.device, comm: AllReduce,
-) -> torch.Tensor:
-    """``local_norm_pow`` of the gradients that count (``grads_for_norm``), reduced over ``comm`` (max for
-    the inf-norm, else sum): a 0-d fp32 tensor on ``device``, the same on every rank of ``comm``."""
-    total = local_norm_pow(grads_for_norm(params, grads, tp_rank=tp_rank), norm_type, device=device)
-    return comm.all_reduce(total, op="max" if math.isinf(norm_type) else "sum")
-
-
-def reduced_zero_count(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *, tp_rank: int,
-    device: torch.device, comm: AllReduce,
-) -> int:
-    """Zero elements of the gradients that count (``grads_for_norm``), summed over ``comm`` (one host sync)."""
-    counted = grads_for_norm(params, grads, tp_rank=tp_rank)
-    total = _zeros(counted, device) if counted else torch.zeros(1, dtype=torch.int64, device=device)
-    return int(comm.all_reduce(total.reshape(1), op="sum").item())
-
-
-def _zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Zero elements across ``grads`` (non-empty) as a 0-d int64 tensor on ``device``, without a host sync."""
-    numel = sum(grad.numel() for grad in grads)
-    nonzero = torch.stack([torch.count_nonzero(grad).to(device) for grad in grads]).sum()
-    return numel - nonzero

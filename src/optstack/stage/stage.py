@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from optstack.clip import counts_toward_norm, norm_pows, zero_count
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
@@ -54,14 +55,6 @@ def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
             seen.add(id(param))
         copies.append({**group, "params": params})
     return copies
-
-
-def _counts(param: torch.Tensor, tp_rank: int) -> bool:
-    """Whether a parameter's gradient counts toward the global norm: not a ``shared`` parameter (a tied
-    embedding counted on another pipeline stage) and not a tensor-parallel duplicate off tp rank 0."""
-    if getattr(param, "shared", False):
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
 class Stage:
@@ -138,10 +131,11 @@ class Stage:
         self.placement.finish()
         self._ready = self.precision.ready(self.placement.grads(self.pieces))
         params, grads = self.placement.norm_terms(self.pieces, self._ready)
-        pows = _norm_pows(grads, norm_type, self.device)
+        pows = norm_pows(grads, norm_type, self.device)
         if self._counted is None:  # fixed with the parameters; where grads are absent the norm is 0
-            self._counted = torch.tensor([_counts(p, self.placement.tp_rank) for p in params], dtype=torch.bool,
-                                        device=self.device)
+            tp = self.placement.tp_rank
+            self._counted = torch.tensor([counts_toward_norm(p, tp) for p in params], dtype=torch.bool,
+                                         device=self.device)
         inf = math.isinf(norm_type)
         counted = pows[self._counted]
         local = (counted.max() if counted.numel() else pows.new_zeros(())) if inf else counted.sum()
@@ -152,11 +146,8 @@ class Stage:
         """Zero elements of the counted ready gradients, summed over the placement's groups (0-d int64)."""
         params, grads = self.placement.norm_terms(self.pieces, self._ready)
         tp = self.placement.tp_rank
-        counted = [g for p, g in zip(params, grads, strict=True) if g is not None and _counts(p, tp)]
-        total = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if counted:
-            numel = sum(g.numel() for g in counted)
-            total += numel - torch.stack([torch.count_nonzero(g).to(self.device) for g in counted]).sum()
+        counted = [g for p, g in zip(params, grads, strict=True) if g is not None and counts_toward_norm(p, tp)]
+        total = zero_count(counted, self.device)
         return self.placement.comm.all_reduce(total, op="sum")[0]
 
     def step(self, grad_scale: float = 1.0) -> None:
@@ -258,34 +249,3 @@ class Stage:
             if "param_names" in saved and ours is not None and list(saved["param_names"]) != list(ours):
                 raise ValueError(f"{self.name}: param group {index} holds other parameters in the state dict")
         return shards, settings
-
-
-# A BLAS dot per tensor beats ``_foreach_norm`` on CPU from about this size (one thread: 16% on 1M-element
-# tensors); below it the per-call cost of a view and a dot loses to the multi-tensor norm.
-_DOT_FROM = 1 << 16
-
-
-def _norm_pows(grads: Sequence[torch.Tensor | None], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``|g|_p^p`` of each gradient (``max |g|`` for the inf-norm; 0 where absent) as one fp32 tensor on
-    ``device``: per (device, dtype), one multi-tensor norm, or for the 2-norm of large contiguous fp32 CPU
-    tensors one BLAS dot each (no square root to undo)."""
-    out = torch.zeros(len(grads), dtype=torch.float32, device=device)
-    buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
-    for i, grad in enumerate(grads):
-        if grad is not None:
-            dot = (norm_type == 2.0 and grad.dtype == torch.float32 and grad.device.type == "cpu"
-                   and grad.numel() >= _DOT_FROM and grad.is_contiguous())
-            buckets.setdefault((grad.device, grad.dtype, dot), []).append(i)
-    for (_, dtype, dot), indices in buckets.items():
-        bucket: list[torch.Tensor] = [grads[i] for i in indices]  # type: ignore[misc]
-        if dot:
-            pows = torch.stack([torch.dot(v, v) for v in (g.view(-1) for g in bucket)]).to(device)
-        else:
-            # _foreach_norm refuses a narrowing dtype (fp64 -> fp32), so only widen low-precision inputs.
-            wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
-            norms = torch.stack(torch._foreach_norm(bucket, norm_type, **wide)).to(device=device, dtype=torch.float32)
-            pows = norms if math.isinf(norm_type) else norms.pow(norm_type)
-        if len(indices) == len(grads):
-            return pows
-        out[torch.tensor(indices, device=device)] = pows
-    return out
