@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from optstack.offload_state import NOT_SYNCED, Slot, StateView, loaded_groups, merge_state_dicts, split_state_dict
-from optstack.offload_transfers import copies_for
+from optstack.offload.state import NOT_SYNCED, Slot, StateView, loaded_groups, merge_state_dicts, split_state_dict
+from optstack.offload.transfers import copies_for
 from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offloaded", "plan_offload"]
