@@ -22,7 +22,7 @@ One step::
     per chunk        wait for its copies -> host step -> host -> device copy of the updated values
     finish           the current stream waits for the host -> device copies
 
-``offload_transfers.py`` issues and orders the copies (side streams with ``overlap_transfers``; synchronous
+``transfers.py`` issues and orders the copies (side streams with ``overlap_transfers``; synchronous
 without CUDA, where the "device" is the CPU and the host copies are still separate tensors).
 
 What the device keeps: the device tensors themselves (the stage publishes them to the model, and they are
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from optstack.offload.state import NOT_SYNCED, Slot, StateView, loaded_groups, merge_state_dicts, split_state_dict
-from optstack.offload.transfers import copies_for
+from optstack.offload.transfers import Transfers
 from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offloaded", "plan_offload"]
@@ -135,7 +135,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._device_optimizer = self._build(make_optimizer, {i: p for i, p in enumerate(params) if i >= count})
         self._chunks = [self._host_chunk(make_optimizer, positions, params, pin)
                         for positions in _chunk_positions([p.numel() for p in params[:count]], chunk_numel)]
-        self._copies = copies_for(device, overlap=overlap_transfers)
+        self._copies = Transfers(device, overlap=overlap_transfers)
         self.state = StateView(self._owners, params)  # type: ignore[assignment]
         self._fixed = True
         # The host copies are read afresh from the device tensors on the first step and on the first step
@@ -229,7 +229,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 chunk.optimizer.step()
             with phase("offload_to_device"):
                 stepped = [i for i, d in enumerate(chunk.device) if d.grad is not None]
-                copies.to_device([chunk.device[i] for i in stepped], [chunk.host[i] for i in stepped])
+                copies.to_device([(chunk.device[i], chunk.host[i]) for i in stepped])
         copies.finish()
         for chunk in self._chunks:
             chunk.versions = [d._version for d in chunk.device]
@@ -258,7 +258,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if grad is not None:
                 dst.append(chunk.grads[i])
                 src.append(grad)
-        return self._copies.to_host(dst, src)
+        return self._copies.to_host(list(zip(dst, src, strict=True)))
 
     # -- state ---------------------------------------------------------------------------------------
     def _slots(self) -> list[Slot]:

@@ -1,4 +1,4 @@
-"""The state of ``HybridDeviceOptimizer`` (``offload.py``) in the form of the inner optimizer it replaces.
+"""The state of ``HybridDeviceOptimizer`` (``hybrid.py``) in the form of the inner optimizer it replaces.
 
 The hybrid steps its tensors with several sub-optimizers (the device part, host chunks), each numbering its
 own tensors. Checkpoints must not see that: the hybrid's ``state_dict`` is exactly the plain inner
