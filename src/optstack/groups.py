@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from functools import total_ordering
 from typing import Any
 
-from optstack.rules import LR_KEYS, NamedParams, Resolved, named_parameters_of
+from optstack.names import NamedParams, named_parameters
+from optstack.rules import LR_KEYS, Resolved
 from optstack.rules.resolve import is_number
 
 __all__ = ["GroupKey", "group_keys", "build_param_groups", "param_group_table", "GROUP_FIELDS"]
@@ -116,9 +117,7 @@ def build_param_groups(
     index = {k: i for i, k in enumerate(keys)}
     members: list[list[tuple[str, Any]]] = [[] for _ in keys]
     seen: set[str] = set()
-    for name, param in named_parameters_of(named_params):
-        if not param.requires_grad:
-            continue  # frozen parameters belong to no group, whatever `resolved` says
+    for name, param in named_parameters(named_params):  # trainable only: frozen ones belong to no group
         r = resolved.get(name)
         if r is None:
             raise ValueError(
