@@ -20,7 +20,7 @@ from optstack.distributed.comm import is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
-from optstack.groups import build_param_groups, group_keys
+from optstack.groups import build_param_groups, group_keys, group_map
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
 from optstack.precision.scaler import LossScaler
@@ -105,8 +105,8 @@ class BuiltOptimizer:
     param_groups: list[dict[str, Any]]
 
     def group_of(self) -> dict[str, int]:
-        """Parameter name -> index of its group in ``param_groups``."""
-        return {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]}
+        """Parameter name -> index of its group in ``param_groups`` (``groups.group_map``)."""
+        return group_map(self.param_groups)["param_to_group"]
 
 
 def build_optimizer(

@@ -21,6 +21,7 @@ from optstack.distributed.comm import world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
 from optstack.factory import BuiltOptimizer, build_optimizer
+from optstack.groups import group_map
 from optstack.megatron.config import OptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
@@ -203,10 +204,7 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
 
 def _dump_group_map(built: BuiltOptimizer, path: str) -> None:
     """Write ``{parameter name: index into optimizer.param_groups}`` as JSON, atomically, from rank 0."""
-    local: dict[str, int] = {}
-    for index, group in enumerate(built.optimizer.param_groups):
-        for name in group.get("param_names", ()):
-            local[name] = index
+    local = group_map(built.optimizer.param_groups)["param_to_group"]
     comm = world_comm()
     merged: dict[str, int] = {}
     for rank_map in comm.all_gather_object(local):
