@@ -8,7 +8,7 @@ from torch import nn
 
 from optstack.config import LossScaleConfig, OptimizerConfig
 from optstack.factory import build_optimizer, default_rules
-from optstack.rules import Name, Rule
+from optstack.rules import Name, Rule, resolve
 from optstack.schedule import LRSchedule, WDSchedule
 
 
@@ -129,6 +129,18 @@ def test_explicit_empty_rules_means_one_group_and_user_rules_extend_defaults():
     built = build_optimizer(OptimizerConfig(), m, rules=default_rules(OptimizerConfig()) + [extra])
     lr_mults = {n: g["lr_mult"] for g in built.param_groups for n in g["param_names"]}
     assert lr_mults["0.weight"] == 0.5 and lr_mults["2.weight"] == 1.0
+
+
+def test_settings_resolved_elsewhere_are_taken_as_they_are():
+    m = _model()
+    resolved = resolve(m, [Rule(Name("0.*"), lr_mult=0.5, why="slow first layer")])
+    built = build_optimizer(OptimizerConfig(), m, resolved=resolved)
+    assert built.group_of() == {"0.weight": 1, "0.bias": 1, "1.weight": 0, "1.bias": 0, "2.weight": 0, "2.bias": 0}
+    assert built.param_groups[1]["lr_mult"] == 0.5
+    with pytest.raises(ValueError, match="rules or resolved"):
+        build_optimizer(OptimizerConfig(), m, rules=[], resolved=resolved)
+    with pytest.raises(ValueError, match="missing from `resolved`"):
+        build_optimizer(OptimizerConfig(), m, resolved={k: v for k, v in resolved.items() if k != "2.bias"})
 
 
 def test_bad_inputs_are_clear_errors():

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from optstack.groups import GroupKey, build_param_groups, group_keys, param_group_table
+from optstack.groups import GroupKey, build_param_groups, group_keys, group_map, param_group_table
 from optstack.rules import Always, Attr, Name, Ndim, Rule, resolve, standard_rules
 
 LR, MIN_LR = 1e-3, 1e-5
@@ -162,6 +162,20 @@ def test_inputs_are_not_mutated_and_modules_and_chunks_work():
     single = nn.Linear(2, 2)
     single_groups = build_param_groups(single, resolve(single, rules), lr=LR, min_lr=0.0)
     assert [g["param_names"] for g in single_groups] == [["weight"], ["bias"]]
+
+
+def test_group_map():
+    params = _model()
+    groups = build_param_groups(params, resolve(params, standard_rules()), lr=LR, min_lr=MIN_LR)
+    mapping = group_map(groups)
+    assert mapping["param_to_group"] == {n: i for i, g in enumerate(groups) for n in g["param_names"]}
+    assert [(e["index"], e["params"]) for e in mapping["groups"]] == [(i, g["param_names"]) for i, g in
+                                                                      enumerate(groups)]
+    for entry, group in zip(mapping["groups"], groups, strict=True):
+        assert entry["settings"] == {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    unnamed = group_map([{"params": [P(1), P(2)], "lr": 0.1}, {"params": [], "lr": 0.2}])
+    assert unnamed["param_to_group"] == {"group0.param0": 0, "group0.param1": 0}
+    assert [e["settings"] for e in unnamed["groups"]] == [{"lr": 0.1}, {"lr": 0.2}]
 
 
 def test_param_group_table():

@@ -226,3 +226,18 @@ def test_works_inside_a_one_rank_process_group(tmp_path) -> None:
         assert len(get_param_groups([model], OptimizerConfig(lr=1e-2), None)) == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_overrides_match_the_chunks_own_names_and_groups_use_the_core_names() -> None:
+    from optstack.distributed.parallel import ParallelGroups
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(), tiny(),
+                                    pg_collection=ParallelGroups.single())
+    overrides = {ParamKey(name="module.fc.*"): {"lr_mult": 0.5}}  # Megatron's name for a wrapped chunk
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model], overrides)
+    slow = [g["param_names"] for g in opt.built.param_groups if g["lr_mult"] == 0.5]
+    assert slow == [["fc.weight", "fc.bias"]]  # the names the factory and checkpoints use
+    assert [g["param_names"] for g in get_param_groups([model], OptimizerConfig(lr=1e-2), overrides)
+            if g["lr_mult"] == 0.5] == slow
+    assert all(r[0] for r in train(opt, model, 2))

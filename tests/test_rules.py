@@ -260,8 +260,9 @@ def test_named_parameters_of_module_chunks_pairs():
     assert [n for n, _ in named_parameters_of([("emb", w), ("out", w), ("x", P(1))])] == ["emb", "x"]
     with pytest.raises(ValueError, match="two different tensors are named 'x'"):
         named_parameters_of([("x", P(1)), ("x", P(1))])
-    with pytest.raises(ValueError, match="nn.Module, a list of nn.Modules or"):
-        named_parameters_of([P(1)])
+    assert [n for n, _ in named_parameters_of([P(1), P(2)])] == ["param.0", "param.1"]  # model.parameters()
+    with pytest.raises(ValueError, match="nn.Module, a list of nn.Modules, "):
+        named_parameters_of([("x", P(1)), P(1)])
     assert list(resolve([a, b], [Rule(Name("chunk1.*"), wd_mult=0.0)])["chunk1.bias"].settings) == ["wd_mult"]
 
 

@@ -7,7 +7,7 @@ the single loss scaler, global clipping and the skip decision; plus the schedule
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,11 @@ from optstack.distributed.comm import is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
-from optstack.groups import build_param_groups, group_keys
+from optstack.groups import build_param_groups, group_keys, group_map
+from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
 from optstack.precision.scaler import LossScaler
-from optstack.rules import Rule, muon_routing_rule, mup_rules, named_parameters_of, resolve, standard_rules
+from optstack.rules import Resolved, Rule, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
 
@@ -33,7 +34,6 @@ __all__ = [
     "build_optimizer",
     "default_rules",
     "scaler_from_config",
-    "trainable_named_parameters",
     "wrap_data_parallel",
 ]
 
@@ -63,19 +63,6 @@ def default_rules(config: OptimizerConfig) -> list[Rule]:
     if family == "muon":
         rules.append(muon_routing_rule(config.muon.scalar_algorithm))
     return rules
-
-
-def trainable_named_parameters(model_chunks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """(name, param) of every trainable parameter, names as the user's own model has them (a data-parallel
-    wrapper's ``.module`` is looked through; chunk naming follows ``rules.named_parameters_of``)."""
-    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    return [(n, p) for n, p in named_parameters_of([_unwrap(c) for c in chunks]) if p.requires_grad]
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    # A data-parallel wrapper exposes the wrapped model as `.module`; names must be the user's own.
-    inner = getattr(module, "module", None)
-    return inner if isinstance(inner, nn.Module) else module
 
 
 def algorithm_kwargs(name: str, config: OptimizerConfig) -> dict[str, Any]:
@@ -118,15 +105,16 @@ class BuiltOptimizer:
     param_groups: list[dict[str, Any]]
 
     def group_of(self) -> dict[str, int]:
-        """Parameter name -> index of its group in ``param_groups``."""
-        return {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]}
+        """Parameter name -> index of its group in ``param_groups`` (``groups.group_map``)."""
+        return group_map(self.param_groups)["param_to_group"]
 
 
 def build_optimizer(
     config: OptimizerConfig,
-    model_chunks: nn.Module | Sequence[nn.Module],
+    model_chunks: NamedParams,
     *,
     rules: Sequence[Rule] | None = None,
+    resolved: Mapping[str, Resolved] | None = None,
     strict_rules: bool = False,
     lr_schedule: LRSchedule | None = None,
     wd_schedule: WDSchedule | None = None,
@@ -136,8 +124,12 @@ def build_optimizer(
 
     Args:
         config: the optimizer configuration.
-        model_chunks: the model, or its chunks (pipeline stages / virtual chunks).
+        model_chunks: the model, its chunks (pipeline stages / virtual chunks), ``model.parameters()`` or
+            ``(name, param)`` pairs; parameters are named by ``optstack.names.named_parameters`` (wrappers and
+            ``torch.compile`` looked through; bare parameters are ``param.0``, ``param.1``, ...).
         rules: per-parameter rules; None uses ``default_rules(config)``; ``[]`` means no rules at all.
+        resolved: instead of ``rules``, settings already resolved for these names (``rules.resolve``, or a
+            face with its own name matching, e.g. Megatron's per-chunk names).
         strict_rules: a rule that matches no parameter is an error.
         lr_schedule / wd_schedule: when ``lr_schedule`` is given, a ``Scheduler`` is built (weight decay
             constant at ``config.weight_decay`` unless ``wd_schedule`` is given).
@@ -148,13 +140,17 @@ def build_optimizer(
     names: replicated, ZeRO-1 (``zero1``) or layer-wise (``layerwise``, for Muon's matrices).
     """
     check_combination(config)
-    ddp = _data_parallel_of(model_chunks, config)
-    named = trainable_named_parameters(model_chunks)
+    if rules is not None and resolved is not None:
+        raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
+    source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
+    ddp = _data_parallel_of(source, config)
+    named = named_parameters(source)
     if not named:
-        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        raise ValueError("the model has no trainable parameters (none given, or every parameter has "
+                         "requires_grad=False)")
     _check_dtypes(named, config)
-    active_rules = default_rules(config) if rules is None else list(rules)
-    resolved = resolve(named, active_rules, strict=strict_rules)
+    if resolved is None:
+        resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
     keys = group_keys(resolved)
     if ddp is not None:
         # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
@@ -199,8 +195,8 @@ def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerCo
             )
 
 
-def _data_parallel_of(model_chunks: nn.Module | Sequence[nn.Module], config: OptimizerConfig) -> DataParallel | None:
-    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:
+    chunks = [source] if isinstance(source, nn.Module) else source
     wrapped = [c for c in chunks if isinstance(c, DataParallel)]
     sharding = config.distributed.sharding
     if not wrapped:

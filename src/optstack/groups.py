@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from functools import total_ordering
 from typing import Any
 
-from optstack.rules import LR_KEYS, NamedParams, Resolved, named_parameters_of
+from optstack.names import NamedParams, named_parameters
+from optstack.rules import LR_KEYS, Resolved
 from optstack.rules.resolve import is_number
 
-__all__ = ["GroupKey", "group_keys", "build_param_groups", "param_group_table", "GROUP_FIELDS"]
+__all__ = ["GroupKey", "group_keys", "build_param_groups", "group_map", "param_group_table", "GROUP_FIELDS"]
 
 #: Fields every group carries besides its settings (the settings may override the last four).
 GROUP_FIELDS = ("params", "param_names", "is_expert_parallel", "default_config", "wd_mult", "lr_mult",
@@ -116,9 +117,7 @@ def build_param_groups(
     index = {k: i for i, k in enumerate(keys)}
     members: list[list[tuple[str, Any]]] = [[] for _ in keys]
     seen: set[str] = set()
-    for name, param in named_parameters_of(named_params):
-        if not param.requires_grad:
-            continue  # frozen parameters belong to no group, whatever `resolved` says
+    for name, param in named_parameters(named_params):  # trainable only: frozen ones belong to no group
         r = resolved.get(name)
         if r is None:
             raise ValueError(
@@ -156,23 +155,43 @@ def build_param_groups(
     return groups
 
 
+def group_map(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The one parameter -> group map: which group each parameter is in, and what each group sets.
+
+    Works on any list of group dicts with ``param_names`` (``build_param_groups``' groups, an optimizer's
+    ``param_groups``); a group without ``param_names`` names its parameters ``group{g}.param{i}``.
+
+    Returns:
+        ``{"groups": [{"index": g, "settings": {...}, "params": [names]}, ...], "param_to_group": {name: g}}``:
+        ``settings`` is every group field but ``params`` and ``param_names``, values as they are in the group
+        (so an optimizer's groups show the ``lr`` and ``weight_decay`` in use); ``param_to_group`` is in group
+        order, then parameter order.
+    """
+    out_groups = []
+    param_to_group: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        names = list(group.get("param_names")
+                     or [f"group{index}.param{i}" for i in range(len(group.get("params", ())))])
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        out_groups.append({"index": index, "settings": settings, "params": names})
+        param_to_group.update(dict.fromkeys(names, index))
+    return {"groups": out_groups, "param_to_group": param_to_group}
+
+
 def param_group_table(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per parameter, for dumps and CLIs: name, group index, shape, numel, expert flag, settings.
 
-    ``settings`` holds every group field except ``params`` and ``param_names`` (and anything a scheduler
-    or optimizer added, such as ``lr``), as plain Python values.
+    The names, indices and ``settings`` are ``group_map(groups)``'s, plus each tensor's shape.
     """
     rows = []
-    for gi, group in enumerate(groups):
-        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(group["params"]))]
-        for name, p in zip(names, group["params"], strict=True):
+    for group, entry in zip(groups, group_map(groups)["groups"], strict=True):
+        for name, p in zip(entry["params"], group["params"], strict=True):
             rows.append({
                 "name": name,
-                "group": gi,
+                "group": entry["index"],
                 "shape": list(p.shape),
                 "numel": p.numel(),
                 "is_expert_parallel": bool(group.get("is_expert_parallel", False)),
-                "settings": dict(settings),
+                "settings": dict(entry["settings"]),
             })
     return rows

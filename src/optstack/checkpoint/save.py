@@ -29,6 +29,7 @@ from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dty
 from optstack.checkpoint.state import HeldParam, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
+from optstack.names import model_state
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
@@ -52,13 +53,9 @@ def check_optimizer(optimizer: Any) -> ChainedOptimizer:
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict tensors under the user's own names (a ``.module`` wrapper is looked through);
-    detached views sharing the model's storage."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-    inner = getattr(model, "module", None)
-    module = inner if isinstance(inner, nn.Module) else model
-    return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    """The model's state-dict tensors under the names parameters have everywhere (``optstack.names.model_state``:
+    wrappers and ``torch.compile`` looked through); detached views sharing the model's storage."""
+    return model_state(model)
 
 
 def save_checkpoint(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scalar, identity_of, settings_of
+from optstack.groups import group_map as core_group_map
 from optstack.protocol import ParamShard
 from optstack.stage import Stage
 
@@ -282,12 +283,14 @@ def _check_model(saved: Mapping[str, Any] | None, model: Mapping[str, tuple[tupl
 
 
 def group_map(params: Mapping[str, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The parameter -> group map for people: each group's identity, settings and parameter names."""
+    """The parameter -> group map for people, from a manifest's ``params`` and ``groups``: ``groups.group_map``
+    of the saved groups, each group entry also showing its identity, ``param_to_group`` in manifest order."""
     members: list[list[str]] = [[] for _ in groups]
     for name, entry in params.items():
         members[entry["group"]].append(name)
+    core = core_group_map([{**g["settings"], "param_names": members[i]} for i, g in enumerate(groups)])
     return {
-        "groups": [{"index": i, **g["identity"], "settings": g["settings"], "params": members[i]}
-                   for i, g in enumerate(groups)],
-        "param_to_group": {name: entry["group"] for name, entry in params.items()},
+        "groups": [{"index": e["index"], **g["identity"], "settings": g["settings"], "params": e["params"]}
+                   for e, g in zip(core["groups"], groups, strict=True)],
+        "param_to_group": {name: core["param_to_group"][name] for name in params},
     }

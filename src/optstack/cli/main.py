@@ -58,14 +58,17 @@ def groups_report(model: nn.Module, config: Any) -> dict[str, Any]:
         ``{"config": {...}, "parameters": [...], "groups": [...]}`` of plain JSON values.
     """
     from optstack.factory import default_rules
-    from optstack.groups import build_param_groups
+    from optstack.groups import build_param_groups, group_map
+    from optstack.names import named_parameters
     from optstack.rules import explain, resolve
 
     rules = default_rules(config)
-    explained = explain(model, rules)
-    groups = build_param_groups(model, resolve(model, rules), lr=config.lr, min_lr=config.min_lr)
-    group_of = {name: i for i, g in enumerate(groups) for name in g["param_names"]}
-    params = dict(model.named_parameters())
+    named = named_parameters(model)
+    explained = explain(named, rules)
+    groups = build_param_groups(named, resolve(named, rules), lr=config.lr, min_lr=config.min_lr)
+    mapping = group_map(groups)
+    group_of = mapping["param_to_group"]
+    params = dict(named)
     rows = []
     for name, e in explained.items():
         g = groups[group_of[name]]
@@ -77,11 +80,12 @@ def groups_report(model: nn.Module, config: Any) -> dict[str, Any]:
             "rules": {k: list(labels) for k, labels in e.sources.items()},
         })
     summary = []
-    for i, g in enumerate(groups):
-        settings = {k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")}
+    for g, entry in zip(groups, mapping["groups"], strict=True):
+        settings = {k: _plain(v) for k, v in entry["settings"].items()}
         settings.setdefault("algorithm", config.algorithm)
-        summary.append({"group": i, "count": len(g["params"]), "numel": sum(p.numel() for p in g["params"]),
-                        "settings": settings, "params": list(g["param_names"])})
+        summary.append({"group": entry["index"], "count": len(g["params"]),
+                        "numel": sum(p.numel() for p in g["params"]), "settings": settings,
+                        "params": entry["params"]})
     cfg = {k: getattr(config, k) for k in ("algorithm", "lr", "min_lr", "weight_decay", "decoupled_lr",
                                            "decoupled_min_lr", "mup_width_mult", "apply_wd_to_qk_layernorm")}
     return {"config": cfg, "parameters": rows, "groups": summary}

@@ -6,7 +6,8 @@ torch.distributed runs with more than one rank the group keys are unioned across
 the same groups, some empty). This module only renames the result into Megatron's group dicts and order.
 
 Names are matched as Megatron matches them: each chunk's own ``named_parameters`` names (a name glob such as
-``'decoder.*'`` works on every chunk), and a tensor shared by two chunks is grouped once.
+``'decoder.*'`` works on every chunk), and a tensor shared by two chunks is grouped once. The groups are keyed
+by the core's names (``optstack.names.named_parameters``), the names the factory and checkpoints use.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from optstack.distributed.group_keys import union_group_keys
 from optstack.groups import GroupKey, build_param_groups, group_keys
 from optstack.megatron.config import OptimizerConfig, megatron_optimizer_name
 from optstack.megatron.keys import ConfigOverrides, get_standard_config_overrides, to_rules
-from optstack.rules import Resolved, Rule, named_parameters_of, resolve
+from optstack.names import named_parameters
+from optstack.rules import Resolved, Rule, resolve
 
 __all__ = ["get_param_groups", "resolve_chunks", "as_chunks"]
 
@@ -44,15 +46,17 @@ def resolve_chunks(
     """Resolve ``rules`` against each chunk's own parameter names, keyed by the core's unique names.
 
     Returns:
-        ``(named, resolved)``: the core's ``named_parameters_of(chunks)`` pairs (unique names, a ``chunk{i}.``
-        prefix only when chunks share names) and the resolved settings of every trainable one.
+        ``(named, resolved)``: the core's trainable ``named_parameters(chunks)`` (wrappers looked through, a
+        ``chunk{i}.`` prefix only when chunks share names) and the resolved settings of each of them, ready
+        for ``build_param_groups`` or ``build_optimizer(..., resolved=resolved)``.
     """
-    named = named_parameters_of(chunks)
+    named = named_parameters(chunks)
     unique_name = {id(p): n for n, p in named}
     resolved: dict[str, Resolved] = {}
     for chunk in chunks:
-        local = dict(chunk.named_parameters())
-        for local_name, r in resolve(chunk, rules).items():
+        own = list(chunk.named_parameters())  # Megatron matches the chunk's names as they are, wrapper and all
+        local = dict(named_parameters(own))
+        for local_name, r in resolve(own, rules).items():
             name = unique_name[id(local[local_name])]
             if name not in resolved:  # a tensor shared by two chunks is grouped once, under its first name
                 resolved[name] = dataclasses.replace(r, name=name)

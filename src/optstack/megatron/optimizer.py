@@ -1,7 +1,7 @@
 """Megatron's ``get_megatron_optimizer``: the Megatron config and overrides in, optstack's stack underneath.
 
 ``get_megatron_optimizer`` groups parameters exactly as ``get_param_groups`` does (Megatron's name matching,
-its override semantics), hands those groups to ``optstack.factory.build_optimizer`` as rules, and wraps the
+its override semantics), hands the settings it resolved to ``optstack.factory.build_optimizer``, and wraps the
 chained optimizer it returns in ``MegatronOptimizer``, whose ``step()`` returns Megatron's
 ``(update_successful, grad_norm, num_zeros_in_grad)`` tuple.
 """
@@ -21,6 +21,7 @@ from optstack.distributed.comm import world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
 from optstack.factory import BuiltOptimizer, build_optimizer
+from optstack.groups import group_map
 from optstack.megatron.config import OptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
@@ -30,7 +31,7 @@ from optstack.megatron.keys import (
     get_standard_config_overrides,
     to_rules,
 )
-from optstack.rules import Predicate, Resolved, Rule, muon_routing_rule
+from optstack.rules import muon_routing_rule
 
 __all__ = ["MegatronOptimizer", "get_megatron_optimizer"]
 
@@ -153,8 +154,8 @@ def get_megatron_optimizer(
         rules.append(muon_routing_rule(core_config.muon.scalar_algorithm))
     chunks = as_chunks(model_chunks)
     _check_data_parallel(config, chunks, pg_collection)
-    named, resolved = resolve_chunks(chunks, rules)
-    built = build_optimizer(core_config, chunks, rules=_pinned_rules(named, resolved))
+    _, resolved = resolve_chunks(chunks, rules)  # Megatron's matching, on each chunk's own names
+    built = build_optimizer(core_config, chunks, resolved=resolved)
     if dump_param_to_param_group_map is not None:
         _dump_group_map(built, dump_param_to_param_group_map)
     return MegatronOptimizer(built, config)
@@ -201,36 +202,9 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
             )
 
 
-def _pinned_rules(named: list[tuple[str, torch.Tensor]], resolved: dict[str, Resolved]) -> list[Rule]:
-    """One rule per distinct merged override, selecting its parameters by identity.
-
-    The factory names parameters its own way (it unwraps ``.module``); pinning the already-resolved settings
-    to the tensors keeps Megatron's matching on each chunk's own names whatever the factory calls them. Each
-    rule's reason lists the overrides that produced it.
-    """
-    tensor_of = dict(named)
-    by_settings: dict[tuple[tuple[str, Any], ...], tuple[set[int], set[str]]] = {}
-    for name, r in resolved.items():
-        ids, labels = by_settings.setdefault(tuple(r.settings.items()), (set(), set()))
-        ids.add(id(tensor_of[name]))
-        labels.update(rule.label for rules in r.sources.values() for rule in rules)
-    return [
-        Rule(_identity(frozenset(ids)), why=" + ".join(sorted(labels)), **dict(settings))
-        for settings, (ids, labels) in by_settings.items()
-        if settings
-    ]
-
-
-def _identity(ids: frozenset[int]) -> Predicate:
-    return Predicate(lambda p: id(p) in ids, "config_overrides")
-
-
 def _dump_group_map(built: BuiltOptimizer, path: str) -> None:
     """Write ``{parameter name: index into optimizer.param_groups}`` as JSON, atomically, from rank 0."""
-    local: dict[str, int] = {}
-    for index, group in enumerate(built.optimizer.param_groups):
-        for name in group.get("param_names", ()):
-            local[name] = index
+    local = group_map(built.optimizer.param_groups)["param_to_group"]
     comm = world_comm()
     merged: dict[str, int] = {}
     for rank_map in comm.all_gather_object(local):

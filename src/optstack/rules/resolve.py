@@ -2,20 +2,20 @@
 
 ``resolve`` merges every rule that matches a parameter into one ``Resolved`` record and raises when two
 rules give one key different values; ``explain`` shows the result and which rule decided each setting.
-``named_parameters_of`` turns a module, model chunks or ``(name, tensor)`` pairs into one ordered list.
+Parameters are named by ``optstack.names.named_parameters`` (modules, model chunks, pairs or tensors).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch import nn
 
+from optstack.names import NamedParams, named_parameters
 from optstack.rules.matchers import Matcher
 
 __all__ = [
@@ -157,52 +157,10 @@ def _make_rule(matcher: Matcher, why: str, items: tuple[tuple[str, Any], ...]) -
 
 
 # -- collecting parameters ---------------------------------------------------------------------------------
-NamedParams = nn.Module | Sequence[nn.Module] | Iterable[tuple[str, torch.Tensor]]
-
-
 def named_parameters_of(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs in model order from a module, a list of model chunks, or the pairs themselves.
-
-    Model chunks (a list of modules, e.g. virtual pipeline stages) keep their own names when those are unique
-    across chunks; when any name occurs in two chunks, every name is prefixed with ``chunk{i}.`` (``i`` the
-    chunk's index) so that names stay unique keys. A tensor that appears twice (tied weights) is kept once,
-    under its first name, as ``named_parameters`` does within one module.
-
-    Raises:
-        ValueError: when two different tensors are given under one name.
-    """
-    if isinstance(source, nn.Module):
-        pairs = list(source.named_parameters())
-    else:
-        items = list(source)
-        if items and all(isinstance(m, nn.Module) for m in items):
-            chunks = [list(m.named_parameters()) for m in items]
-            names = [n for chunk in chunks for n, _ in chunk]
-            if len(set(names)) != len(names):
-                chunks = [[(f"chunk{i}.{n}", p) for n, p in chunk] for i, chunk in enumerate(chunks)]
-            pairs = [pair for chunk in chunks for pair in chunk]
-        else:
-            pairs = []
-            for item in items:
-                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                        and isinstance(item[1], torch.Tensor)):
-                    raise ValueError(
-                        "expected an nn.Module, a list of nn.Modules or (name, tensor) pairs; "
-                        f"got item {item!r:.80}"
-                    )
-                pairs.append(item)
-    out: list[tuple[str, torch.Tensor]] = []
-    seen_names: dict[str, torch.Tensor] = {}
-    seen_ids: set[int] = set()
-    for name, p in pairs:
-        if id(p) in seen_ids:
-            continue
-        if name in seen_names:
-            raise ValueError(f"two different tensors are named {name!r}; parameter names must be unique")
-        seen_names[name] = p
-        seen_ids.add(id(p))
-        out.append((name, p))
-    return out
+    """Every parameter of ``source``, frozen ones included, under optstack's names:
+    ``optstack.names.named_parameters(source, trainable_only=False)`` (see there for chunks and wrappers)."""
+    return named_parameters(source, trainable_only=False)
 
 
 # -- resolving ---------------------------------------------------------------------------------------------
@@ -234,8 +192,8 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
     """Merge every matching rule into each trainable parameter's settings.
 
     Args:
-        named_params: an ``nn.Module``, a list of model chunks or ``(name, tensor)`` pairs (see
-            ``named_parameters_of`` for chunk naming). Frozen (``requires_grad=False``) ones are skipped.
+        named_params: an ``nn.Module``, a list of model chunks, ``(name, tensor)`` pairs or tensors, named
+            by ``optstack.names.named_parameters``. Frozen (``requires_grad=False``) ones are skipped.
         rules: the rules; all that match a parameter apply.
         strict: raise when a rule matches no trainable parameter (catches typos in globs).
 
@@ -252,9 +210,7 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
             raise ValueError(f"rules must be Rule objects, got {r!r}; e.g. Rule(Name('*.bias'), wd_mult=0.0)")
     used = [False] * len(rules)
     out: dict[str, Resolved] = {}
-    for name, param in named_parameters_of(named_params):
-        if not param.requires_grad:
-            continue
+    for name, param in named_parameters(named_params):
         settings: dict[str, Any] = {}
         sources: dict[str, list[Rule]] = {}
         for i, rule in enumerate(rules):

@@ -1,0 +1,136 @@
+"""Stable parameter names: model chunks, modules, ``parameters()`` or ``(name, tensor)`` pairs -> one ordered list.
+
+The one naming function of optstack: the factory, the rules, the checkpoints (parameter and model tensor keys)
+and the Megatron face all name parameters here, so a name means the same tensor everywhere. Names are the
+user's own model's names, whatever it is wrapped in:
+
+- a wrapper that holds nothing but its wrapped model under ``.module`` (optstack's ``DataParallel``, the
+  Megatron face's ``DistributedDataParallel``, ``torch.nn.parallel.DistributedDataParallel``, ...) is looked
+  through, so its ``module.`` prefix does not appear;
+- ``torch.compile``'s ``OptimizedModule`` is looked through and every ``_orig_mod`` component is dropped
+  (also from compiled submodules and from given pairs), so a compiled model has the uncompiled model's names.
+
+Imports nothing else of optstack: rules, groups, checkpoints and faces all stand on it.
+
+Example::
+
+    named_parameters(torch.compile(model)) == named_parameters(model)  # same names, same tensors
+    named_parameters([chunk0, chunk1])      # Megatron's virtual pipeline chunks
+    named_parameters(model.parameters())    # [("param.0", p0), ("param.1", p1), ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["NamedParams", "named_parameters", "model_state", "look_through"]
+
+#: What names can be taken from: a module, model chunks (a list of modules), ``(name, tensor)`` pairs, or bare
+#: tensors (``model.parameters()``).
+NamedParams = nn.Module | Iterable[nn.Module] | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]
+
+_WRAPPER_ATTRS = ("_orig_mod", "module")  # torch.compile's OptimizedModule; data-parallel style wrappers
+_COMPILED = "_orig_mod"
+
+
+def look_through(module: nn.Module) -> nn.Module:
+    """The model inside any stack of wrappers (``torch.compile``, data-parallel ``.module`` wrappers).
+
+    A module counts as a wrapper when its only child is registered as ``_orig_mod`` or ``module`` and it
+    has no parameters or buffers of its own, so a model that merely has a submodule called ``module`` next
+    to other state keeps its names.
+    """
+    while True:
+        children = module._modules
+        if len(children) != 1 or next(module.parameters(recurse=False), None) is not None \
+                or next(module.buffers(recurse=False), None) is not None:
+            return module
+        attr, inner = next(iter(children.items()))
+        if attr not in _WRAPPER_ATTRS or not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _clean(name: str) -> str:
+    # Compiled submodules (model.block = torch.compile(model.block)) put `_orig_mod` inside names too.
+    if _COMPILED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED)
+
+
+def named_parameters(model_chunks: NamedParams, *, trainable_only: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs in model order, under stable names.
+
+    Args:
+        model_chunks: one of
+            - an ``nn.Module``: its ``named_parameters()`` after looking through wrappers (``look_through``);
+            - a list of modules (model chunks, e.g. virtual pipeline stages), each looked through: the chunks'
+              own names when those are unique across chunks; when any name occurs in two chunks, every name
+              is prefixed with ``chunk{i}.`` (``i`` the chunk's index) so names stay unique keys;
+            - ``(name, tensor)`` pairs, kept as given (less any ``_orig_mod`` component);
+            - bare tensors (``model.parameters()``), named ``param.{i}`` by their position ``i`` in the
+              iterable (frozen ones included, so freezing a parameter does not rename the others).
+        trainable_only: leave out parameters with ``requires_grad=False`` (after naming: names do not depend
+            on what is frozen).
+
+    Returns:
+        The pairs; a tensor that appears twice (tied weights) is kept once, under its first name.
+
+    Raises:
+        ValueError: two different tensors under one name, or items that are none of the above.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    seen_names: set[str] = set()
+    seen_ids: set[int] = set()
+    for name, p in _pairs(model_chunks):
+        name = _clean(name)
+        if id(p) in seen_ids:
+            continue
+        if name in seen_names:
+            raise ValueError(f"two different tensors are named {name!r}; parameter names must be unique")
+        seen_names.add(name)
+        seen_ids.add(id(p))
+        if p.requires_grad or not trainable_only:
+            out.append((name, p))
+    return out
+
+
+def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(source, nn.Module):
+        return list(look_through(source).named_parameters())
+    items = list(source)
+    if items and all(isinstance(m, nn.Module) for m in items):
+        chunks = [list(look_through(m).named_parameters()) for m in items]
+        names = [_clean(n) for chunk in chunks for n, _ in chunk]
+        if len(set(names)) != len(names):
+            chunks = [[(f"chunk{i}.{n}", p) for n, p in chunk] for i, chunk in enumerate(chunks)]
+        return [pair for chunk in chunks for pair in chunk]
+    if all(isinstance(t, torch.Tensor) for t in items):
+        return [(f"param.{i}", t) for i, t in enumerate(items)]
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise ValueError(
+                "expected an nn.Module, a list of nn.Modules, (name, tensor) pairs or tensors "
+                f"(model.parameters()); got item {item!r:.80}"
+            )
+    return items
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict`` tensors (parameters, buffers) under the names ``named_parameters`` uses.
+
+    Wrappers are looked through as for ``named_parameters`` and ``_orig_mod`` components dropped, so a
+    checkpoint of a compiled or wrapped model has the plain model's keys. The tensors are detached and share
+    the model's storage (writing into them writes the model). Non-tensor extra state is left out.
+
+    Raises:
+        ValueError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    state = look_through(model).state_dict()
+    return {_clean(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
