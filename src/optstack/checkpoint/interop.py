@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from optstack.checkpoint.format import decode_scalar, encode_scalar
-from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
-from optstack.checkpoint.save import agree, check_optimizer
-from optstack.checkpoint.state import HeldParam, collect, describe, distribute, group_map, restore_group_settings
+from optstack.checkpoint.load import read_manifest, read_ranges, union, verify_files
+from optstack.checkpoint.save import agree, check_optimizer, together
+from optstack.checkpoint.state import collect, describe, distribute, group_map, merged, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
@@ -50,25 +50,22 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
     params = manifest["params"]
     order = list(params) if names is None else list(names)
     if sorted(order) != sorted(params):
-        differ = sorted(set(order) ^ set(params))
         raise ValueError(f"names must list exactly the checkpoint's {len(params)} parameters; these differ: "
-                         f"{differ[:8]}")
+                         f"{sorted(set(order) ^ set(params))[:8]}")
     data = read_ranges(directory, manifest, {n: (0, torch.Size(params[n]["shape"]).numel()) for n in order},
                        keys={n: [k for k in params[n]["dtypes"] if k != "param"] for n in order})
     state: dict[int, dict[str, Any]] = {}
-    groups = []
+    groups: list[dict[str, Any]] = []
     index = 0
     for g, saved in enumerate(manifest["groups"]):
-        members = [n for n in order if params[n]["group"] == g]
-        if not members:
+        if not (members := [n for n in order if params[n]["group"] == g]):
             continue
         settings = dict(saved["settings"])
         if isinstance(settings.get("betas"), list):
             settings["betas"] = tuple(settings["betas"])
         groups.append({**settings, "params": list(range(index, index + len(members))), "param_names": members})
         for name in members:
-            shape = tuple(params[name]["shape"])
-            entry = {k: v.view(shape) for k, v in data[name].items()}
+            entry = {k: v.view(params[name]["shape"]) for k, v in data[name].items()}
             entry.update({k: decode_scalar(v) for k, v in params[name]["scalars"].items()})
             if entry:
                 state[index] = entry
@@ -96,39 +93,28 @@ def import_torch_state_dict(
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
-    error, per_stage, flat = None, [], {}
-    torch_state: dict[str, dict[str, Any]] = {}
-    torch_group: dict[str, Mapping[str, Any]] = {}
-    try:
-        torch_state, torch_group = _by_name(state_dict, names)
+    what = "cannot import the torch state dict"
+
+    def local() -> tuple[Any, list[dict[str, ParamShard]], dict[str, ParamShard], dict[str, Any]]:
         per_stage = collect(optimizer.stages)
-        flat = {n: s for shards in per_stage for n, s in shards.items()}
-        held = describe(flat)
-    except ValueError as exc:
-        error = str(exc)
-        held = {}
-    agree(comm, error, "cannot import the torch state dict")
-    everyone: dict[str, HeldParam] = {}
-    for table in comm.all_gather_object(held):
-        everyone.update(table)
-    error, loaded = None, []
-    try:
-        extra = sorted(set(torch_group) - set(everyone))
-        missing = sorted(set(everyone) - set(torch_group))
+        return _by_name(state_dict, names), per_stage, merged(per_stage), describe(merged(per_stage))
+
+    (torch_state, torch_group), per_stage, flat, held = together(comm, what, local)
+    everyone = union(comm.all_gather_object(held))
+
+    def cut() -> list[dict[str, ParamShard]]:
+        extra, missing = sorted(set(torch_group) - set(everyone)), sorted(set(everyone) - set(torch_group))
         if extra or missing:
             raise ValueError(f"parameters only in the state dict: {extra[:8]}; only in the optimizer: {missing[:8]}")
-        loaded = [{n: _cut(n, s, torch_state[n]) for n, s in shards.items()} for shards in per_stage]
-    except ValueError as exc:
-        error = str(exc)
-    agree(comm, error, "cannot import the torch state dict")
-    distribute(optimizer.stages, loaded)
-    groups = [{"settings": {k: v for k, v in g.items() if k in ("lr", "weight_decay")}}
-              for g in torch_group.values()]
-    restore_group_settings(flat, groups, {n: i for i, n in enumerate(torch_group) if n in flat})
+        return [{n: _cut(n, s, torch_state[n]) for n, s in shards.items()} for shards in per_stage]
+
+    distribute(optimizer.stages, together(comm, what, cut))
+    restore_group_settings(flat, torch_group)
 
 
 def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, Mapping[str, Any]]]:
+    """The state dict's per-parameter state and group, by parameter name."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("a torch.optim state dict is a dict with 'state' and 'param_groups'")
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -141,14 +127,13 @@ def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None
                          "parameter ids (e.g. [n for n, _ in model.named_parameters()])")
     if len(found) != len(ids) or len(set(found)) != len(found):
         raise ValueError(f"{len(found)} names (distinct: {len(set(found))}) for {len(ids)} parameters")
-    groups = {n: g for g in state_dict["param_groups"] for n in g["params"]}
+    groups = {i: g for g in state_dict["param_groups"] for i in g["params"]}
     return ({n: dict(state_dict["state"].get(i, {})) for n, i in zip(found, ids, strict=True)},
             {n: groups[i] for n, i in zip(found, ids, strict=True)})
 
 
 def _cut(name: str, shard: ParamShard, entry: Mapping[str, Any]) -> ParamShard:
     """This rank's range of one parameter's torch state, with the current 'param' kept."""
-    numel = torch.Size(shard.shape).numel()
     tensors = {"param": shard.tensors["param"].clone()}
     scalars = {}
     for key, value in entry.items():
@@ -156,7 +141,7 @@ def _cut(name: str, shard: ParamShard, entry: Mapping[str, Any]) -> ParamShard:
             tensors[key] = value.detach().reshape(-1)[shard.start : shard.end]
         elif isinstance(value, torch.Tensor) and value.dim() > 0:
             raise ValueError(f"state {key!r} of {name!r} has shape {tuple(value.shape)}; the parameter is "
-                             f"{tuple(shard.shape)} ({numel} elements)")
+                             f"{tuple(shard.shape)} ({torch.Size(shard.shape).numel()} elements)")
         else:
             encode_scalar(f"state {key!r} of {name!r}", value)  # raises for what a checkpoint cannot hold
             scalars[key] = value

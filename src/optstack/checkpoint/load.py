@@ -14,34 +14,35 @@ everywhere and nothing has been changed yet::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from optstack.checkpoint import io
-from optstack.checkpoint.format import (
-    MANIFEST,
-    decode_scalar,
-    dtype_from_name,
-    dtype_name,
-    migrate,
-    model_key,
-    optim_key,
-    unseal,
+from optstack.checkpoint.format import MANIFEST, decode_scalar, dtype_from_name, migrate, model_key, optim_key, unseal
+from optstack.checkpoint.save import agree, attempt, check_optimizer, model_table, model_tensors, together
+from optstack.checkpoint.state import (
+    HeldParam,
+    check_load,
+    collect,
+    describe,
+    distribute,
+    merged,
+    restore_group_settings,
 )
-from optstack.checkpoint.save import agree, check_optimizer, model_tensors
-from optstack.checkpoint.state import HeldParam, check_load, collect, describe, distribute, restore_group_settings
-from optstack.checkpoint.storage import Chunk, rank_dir_name, read_chunks
+from optstack.checkpoint.storage import Chunk, read_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["CheckpointInfo", "load_checkpoint", "read_manifest", "verify_files", "read_ranges", "read_model"]
+__all__ = ["CheckpointInfo", "load_checkpoint", "read_manifest", "verify_files", "read_ranges", "read_model",
+           "union"]
 
 
 @dataclass(frozen=True)
@@ -69,24 +70,22 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
     missing or unexpected in any rank directory; ``ValueError`` naming the file otherwise."""
     names = sorted(files)
     for name in names[rank::size]:
-        path = directory / name
+        path, want = directory / name, files[name]
         if not path.is_file():
             raise ValueError(f"{path} is missing (a shard of the checkpoint)")
-        got, crc = io.file_checksum(path)
-        if got != files[name]["bytes"]:
-            raise ValueError(f"{path} has {got} bytes, the manifest says {files[name]['bytes']}: truncated or "
+        got = io.file_checksum(path)
+        if got["bytes"] != want["bytes"]:
+            raise ValueError(f"{path} has {got['bytes']} bytes, the manifest says {want['bytes']}: truncated or "
                              "overwritten")
-        if crc != files[name]["crc32"]:
-            raise ValueError(f"{path} fails its checksum (crc32 {crc}, the manifest says {files[name]['crc32']}): "
-                             "the file is corrupted")
-    if rank == 0:
-        rank_dirs = {n.split("/")[0] for n in names}
-        for rank_dir in sorted(rank_dirs):
-            if (directory / rank_dir).is_dir():
-                extra = sorted(f"{rank_dir}/{p.name}" for p in (directory / rank_dir).iterdir()
-                               if f"{rank_dir}/{p.name}" not in files)
-                if extra:
-                    raise ValueError(f"{directory} has files its manifest does not list: {extra}")
+        if got["crc32"] != want["crc32"]:
+            raise ValueError(f"{path} fails its checksum (crc32 {got['crc32']}, the manifest says "
+                             f"{want['crc32']}): the file is corrupted")
+    for rank_dir in sorted({n.split("/")[0] for n in names}) if rank == 0 else []:
+        if (directory / rank_dir).is_dir():
+            extra = sorted(f"{rank_dir}/{p.name}" for p in (directory / rank_dir).iterdir()
+                           if f"{rank_dir}/{p.name}" not in files)
+            if extra:
+                raise ValueError(f"{directory} has files its manifest does not list: {extra}")
 
 
 def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
@@ -94,44 +93,41 @@ def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[st
     """Read elements ``[start, end)`` of each wanted parameter's element-wise state (all its saved keys, or
     ``keys[name]``) from the ranks that wrote them: ``{name: {key: 1-D tensor}}`` in the saved dtypes."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    by_dir: dict[str, list[Chunk]] = {}
+    by_rank: dict[int, list[Chunk]] = {}
     for name, (start, end) in wanted.items():
         entry = manifest["params"][name]
         numel = torch.Size(entry["shape"]).numel()
         out[name] = {}
         for key in (keys or {}).get(name, entry["dtypes"]):
-            dest = torch.empty(end - start, dtype=dtype_from_name(entry["dtypes"][key]))
-            out[name][key] = dest
+            dest = out[name][key] = torch.empty(end - start, dtype=dtype_from_name(entry["dtypes"][key]))
             for rank, lo, hi in entry["chunks"]:
                 lo, hi = max(lo, start), min(hi, end)
                 if lo < hi:
-                    by_dir.setdefault(rank_dir_name(rank), []).append(
-                        Chunk(optim_key(name, key), dest[lo - start : hi - start], lo, numel))
-    for rank_dir, chunks in sorted(by_dir.items()):
-        read_chunks(directory / rank_dir, chunks)
+                    by_rank.setdefault(rank, []).append(Chunk(optim_key(name, key), dest[lo - start : hi - start],
+                                                              lo, numel))
+    read_chunks(directory, by_rank)
     return out
 
 
 def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
     """Read the model tensors ``keys`` whole, in their saved shapes and dtypes."""
-    by_dir: dict[str, list[Chunk]] = {}
-    out = {}
+    out, by_rank = {}, {}
     for key in keys:
         entry = manifest["model"][key]
-        dest = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
-        out[key] = dest
-        flat = dest.view(-1)
-        by_dir.setdefault(rank_dir_name(entry["rank"]), []).append(Chunk(model_key(key), flat, 0, flat.numel()))
-    for rank_dir, chunks in sorted(by_dir.items()):
-        read_chunks(directory / rank_dir, chunks)
+        out[key] = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
+        flat = out[key].view(-1)
+        by_rank.setdefault(entry["rank"], []).append(Chunk(model_key(key), flat, 0, flat.numel()))
+    read_chunks(directory, by_rank)
     return out
 
 
-class _Groups:
-    """Copies of an optimizer's group settings: what a scheduler dry run may write into."""
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+def union(tables: Iterable[Mapping[str, HeldParam]]) -> dict[str, HeldParam]:
+    """Every rank's parameters in one table (the first rank's entry of each)."""
+    out: dict[str, HeldParam] = {}
+    for table in tables:
+        for name, held in table.items():
+            out.setdefault(name, held)
+    return out
 
 
 def _dry_run(optimizer: ChainedOptimizer, scheduler: Scheduler | None, manifest: Mapping[str, Any]) -> None:
@@ -142,8 +138,9 @@ def _dry_run(optimizer: ChainedOptimizer, scheduler: Scheduler | None, manifest:
     if manifest.get("scheduler") is None:
         raise ValueError("a scheduler was given but the checkpoint holds no scheduler state (save with "
                          "scheduler=...)")
-    probe = Scheduler(_Groups(optimizer.param_groups), scheduler.lr_schedule, scheduler.wd_schedule,
-                      on_checkpoint=scheduler.on_checkpoint)
+    copies = SimpleNamespace(param_groups=[{k: v for k, v in g.items() if k != "params"}
+                                           for g in optimizer.param_groups])
+    probe = Scheduler(copies, scheduler.lr_schedule, scheduler.wd_schedule, on_checkpoint=scheduler.on_checkpoint)
     probe.load_state_dict(manifest["scheduler"])
 
 
@@ -181,74 +178,43 @@ def load_checkpoint(
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
-    where = f"cannot load checkpoint {path}"
+    directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path))
+    where = f"cannot load checkpoint {directory}"
+    together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size))
 
-    directory, manifest, error = Path(path), {}, None
-    try:
-        directory, manifest = read_manifest(path)
-        where = f"cannot load checkpoint {directory}"
-    except ValueError as exc:
-        error = str(exc)
-    agree(comm, error, where)
-
-    error = None
-    try:
-        verify_files(directory, manifest["files"], comm.rank, comm.size)
-    except ValueError as exc:
-        error = str(exc)
-    agree(comm, error, where)
-
-    error, per_stage, tensors = None, [], {}
-    held: dict[str, HeldParam] = {}
-    try:
+    def local() -> tuple[list[dict[str, ParamShard]], dict[str, HeldParam], dict[str, torch.Tensor]]:
         per_stage = collect(optimizer.stages)
-        held = describe({n: s for shards in per_stage for n, s in shards.items()})
-        tensors = model_tensors(model) if model is not None else {}
-    except ValueError as exc:
-        error = f"rank {comm.rank}: {exc}"
-    agree(comm, error, where)
-    everyone: dict[str, HeldParam] = {}
-    for table in comm.all_gather_object(held):
-        for name, h in table.items():
-            everyone.setdefault(name, h)
-    error = None
-    try:
-        model_table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
-        errors = check_load(manifest, everyone, model_table)
+        return per_stage, describe(merged(per_stage)), model_tensors(model) if model is not None else {}
+
+    per_stage, held, tensors = together(comm, where, local, f"rank {comm.rank}: ")
+    everyone = union(comm.all_gather_object(held))
+
+    def check() -> None:
+        errors = check_load(manifest, everyone, None if model is None else model_table(tensors))
         if errors:
             raise ValueError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(errors))
         _dry_run(optimizer, scheduler, manifest)
-    except ValueError as exc:
-        error = str(exc)
-    agree(comm, error, where)
 
-    error, staged, staged_model = None, {}, {}
-    try:
-        staged = read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()})
-        staged_model = read_model(directory, manifest, list(tensors)) if model is not None else {}
-    except Exception as exc:  # noqa: BLE001 - any read failure is reported by every rank
-        error = f"rank {comm.rank} could not read its part: {exc!r}"
+    together(comm, where, check)
+    read, error = attempt(lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()}),
+                                   read_model(directory, manifest, list(tensors))),
+                          f"rank {comm.rank} could not read its part")
     agree(comm, error, where)
+    staged, staged_model = read  # type: ignore[misc]
 
+    # Only now is anything changed.
     optimizer.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
-    _apply(optimizer, per_stage, manifest, staged, scheduler, tensors, staged_model)
-    return CheckpointInfo(directory, manifest.get("step"), manifest["version"], manifest["world_size"])
-
-
-def _apply(optimizer: ChainedOptimizer, per_stage: list[dict[str, ParamShard]], manifest: Mapping[str, Any],
-           staged: Mapping[str, dict[str, torch.Tensor]], scheduler: Scheduler | None,
-           tensors: Mapping[str, torch.Tensor], staged_model: Mapping[str, torch.Tensor]) -> None:
     params = manifest["params"]
-    loaded = [{name: ParamShard(s.shape, s.start, s.end, staged[name],
-                                {k: decode_scalar(v) for k, v in params[name]["scalars"].items()},
-                                s.group, s.algorithm)
-               for name, s in shards.items()} for shards in per_stage]
-    distribute(optimizer.stages, loaded)
-    for shards in per_stage:
-        restore_group_settings(shards, manifest["groups"], {n: params[n]["group"] for n in shards})
+    distribute(optimizer.stages, [
+        {name: ParamShard(s.shape, s.start, s.end, staged[name],
+                          {k: decode_scalar(v) for k, v in params[name]["scalars"].items()}, s.group, s.algorithm)
+         for name, s in shards.items()} for shards in per_stage])
+    flat = merged(per_stage)
+    restore_group_settings(flat, {n: manifest["groups"][params[n]["group"]]["settings"] for n in flat})
     optimizer.scaler.load_state_dict(manifest["scaler"])
     if scheduler is not None:
         scheduler.load_state_dict(manifest["scheduler"])
     with torch.no_grad():
         for key, tensor in tensors.items():
             tensor.copy_(staged_model[key])
+    return CheckpointInfo(directory, manifest.get("step"), manifest["version"], manifest["world_size"])

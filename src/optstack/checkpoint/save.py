@@ -17,23 +17,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from optstack.checkpoint import io
 from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
-from optstack.checkpoint.state import HeldParam, SavePlan, collect, describe, group_map, plan_save
+from optstack.checkpoint.state import SavePlan, collect, describe, group_map, merged, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "agree", "model_tensors", "check_optimizer"]
+__all__ = ["save_checkpoint", "agree", "together", "attempt", "model_tensors", "model_table", "check_optimizer"]
+
+T = TypeVar("T")
 
 
 def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
@@ -42,6 +44,28 @@ def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
     found = list(dict.fromkeys(e for e in errors if e))
     if found:
         raise ValueError(f"{what}: " + "\n".join(found))
+
+
+def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str = "",
+             catch: tuple[type[Exception], ...] = (ValueError,)) -> T:
+    """``fn()`` on this rank; when it raises (one of ``catch``) on any rank, the same ``ValueError`` on every
+    rank, saying ``what`` failed and each rank's error after ``prefix`` (collective)."""
+    result, error = None, None
+    try:
+        result = fn()
+    except catch as exc:
+        error = f"{prefix}{exc}"
+    agree(comm, error, what)
+    return result  # type: ignore[return-value]
+
+
+def attempt(fn: Callable[[], T], failed: str) -> tuple[T | None, str | None]:
+    """``(fn(), None)``, or ``(None, "<failed>: <the exception>")`` when it raised anything: an error to
+    report to every rank."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+        return None, f"{failed}: {exc!r}"
 
 
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:
@@ -59,6 +83,11 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     inner = getattr(model, "module", None)
     module = inner if isinstance(inner, nn.Module) else model
     return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def model_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The data-free table of model tensors: key -> (shape, dtype name)."""
+    return {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
 
 
 def save_checkpoint(
@@ -99,79 +128,43 @@ def save_checkpoint(
     comm = comm if comm is not None else world_comm("checkpoint")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    root = Path(root)
-    name = io.checkpoint_name(step)
-    target = root / name
-
+    target = Path(root) / io.checkpoint_name(step)
+    where = f"cannot save checkpoint {target}"
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
-    error, shards, tensors, tables = None, {}, {}, ({}, None)
-    try:
-        shards = {n: s for per_stage in collect(optimizer.stages) for n, s in per_stage.items()}
+
+    def local() -> tuple[dict[str, ParamShard], dict[str, torch.Tensor], tuple[Any, Any]]:
+        shards = merged(collect(optimizer.stages))
         tensors = model_tensors(model) if model is not None else {}
-        tables = (describe(shards), None if model is None else
-                  {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()})
-    except ValueError as exc:
-        error = f"rank {comm.rank}: {exc}"
-    agree(comm, error, f"cannot save checkpoint {target}")
-    gathered: list[tuple[dict[str, HeldParam], Any]] = comm.all_gather_object(tables)
-    model_tables = None if model is None else [m for _, m in gathered]
-    plan = plan_save([t for t, _ in gathered], model_tables)  # pure: the same result or error everywhere
+        return shards, tensors, (describe(shards), None if model is None else model_table(tensors))
 
-    temp, error = None, None
+    shards, tensors, tables = together(comm, where, local, f"rank {comm.rank}: ")
+    gathered = comm.all_gather_object(tables)
+    plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
+    temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,
+                                          catch=(OSError, ValueError)))
+
+    reports = comm.all_gather_object(attempt(lambda: _write_rank(temp, comm.rank, plan, shards, tensors),
+                                             f"rank {comm.rank} could not write its files"))
+    error = None
     if comm.rank == 0:
-        try:
-            temp = _make_temp(target)
-        except (OSError, ValueError) as exc:
-            error = str(exc)
-    temp, error = comm.broadcast_object((temp, error))
-    if error:
-        raise ValueError(error)
-
-    files, error = {}, None
-    try:
-        files = _write_rank(temp, comm.rank, plan, shards, tensors)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised below
-        error = f"rank {comm.rank} could not write its files: {exc!r}"
-    reports = comm.all_gather_object((files, error))
-
-    outcome: tuple[str, str] | None = None
-    if comm.rank == 0:
-        errors = [e for _, e in reports if e]
-        if errors:
+        error = "\n".join(e for _, e in reports if e) or None
+        if error is None:
+            files = {k: v for f, _ in reports for k, v in f.items()}
+            _, error = attempt(lambda: _commit(temp, target, plan, files, optimizer, scheduler, step, comm.size,
+                                               keep_last), "rank 0 could not commit")
+        if error is not None:
             shutil.rmtree(temp, ignore_errors=True)
-            outcome = ("error", "\n".join(errors))
-        else:
-            try:
-                all_files = {k: v for f, _ in reports for k, v in f.items()}
-                _commit(temp, target, plan, all_files, optimizer, scheduler, step, comm.size, keep_last)
-                outcome = ("ok", "")
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                shutil.rmtree(temp, ignore_errors=True)
-                outcome = ("error", f"rank 0 could not commit: {exc!r}")
-    status, message = comm.broadcast_object(outcome)
-    if status != "ok":
-        raise RuntimeError(f"saving checkpoint {target} failed; the previous checkpoints are unchanged:\n{message}")
+    error = comm.broadcast_object(error)
+    if error is not None:
+        raise RuntimeError(f"saving checkpoint {target} failed; the previous checkpoints are unchanged:\n{error}")
     return target
-
-
-def _make_temp(target: Path) -> Path:
-    """The temporary directory beside ``target``, after clearing what killed saves left behind."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    io.remove_stale(target.parent)
-    if target.exists():
-        raise ValueError(f"checkpoint {target} already exists; checkpoints are never overwritten: delete it or "
-                         "save under another step")
-    return io.temp_dir_beside(target)
 
 
 def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, ParamShard],
                 tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """Write this rank's share of the plan as one DCP directory; return its files' sizes and checksums."""
-    chunks = []
-    for name, start, _ in plan.writes[rank]:
-        shard = shards[name]
-        numel = torch.Size(shard.shape).numel()
-        chunks += [Chunk(optim_key(name, key), t, start, numel) for key, t in shard.tensors.items()]
+    chunks = [Chunk(optim_key(name, key), t, start, torch.Size(shards[name].shape).numel())
+              for name, start, _ in plan.writes[rank] for key, t in shards[name].tensors.items()]
     for key in plan.model_writes[rank]:
         t = tensors[key].detach().reshape(-1)
         chunks.append(Chunk(model_key(key), t, 0, t.numel()))
@@ -180,11 +173,7 @@ def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, Para
     directory = temp / rank_dir_name(rank)
     write_chunks(directory, chunks)
     io.fsync_tree(directory)
-    out = {}
-    for path in sorted(directory.iterdir()):
-        size, crc = io.file_checksum(path)
-        out[f"{directory.name}/{path.name}"] = {"bytes": size, "crc32": crc}
-    return out
+    return {f"{directory.name}/{path.name}": io.file_checksum(path) for path in sorted(directory.iterdir())}
 
 
 def _commit(temp: Path, target: Path, plan: SavePlan, files: dict[str, Any], optimizer: ChainedOptimizer,
@@ -196,12 +185,8 @@ def _commit(temp: Path, target: Path, plan: SavePlan, files: dict[str, Any], opt
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "model": plan.model, "files": files,
     }
-    for file_name, text in ((MANIFEST, seal(manifest)),
-                            (GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))):
-        with open(temp / file_name, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+    io.write_synced(temp / MANIFEST, seal(manifest))
+    io.write_synced(temp / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
     io.fsync_path(temp)
     io.commit_dir(temp, target)
     io.write_latest(target.parent, target.name)
