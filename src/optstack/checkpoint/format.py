@@ -49,14 +49,8 @@ IDENTITY_KEYS = ("max_lr", "min_lr", "wd_mult", "lr_mult")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-
-
-def optim_key(name: str, key: str) -> str:
-    return f"optim/{name}/{key}"
-
-
-def model_key(key: str) -> str:
-    return f"model/{key}"
+optim_key = "optim/{}/{}".format  # (parameter name, state key) -> the DCP key of element-wise state
+model_key = "model/{}".format  # model state-dict key -> its DCP key
 
 
 def dtype_name(dtype: torch.dtype) -> str:

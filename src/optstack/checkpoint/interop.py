@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from optstack.checkpoint.format import decode_scalar, encode_scalar
 from optstack.checkpoint.load import read_manifest, read_ranges, union, verify_files
 from optstack.checkpoint.save import agree, check_optimizer, together
-from optstack.checkpoint.state import collect, describe, distribute, group_map, merged, restore_group_settings
+from optstack.checkpoint.state import collect, describe, group_map, merged, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
@@ -108,7 +109,8 @@ def import_torch_state_dict(
             raise ValueError(f"parameters only in the state dict: {extra[:8]}; only in the optimizer: {missing[:8]}")
         return [{n: _cut(n, s, torch_state[n]) for n, s in shards.items()} for shards in per_stage]
 
-    distribute(optimizer.stages, together(comm, what, cut))
+    for stage, shards in zip(optimizer.stages, together(comm, what, cut), strict=True):
+        stage.load_param_shards(shards)
     restore_group_settings(flat, torch_group)
 
 
@@ -145,7 +147,7 @@ def _cut(name: str, shard: ParamShard, entry: Mapping[str, Any]) -> ParamShard:
         else:
             encode_scalar(f"state {key!r} of {name!r}", value)  # raises for what a checkpoint cannot hold
             scalars[key] = value
-    return ParamShard(shard.shape, shard.start, shard.end, tensors, scalars, shard.group, shard.algorithm)
+    return replace(shard, tensors=tensors, scalars=scalars)
 
 
 def write_group_map(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,16 +25,8 @@ from torch import nn
 
 from optstack.checkpoint import io
 from optstack.checkpoint.format import MANIFEST, decode_scalar, dtype_from_name, migrate, model_key, optim_key, unseal
-from optstack.checkpoint.save import agree, attempt, check_optimizer, model_table, model_tensors, together
-from optstack.checkpoint.state import (
-    HeldParam,
-    check_load,
-    collect,
-    describe,
-    distribute,
-    merged,
-    restore_group_settings,
-)
+from optstack.checkpoint.save import check_optimizer, model_table, model_tensors, together
+from optstack.checkpoint.state import HeldParam, check_load, collect, describe, merged, restore_group_settings
 from optstack.checkpoint.storage import Chunk, read_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
@@ -80,12 +72,12 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
         if got["crc32"] != want["crc32"]:
             raise ValueError(f"{path} fails its checksum (crc32 {got['crc32']}, the manifest says "
                              f"{want['crc32']}): the file is corrupted")
-    for rank_dir in sorted({n.split("/")[0] for n in names}) if rank == 0 else []:
-        if (directory / rank_dir).is_dir():
-            extra = sorted(f"{rank_dir}/{p.name}" for p in (directory / rank_dir).iterdir()
-                           if f"{rank_dir}/{p.name}" not in files)
-            if extra:
-                raise ValueError(f"{directory} has files its manifest does not list: {extra}")
+    if rank == 0:
+        listed = {directory / n for n in names}
+        extra = sorted(str(p.relative_to(directory)) for d in sorted({p.parent for p in listed}) if d.is_dir()
+                       for p in d.iterdir() if p not in listed)
+        if extra:
+            raise ValueError(f"{directory} has files its manifest does not list: {extra}")
 
 
 def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
@@ -196,19 +188,17 @@ def load_checkpoint(
         _dry_run(optimizer, scheduler, manifest)
 
     together(comm, where, check)
-    read, error = attempt(lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()}),
-                                   read_model(directory, manifest, list(tensors))),
-                          f"rank {comm.rank} could not read its part")
-    agree(comm, error, where)
-    staged, staged_model = read  # type: ignore[misc]
+    staged, staged_model = together(
+        comm, where, lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()}),
+                              read_model(directory, manifest, list(tensors))),
+        f"rank {comm.rank} could not read its part: ", catch=(Exception,))
 
     # Only now is anything changed.
     optimizer.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
     params = manifest["params"]
-    distribute(optimizer.stages, [
-        {name: ParamShard(s.shape, s.start, s.end, staged[name],
-                          {k: decode_scalar(v) for k, v in params[name]["scalars"].items()}, s.group, s.algorithm)
-         for name, s in shards.items()} for shards in per_stage])
+    for stage, shards in zip(optimizer.stages, per_stage, strict=True):
+        stage.load_param_shards({n: replace(s, tensors=staged[n], scalars={
+            k: decode_scalar(v) for k, v in params[n]["scalars"].items()}) for n, s in shards.items()})
     flat = merged(per_stage)
     restore_group_settings(flat, {n: manifest["groups"][params[n]["group"]]["settings"] for n in flat})
     optimizer.scaler.load_state_dict(manifest["scaler"])

@@ -33,7 +33,7 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "agree", "together", "attempt", "model_tensors", "model_table", "check_optimizer"]
+__all__ = ["save_checkpoint", "agree", "together", "model_tensors", "model_table", "check_optimizer"]
 
 T = TypeVar("T")
 
@@ -50,18 +50,16 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
              catch: tuple[type[Exception], ...] = (ValueError,)) -> T:
     """``fn()`` on this rank; when it raises (one of ``catch``) on any rank, the same ``ValueError`` on every
     rank, saying ``what`` failed and each rank's error after ``prefix`` (collective)."""
-    result, error = None, None
     try:
-        result = fn()
+        result, error = fn(), None
     except catch as exc:
-        error = f"{prefix}{exc}"
+        result, error = None, f"{prefix}{exc if isinstance(exc, ValueError) else repr(exc)}"
     agree(comm, error, what)
     return result  # type: ignore[return-value]
 
 
-def attempt(fn: Callable[[], T], failed: str) -> tuple[T | None, str | None]:
-    """``(fn(), None)``, or ``(None, "<failed>: <the exception>")`` when it raised anything: an error to
-    report to every rank."""
+def _attempt(fn: Callable[[], Any], failed: str) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, "<failed>: <exception>")`` when it raised: an error for every rank."""
     try:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -143,15 +141,27 @@ def save_checkpoint(
     temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,
                                           catch=(OSError, ValueError)))
 
-    reports = comm.all_gather_object(attempt(lambda: _write_rank(temp, comm.rank, plan, shards, tensors),
+    reports = comm.all_gather_object(_attempt(lambda: _write_rank(temp, comm.rank, plan, shards, tensors),
                                              f"rank {comm.rank} could not write its files"))
+
+    def commit() -> None:
+        manifest = {
+            "format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size, "checksum_algorithm": "crc32",
+            "params": plan.params, "groups": plan.groups, "scaler": optimizer.scaler.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None, "model": plan.model,
+            "files": {k: v for files, _ in reports for k, v in files.items()},
+        }
+        io.write_synced(temp / MANIFEST, seal(manifest))
+        io.write_synced(temp / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
+        io.fsync_path(temp)
+        io.commit_dir(temp, target)
+        io.write_latest(target.parent, target.name)
+        if keep_last is not None:
+            io.prune(target.parent, keep_last, keep=target)
+
     error = None
     if comm.rank == 0:
-        error = "\n".join(e for _, e in reports if e) or None
-        if error is None:
-            files = {k: v for f, _ in reports for k, v in f.items()}
-            _, error = attempt(lambda: _commit(temp, target, plan, files, optimizer, scheduler, step, comm.size,
-                                               keep_last), "rank 0 could not commit")
+        error = "\n".join(e for _, e in reports if e) or _attempt(commit, "rank 0 could not commit")[1]
         if error is not None:
             shutil.rmtree(temp, ignore_errors=True)
     error = comm.broadcast_object(error)
@@ -174,21 +184,3 @@ def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, Para
     write_chunks(directory, chunks)
     io.fsync_tree(directory)
     return {f"{directory.name}/{path.name}": io.file_checksum(path) for path in sorted(directory.iterdir())}
-
-
-def _commit(temp: Path, target: Path, plan: SavePlan, files: dict[str, Any], optimizer: ChainedOptimizer,
-            scheduler: Scheduler | None, step: int, world_size: int, keep_last: int | None) -> None:
-    manifest = {
-        "format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
-        "checksum_algorithm": "crc32", "params": plan.params, "groups": plan.groups,
-        "scaler": optimizer.scaler.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "model": plan.model, "files": files,
-    }
-    io.write_synced(temp / MANIFEST, seal(manifest))
-    io.write_synced(temp / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
-    io.fsync_path(temp)
-    io.commit_dir(temp, target)
-    io.write_latest(target.parent, target.name)
-    if keep_last is not None:
-        io.prune(target.parent, keep_last, keep=target)

@@ -1,7 +1,7 @@
 """Name-keyed optimizer state: collect it from the stages, plan who writes what, check a checkpoint against
 an optimizer, and give it back to the stages.
 
-Everything here but ``collect`` / ``distribute`` is pure: plans and checks are functions of tables every
+Everything here but ``collect`` is pure: plans and checks are functions of tables every
 rank has (gathered by the caller over ``Comm``), so every rank reaches the same plan and the same verdict
 without talking.
 
@@ -24,7 +24,7 @@ from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scala
 from optstack.protocol import ParamShard
 from optstack.stage import Stage
 
-__all__ = ["HeldParam", "SavePlan", "collect", "merged", "distribute", "describe", "plan_save", "check_load",
+__all__ = ["HeldParam", "SavePlan", "collect", "merged", "describe", "plan_save", "check_load",
            "group_map", "restore_group_settings"]
 
 _MAX_NAMED = 8  # names listed in one error line before "and N more"
@@ -45,10 +45,6 @@ class HeldParam:
     identity: dict[str, Any]
     settings: dict[str, Any]
     fingerprint: str = ""  # of the 'param' values: ranks holding one range must hold the same numbers
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
@@ -71,12 +67,6 @@ def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
 def merged(per_stage: Sequence[Mapping[str, ParamShard]]) -> dict[str, ParamShard]:
     """The ``ParamShard``s of all stages in one table (names are unique across stages: ``collect``)."""
     return {name: shard for shards in per_stage for name, shard in shards.items()}
-
-
-def distribute(stages: Sequence[Stage], per_stage: Sequence[Mapping[str, ParamShard]]) -> None:
-    """Load each stage's ``ParamShard``s (already checked to fit); collective, as ``load_param_shards``."""
-    for stage, shards in zip(stages, per_stage, strict=True):
-        stage.load_param_shards(shards)
 
 
 def restore_group_settings(shards: Mapping[str, ParamShard], settings: Mapping[str, Mapping[str, Any]]) -> None:
@@ -153,7 +143,7 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
                         f"{held.end}) of {name!r}; names must be unique across ranks (e.g. experts named by "
                         "their global index when expert-parallel)")
                 ranks.append(rank)
-    load = [0] * len(tables)
+    load = [0] * len(tables)  # bytes each rank writes
     writes: list[list[tuple[str, int, int]]] = [[] for _ in tables]
     chunks: dict[str, list[list[int]]] = {name: [] for name in first}
     for (name, start, end), ranks in sorted(holders.items(), key=lambda kv: (kv[0][1] - kv[0][2], kv[0])):
@@ -161,23 +151,20 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
         load[writer] += (end - start) * sum(dtype_from_name(d).itemsize for d in first[name].dtypes.values())
         writes[writer].append((name, start, end))
         chunks[name].append([writer, start, end])
-    groups: list[dict[str, Any]] = []
-    index_of: dict[str, int] = {}
+    groups: dict[str, dict[str, Any]] = {}  # by identity and settings, in order of first use
     params: dict[str, dict[str, Any]] = {}
     for name, held in first.items():
-        ranges = sorted((s, e) for _, s, e in chunks[name])
+        ranges, numel = sorted((s, e) for _, s, e in chunks[name]), math.prod(held.shape)
         ends = [0] + [e for _, e in ranges]
-        if any(s != ends[i] for i, (s, _) in enumerate(ranges)) or ends[-1] != held.numel:
-            raise ValueError(f"the ranks' ranges of {name!r} ({ranges}) do not tile its {held.numel} elements "
+        if any(s != ends[i] for i, (s, _) in enumerate(ranges)) or ends[-1] != numel:
+            raise ValueError(f"the ranks' ranges of {name!r} ({ranges}) do not tile its {numel} elements "
                              "exactly once")
         key = json.dumps([held.identity, held.settings], sort_keys=True)
-        if key not in index_of:
-            index_of[key] = len(groups)
-            groups.append({"identity": held.identity, "settings": held.settings})
+        groups.setdefault(key, {"identity": held.identity, "settings": held.settings})
         params[name] = {"shape": list(held.shape), "dtypes": held.dtypes, "scalars": held.scalars,
-                        "group": index_of[key], "chunks": sorted(chunks[name], key=lambda c: c[1])}
+                        "group": list(groups).index(key), "chunks": sorted(chunks[name], key=lambda c: c[1])}
     model, model_writes = _plan_model(model_tables, load)
-    return SavePlan(params, groups, model, writes, model_writes)
+    return SavePlan(params, list(groups.values()), model, writes, model_writes)
 
 
 def _plan_model(model_tables: Sequence[ModelTable] | None,
@@ -189,8 +176,8 @@ def _plan_model(model_tables: Sequence[ModelTable] | None,
     ref = dict(model_tables[0])
     for rank, table in enumerate(model_tables):
         if dict(table) != ref:
-            differ = sorted(set(table.items()) ^ set(ref.items()))
-            raise ValueError(f"rank {rank}'s model differs from rank 0's: {differ[:_MAX_NAMED]}")
+            raise ValueError(f"rank {rank}'s model differs from rank 0's: "
+                             f"{sorted(set(table.items()) ^ set(ref.items()))[:_MAX_NAMED]}")
     model: dict[str, dict[str, Any]] = {}
     sizes = {k: math.prod(s) * dtype_from_name(d).itemsize for k, (s, d) in ref.items()}
     for key in sorted(ref, key=lambda k: (-sizes[k], k)):
