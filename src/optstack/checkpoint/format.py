@@ -1,15 +1,9 @@
 """The checkpoint format: its version, the manifest's shape and seal, and the one ``migrate()``.
 
-A checkpoint is a directory::
-
-    step_00000100/
-      manifest.json      what is saved (below), the files' sizes and CRC-32s, sealed by its own CRC-32
-      group_map.json     parameter -> group, for people (never read back)
-      rank_00000/        one torch.distributed.checkpoint directory per rank that wrote something
-        .metadata
-        __0_0.distcp
-
-The manifest (version 1), every name a parameter name, never a buffer offset or group position::
+A checkpoint is a directory ``step_00000100/`` holding ``manifest.json`` (below), ``group_map.json``
+(parameter -> group, for people; never read back) and ``rank_00000/`` ...: one torch.distributed.checkpoint
+directory per rank that wrote something. The manifest (version 1), keyed by parameter name, never by buffer
+offset or group position::
 
     format, version, step, world_size, checksum_algorithm
     params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index,

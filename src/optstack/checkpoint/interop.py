@@ -1,11 +1,9 @@
-"""Plain ``torch.optim`` state dicts: export a checkpoint as one, import one into an optstack optimizer,
-and the parameter -> group map.
+"""Plain ``torch.optim`` state dicts (export a checkpoint as one, import one) and the parameter -> group map.
 
 The torch form: ``{"state": {i: {"step": 0-d tensor, "exp_avg": tensor shaped like the parameter, ...}},
-"param_groups": [{settings..., "params": [i, ...], "param_names": [...]}]}`` with ``i`` counting the
-parameters group by group, as ``torch.optim.Optimizer.state_dict()`` numbers them. It loads into a torch
-optimizer built over the same parameters in the same groups (e.g. ``torch.optim.AdamW``). Parameter values
-(fp32 masters) are not part of it, as in torch.
+"param_groups": [{settings..., "params": [i, ...], "param_names": [...]}]}``, ``i`` counting the parameters
+group by group as ``torch.optim.Optimizer.state_dict()`` does; it loads into a torch optimizer over the same
+parameters in the same groups. Parameter values (fp32 masters) are not part of it, as in torch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Files and directories of checkpoints: atomic commits, the ``latest`` pointer, keep-last-K, checksums.
 
-A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes every
-file and directory to disk, then renames it into place (one atomic ``rename`` on POSIX file systems) and
-atomically replaces the ``latest`` pointer file. A process killed at any point leaves the previous
-checkpoints and ``latest`` as they were; its temporary directory is ignored by loads and removed by the
-next save. Old checkpoints are first renamed out of the way, then deleted, so a half-deleted one never
-looks like a checkpoint.
+A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes it to disk,
+renames it into place (atomic on POSIX) and atomically replaces the ``latest`` pointer file, so a process
+killed at any point leaves the previous checkpoints and ``latest`` as they were. Hidden ``.tmp-`` entries are
+ignored by loads and removed by the next save; old checkpoints are renamed away before they are deleted.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``load_checkpoint``: any checkpoint into any layout, all or nothing.
 
-Every rank takes the same path, agreeing after each step, so a problem anywhere is the same ``ValueError``
+Every rank takes the same steps, agreeing after each, so a problem anywhere is the same ``ValueError``
 everywhere and nothing has been changed yet::
 
     manifest  resolve ``latest``, check the manifest's seal, ``migrate()`` it to the current version
-    verify    the checkpoint's files split over the ranks: each exists, has its size and its CRC-32
-    match     every rank's parameters (gathered) against the checkpoint: names, shapes, the optimizer's
-              dtype, group identity; the model's tensors; the scaler and the scheduler on a dry run
+    verify    the files, split over the ranks: each exists, has its size and its CRC-32
+    match     every rank's parameters against the checkpoint: names, shapes, the optimizer's dtype, group
+              identity; the model's tensors; the scaler and the scheduler on a dry run
     read      each rank reads the ranges it holds (from whichever ranks wrote them) into new tensors
     apply     only now: stages, group lr / weight decay, scaler, scheduler, model
 """
@@ -122,20 +122,6 @@ def union(tables: Iterable[Mapping[str, HeldParam]]) -> dict[str, HeldParam]:
     return out
 
 
-def _dry_run(optimizer: ChainedOptimizer, scheduler: Scheduler | None, manifest: Mapping[str, Any]) -> None:
-    """Check the scaler's and the scheduler's saved state load, changing neither."""
-    optimizer.scaler.validate_state_dict(manifest["scaler"])
-    if scheduler is None:
-        return
-    if manifest.get("scheduler") is None:
-        raise ValueError("a scheduler was given but the checkpoint holds no scheduler state (save with "
-                         "scheduler=...)")
-    copies = SimpleNamespace(param_groups=[{k: v for k, v in g.items() if k != "params"}
-                                           for g in optimizer.param_groups])
-    probe = Scheduler(copies, scheduler.lr_schedule, scheduler.wd_schedule, on_checkpoint=scheduler.on_checkpoint)
-    probe.load_state_dict(manifest["scheduler"])
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     optimizer: ChainedOptimizer,
@@ -181,11 +167,19 @@ def load_checkpoint(
     per_stage, held, tensors = together(comm, where, local, f"rank {comm.rank}: ")
     everyone = union(comm.all_gather_object(held))
 
-    def check() -> None:
+    def check() -> None:  # and the scaler's and scheduler's state load, changing neither
         errors = check_load(manifest, everyone, None if model is None else model_table(tensors))
         if errors:
             raise ValueError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(errors))
-        _dry_run(optimizer, scheduler, manifest)
+        optimizer.scaler.validate_state_dict(manifest["scaler"])
+        if scheduler is not None and manifest.get("scheduler") is None:
+            raise ValueError("a scheduler was given but the checkpoint holds no scheduler state (save with "
+                             "scheduler=...)")
+        if scheduler is not None:
+            copies = SimpleNamespace(param_groups=[{k: v for k, v in g.items() if k != "params"}
+                                                   for g in optimizer.param_groups])
+            Scheduler(copies, scheduler.lr_schedule, scheduler.wd_schedule,
+                      on_checkpoint=scheduler.on_checkpoint).load_state_dict(manifest["scheduler"])
 
     together(comm, where, check)
     staged, staged_model = together(

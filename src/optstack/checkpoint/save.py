@@ -1,15 +1,13 @@
 """``save_checkpoint``: every rank writes the slices it owns, rank 0 commits the whole atomically.
 
-The steps, each a point where all ranks agree before going on (so one rank's failure is every rank's
-error, never a hang)::
+The steps, after each of which all ranks agree (one rank's failure is every rank's error, never a hang)::
 
     collect   each rank's name-keyed ParamShards (and the model's tensors, when asked)
-    plan      tables gathered over Comm; the same pure plan on every rank: replicated state written once,
-              ZeRO-1 ranges and layer-wise parameters by their owners, writes balanced by bytes
-    write     rank 0 makes a temporary directory beside the target; each rank writes its DCP directory
-              there, flushes it and checksums its files
-    commit    rank 0 writes the sealed manifest and the group map, flushes, renames the directory into
-              place, repoints ``latest`` and prunes to ``keep_last``
+    plan      the tables gathered; the same pure plan on every rank: replicated state written once, ZeRO-1
+              ranges and layer-wise parameters by their owners, writes balanced by bytes
+    write     into a temporary directory rank 0 makes beside the target: each rank its DCP directory,
+              flushed and checksummed
+    commit    rank 0: the sealed manifest and the group map, flush, rename into place, ``latest``, prune
 """
 
 from __future__ import annotations
@@ -56,14 +54,6 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
         result, error = None, f"{prefix}{exc if isinstance(exc, ValueError) else repr(exc)}"
     agree(comm, error, what)
     return result  # type: ignore[return-value]
-
-
-def _attempt(fn: Callable[[], Any], failed: str) -> tuple[Any, str | None]:
-    """``(fn(), None)``, or ``(None, "<failed>: <exception>")`` when it raised: an error for every rank."""
-    try:
-        return fn(), None
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
-        return None, f"{failed}: {exc!r}"
 
 
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:
@@ -141,15 +131,13 @@ def save_checkpoint(
     temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,
                                           catch=(OSError, ValueError)))
 
-    reports = comm.all_gather_object(_attempt(lambda: _write_rank(temp, comm.rank, plan, shards, tensors),
-                                             f"rank {comm.rank} could not write its files"))
 
-    def commit() -> None:
+    def commit(files: dict[str, Any]) -> None:
         manifest = {
             "format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size, "checksum_algorithm": "crc32",
             "params": plan.params, "groups": plan.groups, "scaler": optimizer.scaler.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "model": plan.model,
-            "files": {k: v for files, _ in reports for k, v in files.items()},
+            "files": files,
         }
         io.write_synced(temp / MANIFEST, seal(manifest))
         io.write_synced(temp / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
@@ -159,14 +147,17 @@ def save_checkpoint(
         if keep_last is not None:
             io.prune(target.parent, keep_last, keep=target)
 
-    error = None
-    if comm.rank == 0:
-        error = "\n".join(e for _, e in reports if e) or _attempt(commit, "rank 0 could not commit")[1]
-        if error is not None:
+    failed = f"saving checkpoint {target} failed; the previous checkpoints are unchanged"
+    try:
+        files = together(comm, failed, lambda: _write_rank(temp, comm.rank, plan, shards, tensors),
+                         f"rank {comm.rank} could not write its files: ", (Exception,))
+        files = {k: v for mine in comm.all_gather_object(files) for k, v in mine.items()}
+        together(comm, failed, lambda: commit(files) if comm.rank == 0 else None, "rank 0 could not commit: ",
+                 (Exception,))
+    except ValueError as exc:
+        if comm.rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
-    error = comm.broadcast_object(error)
-    if error is not None:
-        raise RuntimeError(f"saving checkpoint {target} failed; the previous checkpoints are unchanged:\n{error}")
+        raise RuntimeError(str(exc)) from exc
     return target
 
 

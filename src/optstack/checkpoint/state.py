@@ -1,11 +1,6 @@
-"""Name-keyed optimizer state: collect it from the stages, plan who writes what, check a checkpoint against
-an optimizer, and give it back to the stages.
-
-Everything here but ``collect`` is pure: plans and checks are functions of tables every
-rank has (gathered by the caller over ``Comm``), so every rank reaches the same plan and the same verdict
-without talking.
-
-Stages speak ``Stage.param_shards`` / ``load_param_shards`` (``ParamShard``).
+"""Name-keyed optimizer state (``ParamShard``s from ``Stage.param_shards``): plan who writes what and check a
+checkpoint against an optimizer. All but ``collect`` is pure: functions of tables every rank has (gathered
+by the caller over ``Comm``), so every rank reaches the same plan and verdict without talking.
 """
 
 from __future__ import annotations
@@ -119,12 +114,12 @@ class SavePlan:
 
 
 def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[ModelTable] | None) -> SavePlan:
-    """Deduplicate what ranks hold in common (replicated state is written once), balance the writes by
-    bytes, and check that the ranks' ranges tile every parameter exactly.
+    """Deduplicate what ranks hold in common (replicated state and the model are written once), balance the
+    writes by bytes, and check that the ranks' ranges tile every parameter exactly.
 
     Raises:
-        ValueError: ranks disagree on a parameter's shape, dtypes or group, or its ranges overlap or
-            leave a gap.
+        ValueError: ranks disagree on a parameter's shape, dtypes or group, or on the model, or the ranges of
+            a parameter overlap or leave a gap.
     """
     first: dict[str, HeldParam] = {}
     holders: dict[tuple[str, int, int], list[int]] = {}
@@ -143,7 +138,7 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
                         f"{held.end}) of {name!r}; names must be unique across ranks (e.g. experts named by "
                         "their global index when expert-parallel)")
                 ranks.append(rank)
-    load = [0] * len(tables)  # bytes each rank writes
+    load = [0] * len(tables)  # bytes each rank writes: the next item goes to the least loaded holder
     writes: list[list[tuple[str, int, int]]] = [[] for _ in tables]
     chunks: dict[str, list[list[int]]] = {name: [] for name in first}
     for (name, start, end), ranks in sorted(holders.items(), key=lambda kv: (kv[0][1] - kv[0][2], kv[0])):
@@ -163,29 +158,21 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
         groups.setdefault(key, {"identity": held.identity, "settings": held.settings})
         params[name] = {"shape": list(held.shape), "dtypes": held.dtypes, "scalars": held.scalars,
                         "group": list(groups).index(key), "chunks": sorted(chunks[name], key=lambda c: c[1])}
-    model, model_writes = _plan_model(model_tables, load)
+    model, model_writes = None, [[] for _ in tables]  # model tensors are replicated: one writer each
+    if model_tables is not None:
+        ref = dict(model_tables[0])
+        for rank, table in enumerate(model_tables):
+            if dict(table) != ref:
+                raise ValueError(f"rank {rank}'s model differs from rank 0's: "
+                                 f"{sorted(set(table.items()) ^ set(ref.items()))[:_MAX_NAMED]}")
+        sizes = {k: math.prod(s) * dtype_from_name(d).itemsize for k, (s, d) in ref.items()}
+        rank_of = {}
+        for key in sorted(ref, key=lambda k: (-sizes[k], k)):
+            rank_of[key] = writer = min(range(len(tables)), key=lambda r: (load[r], r))
+            load[writer] += sizes[key]
+            model_writes[writer].append(key)
+        model = {k: {"shape": list(s), "dtype": d, "rank": rank_of[k]} for k, (s, d) in ref.items()}
     return SavePlan(params, list(groups.values()), model, writes, model_writes)
-
-
-def _plan_model(model_tables: Sequence[ModelTable] | None,
-                load: list[int]) -> tuple[dict[str, dict[str, Any]] | None, list[list[str]]]:
-    """Model tensors are replicated: each is written by one rank, balancing the bytes."""
-    writes: list[list[str]] = [[] for _ in load]
-    if model_tables is None:
-        return None, writes
-    ref = dict(model_tables[0])
-    for rank, table in enumerate(model_tables):
-        if dict(table) != ref:
-            raise ValueError(f"rank {rank}'s model differs from rank 0's: "
-                             f"{sorted(set(table.items()) ^ set(ref.items()))[:_MAX_NAMED]}")
-    model: dict[str, dict[str, Any]] = {}
-    sizes = {k: math.prod(s) * dtype_from_name(d).itemsize for k, (s, d) in ref.items()}
-    for key in sorted(ref, key=lambda k: (-sizes[k], k)):
-        writer = min(range(len(load)), key=lambda r: (load[r], r))
-        load[writer] += sizes[key]
-        writes[writer].append(key)
-        model[key] = {"shape": list(ref[key][0]), "dtype": ref[key][1], "rank": writer}
-    return {k: model[k] for k in ref}, writes
 
 
 def _names(names: Sequence[str]) -> str:

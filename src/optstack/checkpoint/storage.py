@@ -1,18 +1,15 @@
 """torch.distributed.checkpoint (DCP) as the storage engine: flat 1-D chunks at offsets.
 
-Each rank writes its chunks into its own DCP directory (``rank_00000/``): a 1-D tensor per key, with DCP
-metadata saying it is elements ``[start, end)`` of a tensor of the parameter's numel. Reading asks DCP for
-a range of that flat tensor; DCP's resharding code finds the overlap with the stored chunk and reads only
-the items needed. Ranks never talk to each other here: DCP runs without a process group (``no_dist``), and
-the coordination (who writes what, the manifest, the commit) is the checkpoint's, over ``Comm``. So the
-same code saves from one process or many, and collectives stay in ``distributed/comm.py``.
+Each rank writes its own DCP directory (``rank_00000/``): per key, a 1-D chunk that DCP's metadata places at
+``[start, end)`` of a flat tensor of the parameter's numel; a read asks for a range and DCP reads only the
+overlapping items. DCP runs without a process group (``no_dist``): who writes what, the manifest and the
+commit are coordinated over ``Comm``, so collectives stay in ``distributed/comm.py``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,21 +80,18 @@ class _ChunkLoadPlanner(_Chunks, DefaultLoadPlanner):
         return self._chunks[index.fqn].tensor
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
+def _dcp(run: Any, **kwargs: Any) -> None:
     # DCP warns that it runs without a process group: that is the design here (module docstring).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
-        yield
+        run({}, no_dist=True, **kwargs)
 
 
 def write_chunks(directory: Path, chunks: list[Chunk]) -> None:
     """Write ``chunks`` as one DCP checkpoint in ``directory`` (created), every file flushed to disk."""
-    planner = _ChunkSavePlanner([c for c in chunks if c.tensor.numel() > 0])
-    with _quiet():
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, sync_files=True, overwrite=False),
-                 planner=planner, no_dist=True)
+    _dcp(dcp.save, storage_writer=dcp.FileSystemWriter(directory, sync_files=True, overwrite=False),
+         planner=_ChunkSavePlanner([c for c in chunks if c.tensor.numel() > 0]))
 
 
 def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]]) -> None:
@@ -105,6 +99,5 @@ def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]]) -> None:
     wrote it in ``checkpoint``."""
     for rank, chunks in sorted(by_rank.items()):
         if wanted := [c for c in chunks if c.tensor.numel() > 0]:
-            with _quiet():
-                dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint / rank_dir_name(rank)),
-                         planner=_ChunkLoadPlanner(wanted), no_dist=True)
+            _dcp(dcp.load, storage_reader=dcp.FileSystemReader(checkpoint / rank_dir_name(rank)),
+                 planner=_ChunkLoadPlanner(wanted))
