@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from optstack.checkpoint.format import decode_scalar, encode_scalar
-from optstack.checkpoint.load import read_manifest, read_ranges, union, verify_files
+from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
 from optstack.checkpoint.save import agree, check_optimizer, together
 from optstack.checkpoint.state import collect, describe, group_map, merged, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -72,13 +72,8 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
     return {"state": state, "param_groups": groups}
 
 
-def import_torch_state_dict(
-    state_dict: Mapping[str, Any],
-    optimizer: ChainedOptimizer,
-    *,
-    names: Sequence[str] | None = None,
-    comm: Comm | NullComm | None = None,
-) -> None:
+def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOptimizer, *,
+                            names: Sequence[str] | None = None, comm: Comm | NullComm | None = None) -> None:
     """Load a ``torch.optim`` state dict for the whole model into an optstack optimizer of any layout.
 
     Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5 records them for named
@@ -94,12 +89,13 @@ def import_torch_state_dict(
     comm = comm if comm is not None else world_comm("checkpoint")
     what = "cannot import the torch state dict"
 
-    def local() -> tuple[Any, list[dict[str, ParamShard]], dict[str, ParamShard], dict[str, Any]]:
+    def local() -> tuple[Any, list[dict[str, ParamShard]], dict[str, ParamShard]]:
         per_stage = collect(optimizer.stages)
-        return _by_name(state_dict, names), per_stage, merged(per_stage), describe(merged(per_stage))
+        describe(merged(per_stage))  # checks that the stages' state is well formed
+        return _by_name(state_dict, names), per_stage, merged(per_stage)
 
-    (torch_state, torch_group), per_stage, flat, held = together(comm, what, local)
-    everyone = union(comm.all_gather_object(held))
+    (torch_state, torch_group), per_stage, flat = together(comm, what, local)
+    everyone = {name for held in comm.all_gather_object(list(flat)) for name in held}
 
     def cut() -> list[dict[str, ParamShard]]:
         extra, missing = sorted(set(torch_group) - set(everyone)), sorted(set(everyone) - set(torch_group))

@@ -124,8 +124,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     return path / name
 
 
-def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
-    """Delete all but the ``keep_last`` newest checkpoints in ``root`` (never ``keep``); returns the deleted."""
+def prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints in ``root`` (never ``keep``)."""
     found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
     doomed = [p for _, p in found[: max(len(found) - keep_last, 0)] if p.resolve() != keep.resolve()]
     for path in doomed:
@@ -135,7 +135,6 @@ def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
         shutil.rmtree(trash, ignore_errors=True)
     if doomed:
         fsync_path(root)
-    return doomed
 
 
 def file_checksum(path: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ everywhere and nothing has been changed yet::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,8 +33,7 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["CheckpointInfo", "load_checkpoint", "read_manifest", "verify_files", "read_ranges", "read_model",
-           "union"]
+__all__ = ["CheckpointInfo", "load_checkpoint", "read_manifest", "verify_files", "read_ranges", "read_model"]
 
 
 @dataclass(frozen=True)
@@ -113,36 +112,19 @@ def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) ->
     return out
 
 
-def union(tables: Iterable[Mapping[str, HeldParam]]) -> dict[str, HeldParam]:
-    """Every rank's parameters in one table (the first rank's entry of each)."""
-    out: dict[str, HeldParam] = {}
-    for table in tables:
-        for name, held in table.items():
-            out.setdefault(name, held)
-    return out
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str],
-    optimizer: ChainedOptimizer,
-    *,
-    scheduler: Scheduler | None = None,
-    model: nn.Module | None = None,
-    comm: Comm | NullComm | None = None,
-) -> CheckpointInfo:
+def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *, scheduler: Scheduler | None = None,
+                    model: nn.Module | None = None, comm: Comm | NullComm | None = None) -> CheckpointInfo:
     """Load a checkpoint saved at any data-parallel size and layout into ``optimizer`` (collective).
 
     Parameters are matched by name, groups by their identifying settings (algorithm, expert flag, max_lr,
-    min_lr, wd_mult, lr_mult); each group's ``lr`` and ``weight_decay`` are restored. Optimizer state that
-    does not exist yet (a fresh optimizer) is created. The optimizer's ``"param"`` is the fp32 master (or
-    the fp32 parameter itself); the stages publish the loaded masters to the model's trainable parameters
-    (rounded to their dtype, gathered under ZeRO-1 and layer-wise) on every rank, so ``model`` is not
-    needed for them. Pass ``model`` to restore all its saved state-dict tensors too (buffers included).
+    min_lr, wd_mult, lr_mult); each group's ``lr`` and ``weight_decay`` are restored, missing optimizer state
+    is created. The stages publish the loaded fp32 masters to the model's trainable parameters on every rank,
+    so ``model`` is needed only to restore its other saved state-dict tensors (buffers).
 
     Args:
         path: a checkpoint directory, or a root whose ``latest`` pointer names one.
         optimizer: the chained optimizer to load into.
-        scheduler: restored too (the checkpoint must hold scheduler state).
+        scheduler: restored too (the checkpoint must hold its state).
         model: its state-dict tensors are restored (the checkpoint must hold them).
         comm: the ranks that hold the optimizer's state (default: the world).
 
@@ -150,9 +132,9 @@ def load_checkpoint(
         ``CheckpointInfo`` of the checkpoint loaded.
 
     Raises:
-        ValueError: a missing, truncated or corrupted checkpoint, or one that does not fit (missing or extra
-            parameters, shapes, dtypes, group settings, scaler or scheduler): it names what differs, and
-            the optimizer, scheduler and model are unchanged. Raised on every rank alike.
+        ValueError: on every rank alike, for a missing, truncated or corrupted checkpoint, or one that does not
+            fit (parameters, shapes, dtypes, group settings, scaler, scheduler, model): it names what differs,
+            and the optimizer, scheduler and model are unchanged.
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
@@ -165,7 +147,9 @@ def load_checkpoint(
         return per_stage, describe(merged(per_stage)), model_tensors(model) if model is not None else {}
 
     per_stage, held, tensors = together(comm, where, local, f"rank {comm.rank}: ")
-    everyone = union(comm.all_gather_object(held))
+    everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
+    for table in comm.all_gather_object(held):
+        everyone |= {n: h for n, h in table.items() if n not in everyone}
 
     def check() -> None:  # and the scaler's and scheduler's state load, changing neither
         errors = check_load(manifest, everyone, None if model is None else model_table(tensors))

@@ -78,38 +78,30 @@ def model_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[in
     return {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
 
 
-def save_checkpoint(
-    root: str | os.PathLike[str],
-    optimizer: ChainedOptimizer,
-    *,
-    step: int,
-    scheduler: Scheduler | None = None,
-    model: nn.Module | None = None,
-    comm: Comm | NullComm | None = None,
-    keep_last: int | None = None,
-) -> Path:
-    """Save the whole optimizer (collective: every rank of ``comm`` calls it).
+def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
+                    scheduler: Scheduler | None = None, model: nn.Module | None = None,
+                    comm: Comm | NullComm | None = None, keep_last: int | None = None) -> Path:
+    """Save the whole optimizer as ``root/step_<step>`` and point ``root/latest`` at it (collective).
 
-    Saves fp32 master weights, every algorithm's state, the loss scaler, the scheduler when given and the
-    model's tensors when given, keyed by parameter name, as ``root/step_<step>`` (see ``format.py``), and
-    points ``root/latest`` at it. Atomic: a crash at any point leaves the previous checkpoints loadable.
+    Saves the fp32 masters, every algorithm's state and the loss scaler, keyed by parameter name (see
+    ``format.py``), and the scheduler's state and the model's state-dict tensors when given. Atomic: a crash
+    at any point leaves the previous checkpoints loadable.
 
     Args:
         root: the directory of checkpoints (created if needed; shared by every rank).
         optimizer: the chained optimizer (any stages: replicated, ZeRO-1, layer-wise).
         step: the training step; names the checkpoint.
-        scheduler: its state is saved too.
-        model: its state-dict tensors (parameters and buffers) are saved too.
-        comm: the ranks that hold the optimizer's state (default: the world; one process without
-            torch.distributed).
-        keep_last: keep only this many newest checkpoints in ``root`` (None: keep all).
+        scheduler: saved too.
+        model: its parameters and buffers are saved too.
+        comm: the ranks that hold the optimizer's state (default: the world, or this process alone).
+        keep_last: keep only this many newest checkpoints in ``root`` (None: all).
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ValueError: bad arguments, a checkpoint of ``step`` exists already, state that cannot be saved by
-            name, or ranks that disagree (the same error on every rank).
+        ValueError: on every rank alike, for bad arguments, an existing checkpoint of ``step``, state that
+            cannot be saved by name, or ranks that disagree.
         RuntimeError: writing failed on some rank (named); nothing was committed.
     """
     optimizer = check_optimizer(optimizer)

@@ -43,11 +43,7 @@ class HeldParam:
 
 
 def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
-    """Each stage's ``ParamShard``s on this rank, by parameter name.
-
-    Raises:
-        ValueError: a stage cannot be checkpointed by name, or one name is in two stages.
-    """
+    """Each stage's ``ParamShard``s on this rank, by parameter name; ``ValueError`` if a name is in two."""
     out: list[dict[str, ParamShard]] = []
     seen: dict[str, int] = {}
     for index, stage in enumerate(stages):
