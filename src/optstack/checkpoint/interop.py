@@ -19,7 +19,7 @@ import torch
 
 from optstack.checkpoint.format import decode_scalar, encode_scalar
 from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
-from optstack.checkpoint.save import agree, check_optimizer, together
+from optstack.checkpoint.save import agree, check_optimizer, local_state, together
 from optstack.checkpoint.state import collect, describe, group_map, merged, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
@@ -89,12 +89,9 @@ def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOpt
     comm = comm if comm is not None else world_comm("checkpoint")
     what = "cannot import the torch state dict"
 
-    def local() -> tuple[Any, list[dict[str, ParamShard]], dict[str, ParamShard]]:
-        per_stage = collect(optimizer.stages)
-        describe(merged(per_stage))  # checks that the stages' state is well formed
-        return _by_name(state_dict, names), per_stage, merged(per_stage)
-
-    (torch_state, torch_group), per_stage, flat = together(comm, what, local)
+    torch_state, torch_group = together(comm, what, lambda: _by_name(state_dict, names))
+    per_stage = together(comm, what, lambda: local_state(optimizer, None))[0]
+    flat = merged(per_stage)
     everyone = {name for held in comm.all_gather_object(list(flat)) for name in held}
 
     def cut() -> list[dict[str, ParamShard]]:

@@ -25,12 +25,11 @@ from torch import nn
 
 from optstack.checkpoint import io
 from optstack.checkpoint.format import MANIFEST, decode_scalar, dtype_from_name, migrate, model_key, optim_key, unseal
-from optstack.checkpoint.save import check_optimizer, model_table, model_tensors, together
-from optstack.checkpoint.state import HeldParam, check_load, collect, describe, merged, restore_group_settings
+from optstack.checkpoint.save import check_optimizer, local_state, together
+from optstack.checkpoint.state import HeldParam, check_load, merged, restore_group_settings
 from optstack.checkpoint.storage import Chunk, read_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
-from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
 __all__ = ["CheckpointInfo", "load_checkpoint", "read_manifest", "verify_files", "read_ranges", "read_model"]
@@ -141,18 +140,14 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path))
     where = f"cannot load checkpoint {directory}"
     together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size))
-
-    def local() -> tuple[list[dict[str, ParamShard]], dict[str, HeldParam], dict[str, torch.Tensor]]:
-        per_stage = collect(optimizer.stages)
-        return per_stage, describe(merged(per_stage)), model_tensors(model) if model is not None else {}
-
-    per_stage, held, tensors = together(comm, where, local, f"rank {comm.rank}: ")
+    per_stage, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
+                                               f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
-    for table in comm.all_gather_object(held):
-        everyone |= {n: h for n, h in table.items() if n not in everyone}
+    for theirs in comm.all_gather_object(held):
+        everyone |= {n: h for n, h in theirs.items() if n not in everyone}
 
     def check() -> None:  # and the scaler's and scheduler's state load, changing neither
-        errors = check_load(manifest, everyone, None if model is None else model_table(tensors))
+        errors = check_load(manifest, everyone, table)
         if errors:
             raise ValueError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(errors))
         optimizer.scaler.validate_state_dict(manifest["scaler"])

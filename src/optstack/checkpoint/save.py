@@ -24,14 +24,14 @@ from torch import nn
 
 from optstack.checkpoint import io
 from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
-from optstack.checkpoint.state import SavePlan, collect, describe, group_map, merged, plan_save
+from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, merged, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "agree", "together", "model_tensors", "model_table", "check_optimizer"]
+__all__ = ["save_checkpoint", "agree", "together", "model_tensors", "local_state", "check_optimizer"]
 
 T = TypeVar("T")
 
@@ -73,9 +73,14 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def model_table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The data-free table of model tensors: key -> (shape, dtype name)."""
-    return {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
+def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
+        list[dict[str, ParamShard]], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
+    """This rank's ``ParamShard``s per stage and their table, the model's tensors and theirs (None: no model);
+    ``ValueError`` for state that cannot be checkpointed by name."""
+    per_stage = collect(optimizer.stages)
+    tensors = model_tensors(model) if model is not None else {}
+    table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
+    return per_stage, describe(merged(per_stage)), tensors, table
 
 
 def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
@@ -112,17 +117,13 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     where = f"cannot save checkpoint {target}"
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
-    def local() -> tuple[dict[str, ParamShard], dict[str, torch.Tensor], tuple[Any, Any]]:
-        shards = merged(collect(optimizer.stages))
-        tensors = model_tensors(model) if model is not None else {}
-        return shards, tensors, (describe(shards), None if model is None else model_table(tensors))
-
-    shards, tensors, tables = together(comm, where, local, f"rank {comm.rank}: ")
-    gathered = comm.all_gather_object(tables)
+    per_stage, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
+                                               f"rank {comm.rank}: ")
+    gathered = comm.all_gather_object((held, table))
     plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
     temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,
                                           catch=(OSError, ValueError)))
-
+    shards = merged(per_stage)
 
     def commit(files: dict[str, Any]) -> None:
         manifest = {
