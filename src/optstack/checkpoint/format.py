@@ -40,16 +40,14 @@ MANIFEST = "manifest.json"
 GROUP_MAP = "group_map.json"
 #: The group settings that identify a parameter's group across layouts (with the algorithm and expert flag).
 IDENTITY_KEYS = ("max_lr", "min_lr", "wd_mult", "lr_mult")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_DTYPES = {n: getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+                                         "int8", "uint8", "bool", "complex64", "complex128")}
 optim_key = "optim/{}/{}".format  # (parameter name, state key) -> the DCP key of element-wise state
 model_key = "model/{}".format  # model state-dict key -> its DCP key
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if (name := str(dtype).removeprefix("torch.")) not in _DTYPES:
         raise ValueError(f"checkpoints store tensors of dtypes {sorted(_DTYPES)}; got {dtype}")
     return name
 

@@ -33,13 +33,12 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
 
     Args:
         path: a checkpoint directory, or a root with a ``latest`` pointer.
-        names: the parameter order (e.g. ``[n for n, _ in model.named_parameters()]``); within each group
-            parameters follow it. Default: the checkpoint's order.
+        names: the parameter order within each group (e.g. ``[n for n, _ in model.named_parameters()]``;
+            default: the checkpoint's).
 
     Returns:
-        ``{"state", "param_groups"}``: one group per saved group that has parameters (settings as saved:
-        ``lr``, ``weight_decay``, ``betas``, ``eps``, ``max_lr``, ...; ``betas`` as a tuple), element-wise
-        state reshaped to the parameter and in its saved dtype, ``step`` as saved.
+        ``{"state", "param_groups"}``: a group per saved group with parameters (its saved settings, ``betas``
+        a tuple), element-wise state shaped like the parameter in its saved dtype, ``step`` as saved.
 
     Raises:
         ValueError: a damaged checkpoint, or ``names`` that are not exactly the checkpoint's parameters.

@@ -44,11 +44,8 @@ def _hidden(path: Path, tag: str = "") -> Path:
 
 
 def make_temp(target: Path) -> Path:
-    """A new empty directory beside ``target``, after clearing what killed saves left in its parent.
-
-    Raises:
-        ValueError: ``target`` exists (checkpoints are never overwritten in place).
-    """
+    """A new empty directory beside ``target`` (``ValueError`` if ``target`` exists), after clearing what
+    killed saves left in its parent."""
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
     for entry in root.iterdir():
@@ -104,11 +101,7 @@ def write_latest(root: Path, name: str) -> None:
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory ``path`` names: itself when it holds a manifest, else the one its ``latest``
-    pointer names.
-
-    Raises:
-        ValueError: neither, or ``latest`` names a checkpoint that does not exist.
-    """
+    pointer names; ``ValueError`` when neither exists."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path

@@ -5,9 +5,9 @@ everywhere and nothing has been changed yet::
 
     manifest  resolve ``latest``, check the manifest's seal, ``migrate()`` it to the current version
     verify    the files, split over the ranks: each exists, has its size and its CRC-32
-    match     every rank's parameters against the checkpoint: names, shapes, the optimizer's dtype, group
-              identity; the model's tensors; the scaler and the scheduler on a dry run
-    read      each rank reads the ranges it holds (from whichever ranks wrote them) into new tensors
+    match     names, shapes, dtypes and groups of every rank's parameters, the model's tensors; the
+              scaler's and the scheduler's state on a dry run
+    read      each rank the ranges it holds (from whichever ranks wrote them), into new tensors
     apply     only now: stages, group lr / weight decay, scaler, scheduler, model
 """
 

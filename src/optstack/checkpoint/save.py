@@ -3,10 +3,8 @@
 The steps, after each of which all ranks agree (one rank's failure is every rank's error, never a hang)::
 
     collect   each rank's name-keyed ParamShards (and the model's tensors, when asked)
-    plan      the tables gathered; the same pure plan on every rank: replicated state written once, ZeRO-1
-              ranges and layer-wise parameters by their owners, writes balanced by bytes
-    write     into a temporary directory rank 0 makes beside the target: each rank its DCP directory,
-              flushed and checksummed
+    plan      the same pure plan on every rank: replicated state written once, writes balanced by bytes
+    write     each rank its DCP directory, flushed and checksummed, into rank 0's temporary directory
     commit    rank 0: the sealed manifest and the group map, flush, rename into place, ``latest``, prune
 """
 
