@@ -50,25 +50,18 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
     if sorted(order) != sorted(params):
         raise ValueError(f"names must list exactly the checkpoint's {len(params)} parameters; these differ: "
                          f"{sorted(set(order) ^ set(params))[:8]}")
+    order.sort(key=lambda n: params[n]["group"])  # group by group, each in the given order (a stable sort)
     data = read_ranges(directory, manifest, {n: (0, torch.Size(params[n]["shape"]).numel()) for n in order},
                        keys={n: [k for k in params[n]["dtypes"] if k != "param"] for n in order})
-    state: dict[int, dict[str, Any]] = {}
+    entries = [{k: v.view(params[n]["shape"]) for k, v in data[n].items()}
+               | {k: decode_scalar(v) for k, v in params[n]["scalars"].items()} for n in order]
     groups: list[dict[str, Any]] = []
-    index = 0
     for g, saved in enumerate(manifest["groups"]):
-        if not (members := [n for n in order if params[n]["group"] == g]):
-            continue
-        settings = dict(saved["settings"])
-        if isinstance(settings.get("betas"), list):
-            settings["betas"] = tuple(settings["betas"])
-        groups.append({**settings, "params": list(range(index, index + len(members))), "param_names": members})
-        for name in members:
-            entry = {k: v.view(params[name]["shape"]) for k, v in data[name].items()}
-            entry.update({k: decode_scalar(v) for k, v in params[name]["scalars"].items()})
-            if entry:
-                state[index] = entry
-            index += 1
-    return {"state": state, "param_groups": groups}
+        if ids := [i for i, n in enumerate(order) if params[n]["group"] == g]:
+            settings = {k: tuple(v) if k == "betas" and isinstance(v, list) else v
+                        for k, v in saved["settings"].items()}
+            groups.append({**settings, "params": ids, "param_names": [order[i] for i in ids]})
+    return {"state": {i: entry for i, entry in enumerate(entries) if entry}, "param_groups": groups}
 
 
 def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOptimizer, *,

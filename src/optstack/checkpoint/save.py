@@ -54,6 +54,16 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
     return result  # type: ignore[return-value]
 
 
+def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
+        list[dict[str, ParamShard]], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
+    """This rank's ``ParamShard``s per stage and their table, the model's tensors and theirs (None: no model);
+    ``ValueError`` for state that cannot be checkpointed by name."""
+    per_stage = collect(optimizer.stages)
+    tensors = model_tensors(model) if model is not None else {}
+    table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
+    return per_stage, describe(merged(per_stage)), tensors, table
+
+
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:
     if not isinstance(optimizer, ChainedOptimizer):
         raise ValueError(f"optimizer must be an optstack ChainedOptimizer (build_optimizer(...).optimizer), got "
@@ -69,16 +79,6 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     inner = getattr(model, "module", None)
     module = inner if isinstance(inner, nn.Module) else model
     return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
-
-
-def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
-        list[dict[str, ParamShard]], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
-    """This rank's ``ParamShard``s per stage and their table, the model's tensors and theirs (None: no model);
-    ``ValueError`` for state that cannot be checkpointed by name."""
-    per_stage = collect(optimizer.stages)
-    tensors = model_tensors(model) if model is not None else {}
-    table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
-    return per_stage, describe(merged(per_stage)), tensors, table
 
 
 def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
