@@ -20,7 +20,7 @@ import torch
 from optstack.checkpoint.format import decode_scalar, encode_scalar
 from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
 from optstack.checkpoint.save import agree, check_optimizer, local_state, together
-from optstack.checkpoint.state import collect, describe, group_map, merged, restore_group_settings
+from optstack.checkpoint.state import collect, describe, group_map, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
@@ -68,10 +68,9 @@ def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOpt
                             names: Sequence[str] | None = None, comm: Comm | NullComm | None = None) -> None:
     """Load a ``torch.optim`` state dict for the whole model into an optstack optimizer of any layout.
 
-    Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5 records them for named
-    parameters), or ``names`` in the order of the state dict's parameter ids. Each parameter's state and its
-    group's ``lr`` / ``weight_decay`` are loaded; the parameter values (masters) are kept (a torch state
-    dict has none). Collective over ``comm``; all or nothing.
+    Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5), or ``names`` in the order of
+    the parameter ids. Each parameter's state and its group's ``lr`` / ``weight_decay`` are loaded; the
+    masters are kept (a torch state dict has none). Collective over ``comm``; all or nothing.
 
     Raises:
         ValueError: no names, parameters missing or extra, state of the wrong size, non-scalar state that
@@ -82,19 +81,19 @@ def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOpt
     what = "cannot import the torch state dict"
 
     torch_state, torch_group = together(comm, what, lambda: _by_name(state_dict, names))
-    per_stage = together(comm, what, lambda: local_state(optimizer, None))[0]
-    flat = merged(per_stage)
-    everyone = {name for held in comm.all_gather_object(list(flat)) for name in held}
+    shards = together(comm, what, lambda: local_state(optimizer, None))[0]
+    everyone = {name for held in comm.all_gather_object(list(shards)) for name in held}
 
-    def cut() -> list[dict[str, ParamShard]]:
-        extra, missing = sorted(set(torch_group) - set(everyone)), sorted(set(everyone) - set(torch_group))
+    def cut() -> dict[str, ParamShard]:
+        extra, missing = sorted(set(torch_group) - everyone), sorted(everyone - set(torch_group))
         if extra or missing:
             raise ValueError(f"parameters only in the state dict: {extra[:8]}; only in the optimizer: {missing[:8]}")
-        return [{n: _cut(n, s, torch_state[n]) for n, s in shards.items()} for shards in per_stage]
+        return {n: _cut(n, s, torch_state[n]) for n, s in shards.items()}
 
-    for stage, shards in zip(optimizer.stages, together(comm, what, cut), strict=True):
-        stage.load_param_shards(shards)
-    restore_group_settings(flat, torch_group)
+    loaded = together(comm, what, cut)
+    for stage in optimizer.stages:  # each takes the parameters it steps
+        stage.load_param_shards(loaded)
+    restore_group_settings(shards, torch_group)
 
 
 def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None

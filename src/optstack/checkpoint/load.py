@@ -26,7 +26,7 @@ from torch import nn
 from optstack.checkpoint import io
 from optstack.checkpoint.format import MANIFEST, decode_scalar, dtype_from_name, migrate, model_key, optim_key, unseal
 from optstack.checkpoint.save import check_optimizer, local_state, together
-from optstack.checkpoint.state import HeldParam, check_load, merged, restore_group_settings
+from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
 from optstack.checkpoint.storage import Chunk, read_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
@@ -140,8 +140,8 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path))
     where = f"cannot load checkpoint {directory}"
     together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size))
-    per_stage, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
-                                               f"rank {comm.rank}: ")
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
+                                            f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
     for theirs in comm.all_gather_object(held):
         everyone |= {n: h for n, h in theirs.items() if n not in everyone}
@@ -169,11 +169,11 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     # Only now is anything changed.
     optimizer.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
     params = manifest["params"]
-    for stage, shards in zip(optimizer.stages, per_stage, strict=True):
-        stage.load_param_shards({n: replace(s, tensors=staged[n], scalars={
-            k: decode_scalar(v) for k, v in params[n]["scalars"].items()}) for n, s in shards.items()})
-    flat = merged(per_stage)
-    restore_group_settings(flat, {n: manifest["groups"][params[n]["group"]]["settings"] for n in flat})
+    loaded = {n: replace(s, tensors=staged[n], scalars={k: decode_scalar(v) for k, v in params[n]["scalars"].items()})
+              for n, s in shards.items()}
+    for stage in optimizer.stages:  # each takes the parameters it steps
+        stage.load_param_shards(loaded)
+    restore_group_settings(shards, {n: manifest["groups"][params[n]["group"]]["settings"] for n in shards})
     optimizer.scaler.load_state_dict(manifest["scaler"])
     if scheduler is not None:
         scheduler.load_state_dict(manifest["scheduler"])

@@ -22,7 +22,7 @@ from torch import nn
 
 from optstack.checkpoint import io
 from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
-from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, merged, plan_save
+from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
@@ -55,13 +55,13 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
 
 
 def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
-        list[dict[str, ParamShard]], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
-    """This rank's ``ParamShard``s per stage and their table, the model's tensors and theirs (None: no model);
-    ``ValueError`` for state that cannot be checkpointed by name."""
-    per_stage = collect(optimizer.stages)
+        dict[str, ParamShard], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
+    """This rank's ``ParamShard``s of all stages and their table, the model's tensors and theirs (None: no
+    model); ``ValueError`` for state that cannot be checkpointed by name."""
+    shards = {name: shard for per_stage in collect(optimizer.stages) for name, shard in per_stage.items()}
     tensors = model_tensors(model) if model is not None else {}
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
-    return per_stage, describe(merged(per_stage)), tensors, table
+    return shards, describe(shards), tensors, table
 
 
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:
@@ -115,13 +115,12 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     where = f"cannot save checkpoint {target}"
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
-    per_stage, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
                                                f"rank {comm.rank}: ")
     gathered = comm.all_gather_object((held, table))
     plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
     temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,
                                           catch=(OSError, ValueError)))
-    shards = merged(per_stage)
 
     def commit(files: dict[str, Any]) -> None:
         manifest = {

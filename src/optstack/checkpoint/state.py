@@ -19,7 +19,7 @@ from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scala
 from optstack.protocol import ParamShard
 from optstack.stage import Stage
 
-__all__ = ["HeldParam", "SavePlan", "collect", "merged", "describe", "plan_save", "check_load",
+__all__ = ["HeldParam", "SavePlan", "collect", "describe", "plan_save", "check_load",
            "group_map", "restore_group_settings"]
 
 _MAX_NAMED = 8  # names listed in one error line before "and N more"
@@ -55,11 +55,6 @@ def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
     return out
 
 
-def merged(per_stage: Sequence[Mapping[str, ParamShard]]) -> dict[str, ParamShard]:
-    """The ``ParamShard``s of all stages in one table (names are unique across stages: ``collect``)."""
-    return {name: shard for shards in per_stage for name, shard in shards.items()}
-
-
 def restore_group_settings(shards: Mapping[str, ParamShard], settings: Mapping[str, Mapping[str, Any]]) -> None:
     """Write ``settings[name]``'s ``lr`` and ``weight_decay`` into the live group of each held parameter."""
     for name, shard in shards.items():
@@ -92,9 +87,8 @@ def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
 
 
 def _fingerprint(values: torch.Tensor) -> str:
-    """CRC-32 of the bits of about 1024 evenly spaced elements: cheap, exact and the same on every rank for
-    the same numbers (a sum would depend on the thread count), and two different tensors (two experts under
-    one name) differ in almost every element."""
+    """CRC-32 of the bits of ~1024 evenly spaced elements: cheap, exact, the same on every rank for the same
+    numbers (a sum would depend on the thread count); two experts under one name differ almost everywhere."""
     return f"{zlib.crc32(tensor_bytes(values[:: max(1, values.numel() // 1024)])):08x}"
 
 
@@ -111,12 +105,8 @@ class SavePlan:
 
 def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[ModelTable] | None) -> SavePlan:
     """Deduplicate what ranks hold in common (replicated state and the model are written once), balance the
-    writes by bytes, and check that the ranks' ranges tile every parameter exactly.
-
-    Raises:
-        ValueError: ranks disagree on a parameter's shape, dtypes or group, or on the model, or the ranges of
-            a parameter overlap or leave a gap.
-    """
+    writes by bytes, and check that the ranks' ranges tile every parameter exactly; ``ValueError`` when ranks
+    disagree on a parameter's shape, dtypes or group or on the model, or when ranges overlap or leave a gap."""
     first: dict[str, HeldParam] = {}
     holders: dict[tuple[str, int, int], list[int]] = {}
     for rank, table in enumerate(tables):

@@ -95,8 +95,7 @@ def write_chunks(directory: Path, chunks: list[Chunk]) -> None:
 
 
 def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]]) -> None:
-    """Fill each chunk's destination tensor with its range, read from the DCP directory of the rank that
-    wrote it in ``checkpoint``."""
+    """Fill each chunk's destination with its range, from the DCP directory in ``checkpoint`` of its rank."""
     for rank, chunks in sorted(by_rank.items()):
         if wanted := [c for c in chunks if c.tensor.numel() > 0]:
             _dcp(dcp.load, storage_reader=dcp.FileSystemReader(checkpoint / rank_dir_name(rank)),
