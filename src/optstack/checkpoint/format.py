@@ -1,15 +1,9 @@
 """The checkpoint format: its version, the manifest's shape and seal, and the one ``migrate()``.
 
-A checkpoint is a directory::
-
-    step_00000100/
-      manifest.json      what is saved (below), the files' sizes and CRC-32s, sealed by its own CRC-32
-      group_map.json     parameter -> group, for people (never read back)
-      rank_00000/        one torch.distributed.checkpoint directory per rank that wrote something
-        .metadata
-        __0_0.distcp
-
-The manifest (version 1), every name a parameter name, never a buffer offset or group position::
+A checkpoint is a directory ``step_00000100/`` holding ``manifest.json`` (below), ``group_map.json``
+(parameter -> group, for people; never read back) and ``rank_00000/`` ...: one torch.distributed.checkpoint
+directory per rank that wrote something. The manifest (version 1), keyed by parameter name, never by buffer
+offset or group position::
 
     format, version, step, world_size, checksum_algorithm
     params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index,
@@ -36,11 +30,9 @@ import torch
 
 from optstack.protocol import ParamShard
 
-__all__ = [
-    "FORMAT", "VERSION", "MANIFEST", "GROUP_MAP", "IDENTITY_KEYS", "migrate", "seal", "unseal",
-    "dtype_name", "dtype_from_name", "encode_scalar", "decode_scalar", "identity_of", "settings_of",
-    "optim_key", "model_key",
-]
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "GROUP_MAP", "migrate", "seal", "unseal", "dtype_name",
+           "dtype_from_name", "encode_scalar", "decode_scalar", "identity_of", "settings_of", "optim_key",
+           "model_key"]
 
 FORMAT = "optstack.checkpoint"
 VERSION = 1
@@ -48,24 +40,14 @@ MANIFEST = "manifest.json"
 GROUP_MAP = "group_map.json"
 #: The group settings that identify a parameter's group across layouts (with the algorithm and expert flag).
 IDENTITY_KEYS = ("max_lr", "min_lr", "wd_mult", "lr_mult")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-
-
-def optim_key(name: str, key: str) -> str:
-    """The DCP key of element-wise state ``key`` of parameter ``name``."""
-    return f"optim/{name}/{key}"
-
-
-def model_key(key: str) -> str:
-    """The DCP key of model tensor ``key``."""
-    return f"model/{key}"
+_DTYPES = {n: getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+                                         "int8", "uint8", "bool", "complex64", "complex128")}
+optim_key = "optim/{}/{}".format  # (parameter name, state key) -> the DCP key of element-wise state
+model_key = "model/{}".format  # model state-dict key -> its DCP key
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if (name := str(dtype).removeprefix("torch.")) not in _DTYPES:
         raise ValueError(f"checkpoints store tensors of dtypes {sorted(_DTYPES)}; got {dtype}")
     return name
 
@@ -76,9 +58,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-# -- scalars: per-parameter state that is not element-wise (step counts) ------------------------------
 def encode_scalar(where: str, value: Any) -> dict[str, Any]:
-    """A JSON form of a number or 0-d tensor that decodes to the same type, dtype and bits."""
+    """A JSON form of per-parameter state that is not element-wise (a number or 0-d tensor, e.g. a step
+    count) that decodes to the same type, dtype and bits."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(
@@ -96,26 +78,15 @@ def decode_scalar(encoded: Mapping[str, Any]) -> Any:
     return encoded["value"]
 
 
-# -- groups ---------------------------------------------------------------------------------------------
 def _plain(value: Any) -> Any:
     """A JSON value for a group setting: numbers, strings, lists; anything else as its repr."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
-    if isinstance(value, bool | int | str) or value is None:
-        return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return repr(value)
-
-
-def _number(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    return float(value)
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else repr(value)
 
 
 def identity_of(shard: ParamShard) -> dict[str, Any]:
@@ -124,7 +95,9 @@ def identity_of(shard: ParamShard) -> dict[str, Any]:
     group = shard.group
     out: dict[str, Any] = {"algorithm": shard.algorithm,
                            "is_expert_parallel": bool(group.get("is_expert_parallel", False))}
-    out.update({key: _number(group.get(key)) for key in IDENTITY_KEYS})
+    for key in IDENTITY_KEYS:
+        value = group.get(key)
+        out[key] = None if value is None else float(value.item() if isinstance(value, torch.Tensor) else value)
     return out
 
 
@@ -134,18 +107,15 @@ def settings_of(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _plain(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
-# -- the manifest's seal and migration --------------------------------------------------------------------
-def _canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+def _crc(body: Mapping[str, Any]) -> str:
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
 def seal(manifest: Mapping[str, Any]) -> str:
     """The manifest as JSON text with a ``seal``: the CRC-32 of its canonical form, so a flipped byte in the
     manifest itself is found too."""
-    body = dict(manifest)
-    body.pop("seal", None)
-    body["seal"] = f"{zlib.crc32(_canonical(body)):08x}"
-    return json.dumps(body, indent=1, sort_keys=True)
+    body = {k: v for k, v in manifest.items() if k != "seal"}
+    return json.dumps({**body, "seal": _crc(body)}, indent=1, sort_keys=True)
 
 
 def unseal(text: str, where: str) -> dict[str, Any]:
@@ -156,8 +126,7 @@ def unseal(text: str, where: str) -> dict[str, Any]:
         raise ValueError(f"{where} is not valid JSON ({exc}); the checkpoint is corrupted or truncated") from exc
     if not isinstance(body, dict) or "seal" not in body:
         raise ValueError(f"{where} has no seal; it is not an optstack checkpoint manifest")
-    stored = body.pop("seal")
-    actual = f"{zlib.crc32(_canonical(body)):08x}"
+    stored, actual = body.pop("seal"), _crc(body)
     if stored != actual:
         raise ValueError(f"{where} fails its checksum (stored {stored}, computed {actual}); the manifest is "
                          "corrupted")

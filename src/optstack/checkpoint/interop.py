@@ -1,11 +1,9 @@
-"""Plain ``torch.optim`` state dicts: export a checkpoint as one, import one into an optstack optimizer,
-and the parameter -> group map.
+"""Plain ``torch.optim`` state dicts (export a checkpoint as one, import one) and the parameter -> group map.
 
 The torch form: ``{"state": {i: {"step": 0-d tensor, "exp_avg": tensor shaped like the parameter, ...}},
-"param_groups": [{settings..., "params": [i, ...], "param_names": [...]}]}`` with ``i`` counting the
-parameters group by group, as ``torch.optim.Optimizer.state_dict()`` numbers them. It loads into a torch
-optimizer built over the same parameters in the same groups (e.g. ``torch.optim.AdamW``). Parameter values
-(fp32 masters) are not part of it, as in torch.
+"param_groups": [{settings..., "params": [i, ...], "param_names": [...]}]}``, ``i`` counting the parameters
+group by group as ``torch.optim.Optimizer.state_dict()`` does; it loads into a torch optimizer over the same
+parameters in the same groups. Parameter values (fp32 masters) are not part of it, as in torch.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ import torch
 
 from optstack.checkpoint.format import decode_scalar, encode_scalar
 from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
-from optstack.checkpoint.save import agree, check_optimizer
-from optstack.checkpoint.state import HeldParam, collect, describe, distribute, group_map, restore_group_settings
+from optstack.checkpoint.save import agree, check_optimizer, local_state, together
+from optstack.checkpoint.state import collect, describe, group_map, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
@@ -34,13 +33,12 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
 
     Args:
         path: a checkpoint directory, or a root with a ``latest`` pointer.
-        names: the parameter order (e.g. ``[n for n, _ in model.named_parameters()]``); within each group
-            parameters follow it. Default: the checkpoint's order.
+        names: the parameter order within each group (e.g. ``[n for n, _ in model.named_parameters()]``;
+            default: the checkpoint's).
 
     Returns:
-        ``{"state", "param_groups"}``: one group per saved group that has parameters (settings as saved:
-        ``lr``, ``weight_decay``, ``betas``, ``eps``, ``max_lr``, ...; ``betas`` as a tuple), element-wise
-        state reshaped to the parameter and in its saved dtype, ``step`` as saved.
+        ``{"state", "param_groups"}``: a group per saved group with parameters (its saved settings, ``betas``
+        a tuple), element-wise state shaped like the parameter in its saved dtype, ``step`` as saved.
 
     Raises:
         ValueError: a damaged checkpoint, or ``names`` that are not exactly the checkpoint's parameters.
@@ -50,45 +48,29 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
     params = manifest["params"]
     order = list(params) if names is None else list(names)
     if sorted(order) != sorted(params):
-        differ = sorted(set(order) ^ set(params))
         raise ValueError(f"names must list exactly the checkpoint's {len(params)} parameters; these differ: "
-                         f"{differ[:8]}")
+                         f"{sorted(set(order) ^ set(params))[:8]}")
+    order.sort(key=lambda n: params[n]["group"])  # group by group, each in the given order (a stable sort)
     data = read_ranges(directory, manifest, {n: (0, torch.Size(params[n]["shape"]).numel()) for n in order},
                        keys={n: [k for k in params[n]["dtypes"] if k != "param"] for n in order})
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    index = 0
+    entries = [{k: v.view(params[n]["shape"]) for k, v in data[n].items()}
+               | {k: decode_scalar(v) for k, v in params[n]["scalars"].items()} for n in order]
+    groups: list[dict[str, Any]] = []
     for g, saved in enumerate(manifest["groups"]):
-        members = [n for n in order if params[n]["group"] == g]
-        if not members:
-            continue
-        settings = dict(saved["settings"])
-        if isinstance(settings.get("betas"), list):
-            settings["betas"] = tuple(settings["betas"])
-        groups.append({**settings, "params": list(range(index, index + len(members))), "param_names": members})
-        for name in members:
-            shape = tuple(params[name]["shape"])
-            entry = {k: v.view(shape) for k, v in data[name].items()}
-            entry.update({k: decode_scalar(v) for k, v in params[name]["scalars"].items()})
-            if entry:
-                state[index] = entry
-            index += 1
-    return {"state": state, "param_groups": groups}
+        if ids := [i for i, n in enumerate(order) if params[n]["group"] == g]:
+            settings = {k: tuple(v) if k == "betas" and isinstance(v, list) else v
+                        for k, v in saved["settings"].items()}
+            groups.append({**settings, "params": ids, "param_names": [order[i] for i in ids]})
+    return {"state": {i: entry for i, entry in enumerate(entries) if entry}, "param_groups": groups}
 
 
-def import_torch_state_dict(
-    state_dict: Mapping[str, Any],
-    optimizer: ChainedOptimizer,
-    *,
-    names: Sequence[str] | None = None,
-    comm: Comm | NullComm | None = None,
-) -> None:
+def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOptimizer, *,
+                            names: Sequence[str] | None = None, comm: Comm | NullComm | None = None) -> None:
     """Load a ``torch.optim`` state dict for the whole model into an optstack optimizer of any layout.
 
-    Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5 records them for named
-    parameters), or ``names`` in the order of the state dict's parameter ids. Each parameter's state and its
-    group's ``lr`` / ``weight_decay`` are loaded; the parameter values (masters) are kept (a torch state
-    dict has none). Collective over ``comm``; all or nothing.
+    Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5), or ``names`` in the order of
+    the parameter ids. Each parameter's state and its group's ``lr`` / ``weight_decay`` are loaded; the
+    masters are kept (a torch state dict has none). Collective over ``comm``; all or nothing.
 
     Raises:
         ValueError: no names, parameters missing or extra, state of the wrong size, non-scalar state that
@@ -96,39 +78,27 @@ def import_torch_state_dict(
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
-    error, per_stage, flat = None, [], {}
-    torch_state: dict[str, dict[str, Any]] = {}
-    torch_group: dict[str, Mapping[str, Any]] = {}
-    try:
-        torch_state, torch_group = _by_name(state_dict, names)
-        per_stage = collect(optimizer.stages)
-        flat = {n: s for shards in per_stage for n, s in shards.items()}
-        held = describe(flat)
-    except ValueError as exc:
-        error = str(exc)
-        held = {}
-    agree(comm, error, "cannot import the torch state dict")
-    everyone: dict[str, HeldParam] = {}
-    for table in comm.all_gather_object(held):
-        everyone.update(table)
-    error, loaded = None, []
-    try:
-        extra = sorted(set(torch_group) - set(everyone))
-        missing = sorted(set(everyone) - set(torch_group))
+    what = "cannot import the torch state dict"
+
+    torch_state, torch_group = together(comm, what, lambda: _by_name(state_dict, names))
+    shards = together(comm, what, lambda: local_state(optimizer, None))[0]
+    everyone = {name for held in comm.all_gather_object(list(shards)) for name in held}
+
+    def cut() -> dict[str, ParamShard]:
+        extra, missing = sorted(set(torch_group) - everyone), sorted(everyone - set(torch_group))
         if extra or missing:
             raise ValueError(f"parameters only in the state dict: {extra[:8]}; only in the optimizer: {missing[:8]}")
-        loaded = [{n: _cut(n, s, torch_state[n]) for n, s in shards.items()} for shards in per_stage]
-    except ValueError as exc:
-        error = str(exc)
-    agree(comm, error, "cannot import the torch state dict")
-    distribute(optimizer.stages, loaded)
-    groups = [{"settings": {k: v for k, v in g.items() if k in ("lr", "weight_decay")}}
-              for g in torch_group.values()]
-    restore_group_settings(flat, groups, {n: i for i, n in enumerate(torch_group) if n in flat})
+        return {n: _cut(n, s, torch_state[n]) for n, s in shards.items()}
+
+    loaded = together(comm, what, cut)
+    for stage in optimizer.stages:  # each takes the parameters it steps
+        stage.load_param_shards(loaded)
+    restore_group_settings(shards, torch_group)
 
 
 def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, Mapping[str, Any]]]:
+    """The state dict's per-parameter state and group, by parameter name."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("a torch.optim state dict is a dict with 'state' and 'param_groups'")
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -141,14 +111,13 @@ def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None
                          "parameter ids (e.g. [n for n, _ in model.named_parameters()])")
     if len(found) != len(ids) or len(set(found)) != len(found):
         raise ValueError(f"{len(found)} names (distinct: {len(set(found))}) for {len(ids)} parameters")
-    groups = {n: g for g in state_dict["param_groups"] for n in g["params"]}
+    groups = {i: g for g in state_dict["param_groups"] for i in g["params"]}
     return ({n: dict(state_dict["state"].get(i, {})) for n, i in zip(found, ids, strict=True)},
             {n: groups[i] for n, i in zip(found, ids, strict=True)})
 
 
 def _cut(name: str, shard: ParamShard, entry: Mapping[str, Any]) -> ParamShard:
     """This rank's range of one parameter's torch state, with the current 'param' kept."""
-    numel = torch.Size(shard.shape).numel()
     tensors = {"param": shard.tensors["param"].clone()}
     scalars = {}
     for key, value in entry.items():
@@ -156,11 +125,11 @@ def _cut(name: str, shard: ParamShard, entry: Mapping[str, Any]) -> ParamShard:
             tensors[key] = value.detach().reshape(-1)[shard.start : shard.end]
         elif isinstance(value, torch.Tensor) and value.dim() > 0:
             raise ValueError(f"state {key!r} of {name!r} has shape {tuple(value.shape)}; the parameter is "
-                             f"{tuple(shard.shape)} ({numel} elements)")
+                             f"{tuple(shard.shape)} ({torch.Size(shard.shape).numel()} elements)")
         else:
             encode_scalar(f"state {key!r} of {name!r}", value)  # raises for what a checkpoint cannot hold
             scalars[key] = value
-    return ParamShard(shard.shape, shard.start, shard.end, tensors, scalars, shard.group, shard.algorithm)
+    return replace(shard, tensors=tensors, scalars=scalars)
 
 
 def write_group_map(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *,

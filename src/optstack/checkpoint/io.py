@@ -1,11 +1,9 @@
 """Files and directories of checkpoints: atomic commits, the ``latest`` pointer, keep-last-K, checksums.
 
-A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes every
-file and directory to disk, then renames it into place (one atomic ``rename`` on POSIX file systems) and
-atomically replaces the ``latest`` pointer file. A process killed at any point leaves the previous
-checkpoints and ``latest`` as they were; its temporary directory is ignored by loads and removed by the
-next save. Old checkpoints are first renamed out of the way, then deleted, so a half-deleted one never
-looks like a checkpoint.
+A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes it to disk,
+renames it into place (atomic on POSIX) and atomically replaces the ``latest`` pointer file, so a process
+killed at any point leaves the previous checkpoints and ``latest`` as they were. Hidden ``.tmp-`` entries are
+ignored by loads and removed by the next save; old checkpoints are renamed away before they are deleted.
 """
 
 from __future__ import annotations
@@ -16,17 +14,15 @@ import shutil
 import uuid
 import zlib
 from pathlib import Path
+from typing import Any
 
 from optstack.checkpoint.format import MANIFEST
 
-__all__ = [
-    "LATEST", "checkpoint_name", "temp_dir_beside", "fsync_path", "fsync_tree", "commit_dir",
-    "write_latest", "resolve_checkpoint", "prune", "remove_stale", "file_checksum",
-]
+__all__ = ["LATEST", "checkpoint_name", "make_temp", "fsync_path", "fsync_tree", "write_synced", "commit_dir",
+           "write_latest", "resolve_checkpoint", "prune", "file_checksum"]
 
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d+)$")
-_CHUNK = 1 << 23  # bytes read at a time while checksumming
 
 
 def checkpoint_name(step: int) -> str:
@@ -36,10 +32,31 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def temp_dir_beside(target: Path) -> Path:
-    """A new empty directory in ``target``'s parent, named so loads ignore it and saves clean it up."""
-    path = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
-    path.mkdir(parents=False)
+def _refuse_existing(target: Path) -> None:
+    if target.exists():
+        raise ValueError(f"checkpoint {target} already exists; checkpoints are never overwritten: delete it or "
+                         "save under another step")
+
+
+def _hidden(path: Path, tag: str = "") -> Path:
+    """A fresh name beside ``path`` that loads ignore and the next save removes."""
+    return path.parent / f".{path.name}.tmp-{tag}{uuid.uuid4().hex[:12]}"
+
+
+def make_temp(target: Path) -> Path:
+    """A new empty directory beside ``target`` (``ValueError`` if ``target`` exists), after clearing what
+    killed saves left in its parent."""
+    root = target.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name.startswith((".step_", f".{LATEST}.tmp-")) and ".tmp-" in entry.name:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    _refuse_existing(target)
+    path = _hidden(target)
+    path.mkdir()
     return path
 
 
@@ -60,37 +77,31 @@ def fsync_tree(path: Path) -> None:
         fsync_path(Path(root))
 
 
-def commit_dir(temp: Path, target: Path) -> None:
-    """Rename the finished ``temp`` to ``target`` and flush the parent directory.
+def write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
-    Raises:
-        ValueError: ``target`` exists (checkpoints are never overwritten in place).
-    """
-    if target.exists():
-        raise ValueError(f"checkpoint {target} already exists; checkpoints are never overwritten: delete it or "
-                         "save under another step")
+
+def commit_dir(temp: Path, target: Path) -> None:
+    """Rename the finished ``temp`` to ``target`` (never over an existing one) and flush the parent."""
+    _refuse_existing(target)
     os.rename(temp, target)
     fsync_path(target.parent)
 
 
 def write_latest(root: Path, name: str) -> None:
     """Point ``root/latest`` at checkpoint ``name``: written aside, flushed, renamed over the old pointer."""
-    temp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:12]}"
-    with open(temp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    temp = _hidden(root / LATEST)
+    write_synced(temp, name + "\n")
     os.replace(temp, root / LATEST)
     fsync_path(root)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory ``path`` names: itself when it holds a manifest, else the one its ``latest``
-    pointer names.
-
-    Raises:
-        ValueError: neither, or ``latest`` names a checkpoint that does not exist.
-    """
+    pointer names; ``ValueError`` when neither exists."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
@@ -106,50 +117,24 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     return path / name
 
 
-def _checkpoints(root: Path) -> list[tuple[int, Path]]:
-    found = []
-    for entry in root.iterdir():
-        match = _NAME.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def _remove(path: Path) -> None:
-    # Rename first: a crash mid-delete then leaves a hidden directory, never a damaged checkpoint.
-    trash = path.parent / f".{path.name}.tmp-deleting-{uuid.uuid4().hex[:8]}"
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
-    """Delete all but the ``keep_last`` newest checkpoints in ``root`` (never ``keep``); returns the deleted."""
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    found = [p for _, p in _checkpoints(root)]
-    doomed = [p for p in found[: max(len(found) - keep_last, 0)] if p.resolve() != keep.resolve()]
+def prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints in ``root`` (never ``keep``)."""
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+    doomed = [p for _, p in found[: max(len(found) - keep_last, 0)] if p.resolve() != keep.resolve()]
     for path in doomed:
-        _remove(path)
+        # Rename first: a crash mid-delete then leaves a hidden directory, never a damaged checkpoint.
+        trash = _hidden(path, "deleting-")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
     if doomed:
         fsync_path(root)
-    return doomed
 
 
-def remove_stale(root: Path) -> None:
-    """Delete temporary directories and pointer files left in ``root`` by saves that were killed."""
-    for entry in root.iterdir():
-        if entry.name.startswith((".step_", f".{LATEST}.tmp-")) and ".tmp-" in entry.name:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-
-
-def file_checksum(path: Path) -> tuple[int, str]:
-    """(size in bytes, CRC-32 as 8 hex digits) of a file, read in chunks."""
+def file_checksum(path: Path) -> dict[str, Any]:
+    """A file's manifest entry, read in chunks: ``{"bytes": size, "crc32": CRC-32 as 8 hex digits}``."""
     crc, size = 0, 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
-    return size, f"{crc:08x}"
+    return {"bytes": size, "crc32": f"{crc:08x}"}

@@ -1,16 +1,12 @@
-"""Name-keyed optimizer state: collect it from the stages, plan who writes what, check a checkpoint against
-an optimizer, and give it back to the stages.
-
-Everything here but ``collect`` / ``distribute`` is pure: plans and checks are functions of tables every
-rank has (gathered by the caller over ``Comm``), so every rank reaches the same plan and the same verdict
-without talking.
-
-Stages speak ``Stage.param_shards`` / ``load_param_shards`` (``ParamShard``).
+"""Name-keyed optimizer state (``ParamShard``s from ``Stage.param_shards``): plan who writes what and check a
+checkpoint against an optimizer. All but ``collect`` is pure: functions of tables every rank has (gathered
+by the caller over ``Comm``), so every rank reaches the same plan and verdict without talking.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,18 +14,18 @@ from typing import Any
 
 import torch
 
+from optstack._bytes import tensor_bytes
 from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scalar, identity_of, settings_of
 from optstack.groups import group_map as core_group_map
 from optstack.protocol import ParamShard
 from optstack.stage import Stage
 
-__all__ = [
-    "HeldParam", "SavePlan", "collect", "distribute", "describe", "plan_save", "check_load", "group_map",
-    "restore_group_settings",
-]
+__all__ = ["HeldParam", "SavePlan", "collect", "describe", "plan_save", "check_load",
+           "group_map", "restore_group_settings"]
 
 _MAX_NAMED = 8  # names listed in one error line before "and N more"
 _MAX_LINES = 20  # lines of differences in one error
+ModelTable = Mapping[str, tuple[tuple[int, ...], str]]  # model key -> (shape, dtype name)
 
 
 @dataclass(frozen=True)
@@ -46,63 +42,37 @@ class HeldParam:
     settings: dict[str, Any]
     fingerprint: str = ""  # of the 'param' values: ranks holding one range must hold the same numbers
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
 
-
-# -- stages <-> ParamShard ------------------------------------------------------------------------------
 def collect(stages: Sequence[Stage]) -> list[dict[str, ParamShard]]:
-    """Each stage's ``ParamShard``s on this rank, by parameter name.
-
-    Raises:
-        ValueError: a stage cannot be checkpointed by name, or one name is in two stages.
-    """
+    """Each stage's ``ParamShard``s on this rank, by parameter name; ``ValueError`` if a name is in two."""
     out: list[dict[str, ParamShard]] = []
     seen: dict[str, int] = {}
     for index, stage in enumerate(stages):
-        shards = stage.param_shards()
-        for name in shards:
+        out.append(stage.param_shards())
+        for name in out[-1]:
             if seen.setdefault(name, index) != index:
                 raise ValueError(f"parameter {name!r} is in stages[{seen[name]}] and stages[{index}]; "
                                  "checkpoints key state by parameter name, so names must be unique")
-        out.append(shards)
     return out
 
 
-def distribute(stages: Sequence[Stage], per_stage: Sequence[Mapping[str, ParamShard]]) -> None:
-    """Load each stage's ``ParamShard``s (already checked to fit); collective, as ``load_param_shards``."""
-    for stage, shards in zip(stages, per_stage, strict=True):
-        stage.load_param_shards(shards)
-
-
-def restore_group_settings(shards: Mapping[str, ParamShard], groups: Sequence[Mapping[str, Any]],
-                           group_of: Mapping[str, int]) -> None:
-    """Write the saved ``lr`` and ``weight_decay`` into the live group of each held parameter."""
+def restore_group_settings(shards: Mapping[str, ParamShard], settings: Mapping[str, Mapping[str, Any]]) -> None:
+    """Write ``settings[name]``'s ``lr`` and ``weight_decay`` into the live group of each held parameter."""
     for name, shard in shards.items():
-        saved = groups[group_of[name]]["settings"]
-        live = shard.group
         for key in ("lr", "weight_decay"):
-            value = saved.get(key)
-            if key not in live or not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            if isinstance(live[key], torch.Tensor):
-                live[key].fill_(value)
-            else:
-                live[key] = value  # type: ignore[index]
+            value, live = settings[name].get(key), shard.group
+            if key in live and isinstance(value, int | float) and not isinstance(value, bool):
+                if isinstance(live[key], torch.Tensor):
+                    live[key].fill_(value)
+                else:
+                    live[key] = value  # type: ignore[index]
 
 
-# -- tables ---------------------------------------------------------------------------------------------
 def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
     """The data-free table of ``shards``, after checking each is well formed."""
     out = {}
     for name, s in shards.items():
-        numel = 1
-        for d in s.shape:
-            numel *= d
+        numel = math.prod(s.shape)
         if not 0 <= s.start <= s.end <= numel or "param" not in s.tensors:
             raise ValueError(f"the state of {name!r} holds [{s.start}, {s.end}) of {numel} elements with keys "
                              f"{sorted(s.tensors)}; need a range inside the parameter and a 'param'")
@@ -118,15 +88,9 @@ def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
 
 
 def _fingerprint(values: torch.Tensor) -> str:
-    """CRC-32 of the bits of about 1024 evenly spaced elements: cheap, exact and the same on every rank for
-    the same numbers (a sum would depend on the thread count), and two different tensors (two experts under
-    one name) differ in almost every element."""
-    sample = values.detach()[:: max(1, values.numel() // 1024)].contiguous().view(torch.uint8)
-    # The bytes without numpy (not a core dependency): torch copies them into a bytearray, from any device.
-    data = bytearray(sample.numel())
-    if data:  # torch.frombuffer refuses an empty buffer; an empty shard's CRC is crc32(b"") as before
-        torch.frombuffer(data, dtype=torch.uint8).copy_(sample)
-    return f"{zlib.crc32(data):08x}"
+    """CRC-32 of the bits of ~1024 evenly spaced elements: cheap, exact, the same on every rank for the same
+    numbers (a sum would depend on the thread count); two experts under one name differ almost everywhere."""
+    return f"{zlib.crc32(tensor_bytes(values[:: max(1, values.numel() // 1024)])):08x}"
 
 
 @dataclass(frozen=True)
@@ -140,20 +104,10 @@ class SavePlan:
     model_writes: list[list[str]]  # per rank: model keys it writes
 
 
-def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:_MAX_NAMED])
-    return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
-
-
-def plan_save(tables: Sequence[Mapping[str, HeldParam]],
-              model_tables: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None) -> SavePlan:
-    """Deduplicate what ranks hold in common (replicated state is written once), balance the writes by
-    bytes, and check that the ranks' ranges tile every parameter exactly.
-
-    Raises:
-        ValueError: ranks disagree on a parameter's shape, dtypes or group, or its ranges overlap or
-            leave a gap.
-    """
+def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[ModelTable] | None) -> SavePlan:
+    """Deduplicate what ranks hold in common (replicated state and the model are written once), balance the
+    writes by bytes, and check that the ranks' ranges tile every parameter exactly; ``ValueError`` when ranks
+    disagree on a parameter's shape, dtypes or group or on the model, or when ranges overlap or leave a gap."""
     first: dict[str, HeldParam] = {}
     holders: dict[tuple[str, int, int], list[int]] = {}
     for rank, table in enumerate(tables):
@@ -165,78 +119,66 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]],
                                      f"{getattr(held, field)} (rank {rank})")
             if held.end > held.start:
                 ranks = holders.setdefault((name, held.start, held.end), [])
-                other = tables[ranks[0]][name] if ranks else held
-                if other.fingerprint != held.fingerprint:
+                if ranks and tables[ranks[0]][name].fingerprint != held.fingerprint:
                     raise ValueError(
                         f"ranks {ranks[0]} and {rank} hold different values for elements [{held.start}, "
                         f"{held.end}) of {name!r}; names must be unique across ranks (e.g. experts named by "
                         "their global index when expert-parallel)")
                 ranks.append(rank)
-    for name, held in first.items():
-        ranges = sorted((s, e) for (n, s, e) in holders if n == name)
-        ends = [0] + [e for _, e in ranges]
-        if any(s != ends[i] for i, (s, _) in enumerate(ranges)) or ends[-1] != held.numel:
-            raise ValueError(f"the ranks' ranges of {name!r} ({ranges}) do not tile its {held.numel} elements "
-                             "exactly once")
-    load = [0] * len(tables)
+    load = [0] * len(tables)  # bytes each rank writes: the next item goes to the least loaded holder
     writes: list[list[tuple[str, int, int]]] = [[] for _ in tables]
     chunks: dict[str, list[list[int]]] = {name: [] for name in first}
-    bytes_per = {n: sum(dtype_from_name(d).itemsize for d in h.dtypes.values())
-                 for n, h in first.items()}
-    for (name, start, end), ranks in sorted(holders.items(), key=lambda kv: (-(kv[0][2] - kv[0][1]), kv[0])):
+    for (name, start, end), ranks in sorted(holders.items(), key=lambda kv: (kv[0][1] - kv[0][2], kv[0])):
         writer = min(ranks, key=lambda r: (load[r], r))
-        load[writer] += (end - start) * bytes_per[name]
+        load[writer] += (end - start) * sum(dtype_from_name(d).itemsize for d in first[name].dtypes.values())
         writes[writer].append((name, start, end))
         chunks[name].append([writer, start, end])
-    groups: list[dict[str, Any]] = []
-    index_of: dict[str, int] = {}
+    groups: dict[str, dict[str, Any]] = {}  # by identity and settings, in order of first use
     params: dict[str, dict[str, Any]] = {}
     for name, held in first.items():
+        ranges, numel = sorted((s, e) for _, s, e in chunks[name]), math.prod(held.shape)
+        ends = [0] + [e for _, e in ranges]
+        if any(s != ends[i] for i, (s, _) in enumerate(ranges)) or ends[-1] != numel:
+            raise ValueError(f"the ranks' ranges of {name!r} ({ranges}) do not tile its {numel} elements "
+                             "exactly once")
         key = json.dumps([held.identity, held.settings], sort_keys=True)
-        if key not in index_of:
-            index_of[key] = len(groups)
-            groups.append({"identity": held.identity, "settings": held.settings})
+        groups.setdefault(key, {"identity": held.identity, "settings": held.settings})
         params[name] = {"shape": list(held.shape), "dtypes": held.dtypes, "scalars": held.scalars,
-                        "group": index_of[key], "chunks": sorted(chunks[name], key=lambda c: c[1])}
-    model, model_writes = _plan_model(model_tables, load)
-    return SavePlan(params, groups, model, writes, model_writes)
+                        "group": list(groups).index(key), "chunks": sorted(chunks[name], key=lambda c: c[1])}
+    model, model_writes = None, [[] for _ in tables]  # model tensors are replicated: one writer each
+    if model_tables is not None:
+        ref = dict(model_tables[0])
+        for rank, table in enumerate(model_tables):
+            if dict(table) != ref:
+                raise ValueError(f"rank {rank}'s model differs from rank 0's: "
+                                 f"{sorted(set(table.items()) ^ set(ref.items()))[:_MAX_NAMED]}")
+        sizes = {k: math.prod(s) * dtype_from_name(d).itemsize for k, (s, d) in ref.items()}
+        rank_of = {}
+        for key in sorted(ref, key=lambda k: (-sizes[k], k)):
+            rank_of[key] = writer = min(range(len(tables)), key=lambda r: (load[r], r))
+            load[writer] += sizes[key]
+            model_writes[writer].append(key)
+        model = {k: {"shape": list(s), "dtype": d, "rank": rank_of[k]} for k, (s, d) in ref.items()}
+    return SavePlan(params, list(groups.values()), model, writes, model_writes)
 
 
-def _plan_model(model_tables: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None,
-                load: list[int]) -> tuple[dict[str, dict[str, Any]] | None, list[list[str]]]:
-    """Model tensors are replicated: each is written by one rank, balancing the bytes."""
-    if model_tables is None:
-        return None, [[] for _ in load]
-    ref = model_tables[0]
-    for rank, table in enumerate(model_tables):
-        if dict(table) != dict(ref):
-            differ = sorted(set(table.items()) ^ set(ref.items()))
-            raise ValueError(f"rank {rank}'s model differs from rank 0's: {differ[:_MAX_NAMED]}")
-    model: dict[str, dict[str, Any]] = {}
-    writes: list[list[str]] = [[] for _ in load]
-    sizes = {k: torch.Size(s).numel() * dtype_from_name(d).itemsize for k, (s, d) in ref.items()}
-    for key in sorted(ref, key=lambda k: (-sizes[k], k)):
-        writer = min(range(len(load)), key=lambda r: (load[r], r))
-        load[writer] += sizes[key]
-        writes[writer].append(key)
-        shape, dtype = ref[key]
-        model[key] = {"shape": list(shape), "dtype": dtype, "rank": writer}
-    return {k: model[k] for k in ref}, writes
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_MAX_NAMED])
+    return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
 
 
-# -- loading --------------------------------------------------------------------------------------------
-def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam],
-               model: Mapping[str, tuple[tuple[int, ...], str]] | None) -> list[str]:
+def _only(these: Mapping[str, Any], others: Mapping[str, Any], line: str) -> list[str]:
+    """``line`` (with ``{n}`` and ``{names}``) about the keys of ``these`` not in ``others``, if any."""
+    names = [k for k in these if k not in others]
+    return [line.format(n=len(names), names=_names(names))] if names else []
+
+
+def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model: ModelTable | None) -> list[str]:
     """Every difference between a checkpoint and the optimizer (``held``: every rank's parameters) and,
     when given, the model's tensors; empty when they fit."""
-    errors = []
     saved = manifest["params"]
-    extra = [n for n in saved if n not in held]
-    missing = [n for n in held if n not in saved]
-    if extra:
-        errors.append(f"the checkpoint has {len(extra)} parameters this optimizer does not: {_names(extra)}")
-    if missing:
-        errors.append(f"this optimizer has {len(missing)} parameters the checkpoint does not: {_names(missing)}")
+    errors = _only(saved, held, "the checkpoint has {n} parameters this optimizer does not: {names}")
+    errors += _only(held, saved, "this optimizer has {n} parameters the checkpoint does not: {names}")
     regrouped: dict[str, list[str]] = {}  # one line per kind of group difference, naming the parameters
     for name, h in held.items():
         entry = saved.get(name)
@@ -257,28 +199,16 @@ def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam],
         many = len(names) > 1
         errors.append(f"parameter{'s' if many else ''} {_names(names)} {'are' if many else 'is'} in a different "
                       f"group: {diff}")
-    if model is not None:
-        errors += _check_model(manifest.get("model"), model)
+    if model is not None and (stored := manifest.get("model")) is None:
+        errors.append("a model was given but the checkpoint holds no model tensors (save with model=...)")
+    elif model is not None:
+        errors += _only(stored, model, "the checkpoint has model tensors this model does not: {names}")
+        errors += _only(model, stored, "this model has tensors the checkpoint does not: {names}")
+        errors += [f"model tensor {key!r} is {tuple(e['shape'])} {e['dtype']} in the checkpoint, {shape} {dtype} here"
+                   for key, (shape, dtype) in model.items()
+                   if (e := stored.get(key)) is not None and (tuple(e["shape"]), e["dtype"]) != (shape, dtype)]
     if len(errors) > _MAX_LINES:
         errors = errors[:_MAX_LINES] + [f"... and {len(errors) - _MAX_LINES} more differences"]
-    return errors
-
-
-def _check_model(saved: Mapping[str, Any] | None, model: Mapping[str, tuple[tuple[int, ...], str]]) -> list[str]:
-    if saved is None:
-        return ["a model was given but the checkpoint holds no model tensors (save with model=...)"]
-    errors = []
-    extra = [k for k in saved if k not in model]
-    missing = [k for k in model if k not in saved]
-    if extra:
-        errors.append(f"the checkpoint has model tensors this model does not: {_names(extra)}")
-    if missing:
-        errors.append(f"this model has tensors the checkpoint does not: {_names(missing)}")
-    for key, (shape, dtype) in model.items():
-        entry = saved.get(key)
-        if entry is not None and (tuple(entry["shape"]), entry["dtype"]) != (shape, dtype):
-            errors.append(f"model tensor {key!r} is {tuple(entry['shape'])} {entry['dtype']} in the checkpoint, "
-                          f"{shape} {dtype} here")
     return errors
 
 

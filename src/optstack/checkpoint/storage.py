@@ -1,18 +1,15 @@
 """torch.distributed.checkpoint (DCP) as the storage engine: flat 1-D chunks at offsets.
 
-Each rank writes its chunks into its own DCP directory (``rank_00000/``): a 1-D tensor per key, with DCP
-metadata saying it is elements ``[start, end)`` of a tensor of the parameter's numel. Reading asks DCP for
-a range of that flat tensor; DCP's resharding code finds the overlap with the stored chunk and reads only
-the items needed. Ranks never talk to each other here: DCP runs without a process group (``no_dist``), and
-the coordination (who writes what, the manifest, the commit) is the checkpoint's, over ``Comm``. So the
-same code saves from one process or many, and collectives stay in ``distributed/comm.py``.
+Each rank writes its own DCP directory (``rank_00000/``): per key, a 1-D chunk that DCP's metadata places at
+``[start, end)`` of a flat tensor of the parameter's numel; a read asks for a range and DCP reads only the
+overlapping items. DCP runs without a process group (``no_dist``): who writes what, the manifest and the
+commit are coordinated over ``Comm``, so collectives stay in ``distributed/comm.py``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,44 +33,37 @@ class Chunk:
     start: int
     size: int
 
+    def meta(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([self.tensor.numel()]))
+
 
 def rank_dir_name(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-class _ChunkSavePlanner(DefaultSavePlanner):
-    """Writes each ``Chunk`` as a shard of its flat tensor (DCP chunk metadata: offset and length)."""
-
+class _Chunks:
     def __init__(self, chunks: list[Chunk]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # type: ignore[call-arg]
         self._chunks = {c.key: c for c in chunks}
 
+
+class _ChunkSavePlanner(_Chunks, DefaultSavePlanner):
+    """Writes each ``Chunk`` as a shard of its flat tensor (DCP chunk metadata: offset and length)."""
+
     def create_local_plan(self) -> SavePlan:
-        items = []
-        for chunk in self._chunks.values():
-            t = chunk.tensor
-            items.append(WriteItem(
-                index=MetadataIndex(chunk.key, torch.Size([chunk.start])),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size([chunk.start]), sizes=torch.Size([t.numel()])),
-                    properties=TensorProperties.create_from_tensor(t),
-                    size=torch.Size([chunk.size]),
-                ),
-            ))
-        self.plan = SavePlan(items)
+        self.plan = SavePlan([WriteItem(
+            index=MetadataIndex(c.key, torch.Size([c.start])), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=c.meta(), properties=TensorProperties.create_from_tensor(c.tensor),
+                                        size=torch.Size([c.size])),
+        ) for c in self._chunks.values()])
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return self._chunks[index.fqn].tensor
 
 
-class _ChunkLoadPlanner(DefaultLoadPlanner):
+class _ChunkLoadPlanner(_Chunks, DefaultLoadPlanner):
     """Reads ranges of flat tensors into the given destinations (only the stored items that overlap)."""
-
-    def __init__(self, chunks: list[Chunk]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._chunks = {c.key: c for c in chunks}
 
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is None:  # DCP sets it before planning
@@ -83,47 +73,30 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
             stored = self.metadata.state_dict_metadata.get(chunk.key)
             if stored is None:
                 raise ValueError(f"{chunk.key!r} is not in this DCP directory")
-            wanted = ChunkStorageMetadata(offsets=torch.Size([chunk.start]),
-                                          sizes=torch.Size([chunk.tensor.numel()]))
-            items += create_read_items_for_chunk_list(chunk.key, stored, [wanted])
+            items += create_read_items_for_chunk_list(chunk.key, stored, [chunk.meta()])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._chunks[index.fqn].tensor
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
+def _dcp(run: Any, **kwargs: Any) -> None:
     # DCP warns that it runs without a process group: that is the design here (module docstring).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
-        yield
+        run({}, no_dist=True, **kwargs)
 
 
 def write_chunks(directory: Path, chunks: list[Chunk]) -> None:
     """Write ``chunks`` as one DCP checkpoint in ``directory`` (created), every file flushed to disk."""
-    tensors = [c for c in chunks if c.tensor.numel() > 0]
-    with _quiet():
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, sync_files=True, overwrite=False),
-                 planner=_ChunkSavePlanner(tensors), no_dist=True)
+    _dcp(dcp.save, storage_writer=dcp.FileSystemWriter(directory, sync_files=True, overwrite=False),
+         planner=_ChunkSavePlanner([c for c in chunks if c.tensor.numel() > 0]))
 
 
-def read_chunks(directory: Path, chunks: list[Chunk]) -> None:
-    """Fill each chunk's destination tensor with its range, read from the DCP checkpoint in ``directory``."""
-    wanted = [c for c in chunks if c.tensor.numel() > 0]
-    if not wanted:
-        return
-    with _quiet():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=_ChunkLoadPlanner(wanted),
-                 no_dist=True)
-
-
-def stored_ranges(directory: Path) -> Mapping[str, list[tuple[int, int]]]:
-    """Every key's stored ``(start, end)`` ranges in a DCP directory (for checks and tests)."""
-    metadata = dcp.FileSystemReader(directory).read_metadata()
-    out: dict[str, list[tuple[int, int]]] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        chunks = getattr(md, "chunks", [])
-        out[key] = [(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks]
-    return out
+def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]]) -> None:
+    """Fill each chunk's destination with its range, from the DCP directory in ``checkpoint`` of its rank."""
+    for rank, chunks in sorted(by_rank.items()):
+        if wanted := [c for c in chunks if c.tensor.numel() > 0]:
+            _dcp(dcp.load, storage_reader=dcp.FileSystemReader(checkpoint / rank_dir_name(rank)),
+                 planner=_ChunkLoadPlanner(wanted))
