@@ -516,7 +516,7 @@ def test_bad_input() -> None:
         stage.load_state_dict({"kind": "mixed"})
     state = stage.state_dict()
     other = {**state, "params": {n: {**e, "start": e["start"] + 1} for n, e in state["params"].items()}}
-    with pytest.raises(ValueError, match=r"covers \[1, .*this rank needs \[0, "):  # another rank's range
+    with pytest.raises(ValueError, match=r"covers elements \[1, .*this rank needs \[0, "):  # another rank's range
         stage.load_state_dict(other)
 
 

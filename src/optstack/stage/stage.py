@@ -227,20 +227,7 @@ class Stage:
             raise ValueError(f"{self.name}: the state dict has no state for {missing[:8]}"
                              + (f" but state for {unknown[:8]}" if unknown else "")
                              + "; it is from another model, grouping or rank")
-        for piece, stepped in zip(self.pieces, self._stepped, strict=True):
-            shard = shards[piece.name]
-            fits = shard.start <= piece.start <= piece.end <= shard.end
-            if tuple(shard.shape) != tuple(piece.param.shape) or not fits:
-                raise ValueError(
-                    f"{self.name}: the state of {piece.name!r} covers [{shard.start}, {shard.end}) of shape "
-                    f"{tuple(shard.shape)}; this rank needs [{piece.start}, {piece.end}) of shape "
-                    f"{tuple(piece.param.shape)} (load another data-parallel size through a checkpoint)")
-            for key, tensor in shard.tensors.items():
-                current = self.optimizer.state.get(stepped, {}).get(key)
-                if isinstance(tensor, torch.Tensor) and isinstance(current, torch.Tensor) \
-                        and tensor.numel() != current.numel() and current.numel() == piece.end - piece.start:
-                    raise ValueError(f"{self.name}: state {key!r} of {piece.name!r} has {tensor.numel()} elements "
-                                     f"in the state dict, expected {current.numel()}")
+        load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
         settings = state_dict["groups"]
         if any(not isinstance(s, dict) for s in settings):
             raise ValueError(f"{self.name}: the state dict's 'groups' must be dicts of settings")

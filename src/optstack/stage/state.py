@@ -45,10 +45,10 @@ def shards_of(optimizer: torch.optim.Optimizer, pieces: Sequence[Piece]) -> dict
 
 
 def load_into(owner: str, optimizer: torch.optim.Optimizer, pieces: Sequence[Piece],
-              shards: Mapping[str, ParamShard]) -> None:
+              shards: Mapping[str, ParamShard], *, apply: bool = True) -> None:
     """Load ``shards`` into ``optimizer`` (described by ``pieces``, as for ``shards_of``): each piece's
     range is cut out of its parameter's shard, ``"param"`` copied into the stepped tensor, the rest made the
-    optimizer's state (replacing it). Names not held are ignored.
+    optimizer's state (replacing it). Names not held are ignored. ``apply=False`` only checks.
 
     Raises:
         ValueError: naming ``owner`` and the parameter, when a piece has no shard (or no ``"param"``), a
@@ -65,7 +65,8 @@ def load_into(owner: str, optimizer: torch.optim.Optimizer, pieces: Sequence[Pie
         if tuple(shard.shape) != shape or not shard.start <= piece.start <= piece.end <= shard.end:
             raise ValueError(
                 f"{owner}: the state of {piece.name!r} covers elements [{shard.start}, {shard.end}) of shape "
-                f"{tuple(shard.shape)}; this rank needs [{piece.start}, {piece.end}) of shape {shape}")
+                f"{tuple(shard.shape)}; this rank needs [{piece.start}, {piece.end}) of shape {shape} (load "
+                "another data-parallel size or layout through a checkpoint)")
         lo = piece.start - shard.start
         loaded = {}
         for key, tensor in shard.tensors.items():
@@ -78,12 +79,17 @@ def load_into(owner: str, optimizer: torch.optim.Optimizer, pieces: Sequence[Pie
             current = optimizer.state.get(inner, {}).get(key)
             if isinstance(current, torch.Tensor) and current.dtype.is_floating_point != tensor.is_floating_point():
                 raise ValueError(f"{owner}: {key!r} of {piece.name!r} is {tensor.dtype}, here {current.dtype}")
-            part = tensor.reshape(-1)[lo : lo + piece.end - piece.start].view(inner.shape)
-            loaded[key] = part.to(inner.device, copy=True)
+            if apply:
+                part = tensor.reshape(-1)[lo : lo + piece.end - piece.start].view(inner.shape)
+                loaded[key] = part.to(inner.device, copy=True)
+        if not apply:
+            continue
         values.append((inner, loaded.pop("param")))
         loaded.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in shard.scalars.items()})
         if loaded:
             per_param[index] = loaded
+    if not apply:
+        return
     saved = optimizer.state_dict()
     saved["state"] = per_param
     optimizer.load_state_dict(saved)
