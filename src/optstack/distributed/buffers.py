@@ -1,24 +1,17 @@
 """Contiguous parameter and gradient buffers, their buckets, and the range plan that shards them.
 
-Parameters are laid out in *backward* order (the reverse of the module's registration order, as in
-Megatron), so the first bucket fills first during backward and its reduction can start early. There is one
-buffer per (param dtype, grad dtype, dense/expert); a bf16 model may keep an fp32 gradient buffer.
+One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (the reverse of
+registration, as in Megatron) so the first bucket fills first in backward. ``BufferLayout.plan`` (pure):
 
-Layout rules (``BufferLayout.plan``, pure, no tensors):
+- each parameter starts at a multiple of ``param_align`` elements (default 64: 256 B of fp32);
+- buckets are cut at parameter boundaries, taking parameters while they fit in ``bucket_size`` elements (a
+  larger parameter gets a bucket of its own; ``bucket_size=None`` makes one bucket);
+- each bucket is zero-padded to a multiple of ``dp_size * shard_align`` (default 128), so it splits into
+  ``dp_size`` equal, aligned shards: rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across
+  parameters; ``owned_slices(bucket, rank)`` is each parameter's part of it, what ZeRO-1 builds views from.
 
-- Each parameter starts at a multiple of ``param_align`` elements (default 64: 256 B of fp32), so views
-  handed to kernels are aligned.
-- Buckets are cut at parameter boundaries: a bucket takes parameters while they fit in ``bucket_size``
-  elements; a parameter larger than ``bucket_size`` gets a bucket of its own. ``bucket_size=None`` makes
-  one bucket.
-- Each bucket is padded so its length is a multiple of ``dp_size * shard_align`` (default 128): it splits into
-  ``dp_size`` equal shards whose length and start are multiples of 128 elements. Padding stays zero.
-- The range plan: rank ``r`` owns ``[r * shard, (r + 1) * shard)`` of every bucket; ranges cut across
-  parameters. ``owned_slices(bucket, rank)`` lists, per parameter, the part inside that range: exactly what
-  a ZeRO-1 optimizer needs to build shard views of parameters, gradients and fp32 masters.
-
-``ParamAndGradBuffer`` allocates the two flat tensors of one layout and makes every parameter a view into
-the parameter buffer (values kept). No collectives here.
+``ParamAndGradBuffer`` allocates one layout's two flat tensors and makes every parameter a view into the
+parameter buffer (values kept). No collectives here.
 """
 
 from __future__ import annotations
@@ -56,8 +49,8 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class BucketSlot:
-    """One bucket: buffer elements ``[offset, offset + numel)``; ``numel`` includes the padding and is
-    ``dp_size * shard_numel``. ``param_names`` in buffer (backward) order."""
+    """One bucket: buffer elements ``[offset, offset + numel)``, padding included (``numel`` is
+    ``dp_size * shard_numel``); ``param_names`` in buffer (backward) order."""
 
     index: int
     offset: int
@@ -72,14 +65,8 @@ class BucketSlot:
 
 @dataclass(frozen=True)
 class OwnedSlice:
-    """The part of one parameter inside one rank's owned range of a bucket.
-
-    Attributes:
-        name: the parameter.
-        param_start, param_end: the range ``[param_start, param_end)`` of the flattened parameter.
-        buffer_start: where ``param_start`` sits in the buffer.
-        shard_start: where ``param_start`` sits in the rank's shard of the bucket (0 .. shard_numel).
-    """
+    """The part ``[param_start, param_end)`` of one flattened parameter inside one rank's owned range of a
+    bucket; ``buffer_start`` / ``shard_start``: where ``param_start`` sits in the buffer / the rank's shard."""
 
     name: str
     param_start: int
@@ -94,7 +81,7 @@ class OwnedSlice:
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """The pure plan of one buffer (see the module docstring); build it with ``BufferLayout.plan``."""
+    """The pure plan of one buffer (module docstring); build it with ``BufferLayout.plan``."""
 
     params: tuple[ParamSlot, ...]
     buckets: tuple[BucketSlot, ...]
@@ -118,30 +105,28 @@ class BufferLayout:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"parameter names must be unique; {dup!r} appears twice")
-        bucket_multiple = dp_size * shard_align
+        multiple = dp_size * shard_align
         slots: list[ParamSlot] = []
         buckets: list[BucketSlot] = []
-        bucket_start, offset, members = 0, 0, []
+        start, offset, members = 0, 0, []  # the open bucket's start, the next free element, its parameters
 
         def close() -> None:
-            nonlocal bucket_start, offset, members
-            end = max(_align_up(offset, bucket_multiple), bucket_start + bucket_multiple)
-            buckets.append(BucketSlot(len(buckets), bucket_start, end - bucket_start,
-                                      (end - bucket_start) // dp_size, tuple(members)))
-            bucket_start, offset, members = end, end, []
+            nonlocal start, offset, members
+            end = max(_align_up(offset, multiple), start + multiple)
+            buckets.append(BucketSlot(len(buckets), start, end - start, (end - start) // dp_size, tuple(members)))
+            start, offset, members = end, end, []
 
         for name, shape in params:
-            numel = math.prod(shape)
-            start = _align_up(offset, param_align)
-            if members and bucket_size is not None and start + numel - bucket_start > bucket_size:
+            numel, at = math.prod(shape), _align_up(offset, param_align)
+            if members and bucket_size is not None and at + numel - start > bucket_size:
                 close()
-                start = _align_up(offset, param_align)
-            slots.append(ParamSlot(name, tuple(int(s) for s in shape), start, numel, len(buckets)))
+                at = _align_up(offset, param_align)
+            slots.append(ParamSlot(name, tuple(int(s) for s in shape), at, numel, len(buckets)))
             members.append(name)
-            offset = start + numel
+            offset = at + numel
         if members:
             close()
-        return cls(tuple(slots), tuple(buckets), bucket_start, dp_size)
+        return cls(tuple(slots), tuple(buckets), start, dp_size)
 
     @cached_property
     def _by_name(self) -> dict[str, ParamSlot]:
@@ -162,17 +147,14 @@ class BufferLayout:
         return rank * shard, (rank + 1) * shard
 
     def owned_slices(self, bucket: int, rank: int) -> tuple[OwnedSlice, ...]:
-        """Per parameter of ``bucket``, its part inside ``rank``'s owned range (parameters that do not
-        intersect it are left out), in buffer order."""
+        """Per parameter of ``bucket`` that intersects ``rank``'s owned range, its part of it (buffer order)."""
         b = self.buckets[bucket]
-        lo, hi = self.owned_range(bucket, rank)
-        lo, hi = lo + b.offset, hi + b.offset
+        lo, hi = (b.offset + x for x in self.owned_range(bucket, rank))
         out = []
-        for name in b.param_names:
-            p = self._by_name[name]
+        for p in (self._by_name[name] for name in b.param_names):
             start, end = max(p.offset, lo), min(p.end, hi)
             if start < end:
-                out.append(OwnedSlice(name, start - p.offset, end - p.offset, start, start - lo))
+                out.append(OwnedSlice(p.name, start - p.offset, end - p.offset, start, start - lo))
         return tuple(out)
 
 
@@ -223,35 +205,27 @@ class ParamAndGradBuffer:
                 raise ValueError(f"a buffer holds one dtype on one device; {name!r} is {p.dtype} on "
                                  f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
         self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert)
-        self.layout = BufferLayout.plan(
-            [(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size, bucket_size=bucket_size,
-            shard_align=shard_align, param_align=param_align,
-        )
+        self.layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
+                                        bucket_size=bucket_size, shard_align=shard_align, param_align=param_align)
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)
         self.grad_data = torch.zeros(self.layout.numel, dtype=self.key.grad_dtype, device=first.device)
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._by_name = dict(named_params)
         with torch.no_grad():
             for slot, p in zip(self.layout.params, self.params, strict=True):
                 view = self.param_data[slot.offset:slot.end].view(slot.shape)
                 view.copy_(p.data)
                 p.data = view
-        self.buckets = tuple(
-            Bucket(b.index, b, tuple(self.params[self._index_of_name[n]] for n in b.param_names),
-                   self.param_data[b.offset:b.end], self.grad_data[b.offset:b.end])
-            for b in self.layout.buckets
-        )
+        self.buckets = tuple(Bucket(b.index, b, tuple(self._by_name[n] for n in b.param_names),
+                                    self.param_data[b.offset:b.end], self.grad_data[b.offset:b.end])
+                             for b in self.layout.buckets)
 
     def __repr__(self) -> str:
         k = self.key
         return (f"ParamAndGradBuffer({len(self.params)} params, {self.layout.numel} elements, "
-                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, "
-                f"expert={k.is_expert})")
-
-    @cached_property
-    def _index_of_name(self) -> dict[str, int]:
-        return {n: i for i, n in enumerate(self.names)}
+                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, expert={k.is_expert})")
 
     def __contains__(self, param: object) -> bool:
         return id(param) in self._index
@@ -269,7 +243,7 @@ class ParamAndGradBuffer:
     def param_of(self, name: str) -> nn.Parameter:
         """The parameter called ``name``."""
         self.layout.slot(name)  # raises a clear error for unknown names
-        return self.params[self._index_of_name[name]]
+        return self._by_name[name]
 
     def grad_view(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient: a view of ``grad_data`` with ``param``'s shape, in the grad dtype."""
@@ -289,10 +263,6 @@ class ParamAndGradBuffer:
         offset = self.layout.buckets[bucket].offset
         return data[offset + lo:offset + hi]
 
-    def zero_grad(self) -> None:
-        """Zero the whole gradient buffer (padding included)."""
-        self.grad_data.zero_()
-
 
 def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int, expert_dp_size: int,
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
@@ -307,11 +277,8 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
     """
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
-        expert = bool(is_expert(p))
-        groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, expert), []).append((name, p))
-    return [
-        ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
-                           bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
-                           shard_align=shard_align, param_align=param_align)
-        for key, members in groups.items()
-    ]
+        groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))
+    return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
+                               bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
+                               shard_align=shard_align, param_align=param_align)
+            for key, members in groups.items()]

@@ -1,7 +1,5 @@
 """The data-parallel wrapper: gradients accumulate into contiguous bucketed buffers and each bucket's
-reduction starts as soon as its last gradient arrives, overlapping the rest of backward.
-
-One step::
+reduction starts as soon as its last gradient arrives, overlapping the rest of backward. One step::
 
     ddp.zero_grad_buffer()
     with ddp.no_sync():             # micro-batches 1 .. n-1: accumulate locally, no communication
@@ -9,34 +7,26 @@ One step::
     ddp(xn).loss.backward()          # hooks launch each bucket's reduction when it is complete
     ddp.finish_grad_sync()           # wait for all; ddp.main_grad(p) now holds the reduced gradient
 
-Rules worth knowing:
-
-- A post-accumulate-grad hook adds each parameter's ``.grad`` into its grad-buffer view and frees ``.grad``;
-  the optimizer reads ``main_grad(param)``. Parameters with ``requires_grad=False`` are not wrapped.
-- ``zero_grad_buffer()`` does not write the buffers (a memset of every gradient per step): it marks them
-  stale. A parameter's first gradient after it is copied into its view instead of added, and when a bucket's
-  reduction starts the views that got no gradient are zeroed. So ``main_grad(param)`` reads as zero from
-  ``zero_grad_buffer()`` on (it zeroes a stale view on demand), and every gradient is complete after
-  ``finish_grad_sync()``; only ``grad_data`` read directly in between holds stale values.
-- Buckets are launched in one fixed order (backward order of their first parameter) on every rank, so
-  collectives match across ranks even when hooks fire in a different order. A bucket that is complete waits
-  for the buckets before it.
-- A parameter that got no gradient in the synchronising backward (unused) holds back its bucket: that
-  bucket, and those after it, are reduced by ``finish_grad_sync()`` instead, with the unused parameter's
-  accumulated gradient (zero if none). So ``finish_grad_sync`` never hangs on unused parameters.
-- ``average=True`` multiplies every gradient by 1 / data-parallel size before a sum, expert buckets included
-  (their sum runs over the expert data-parallel group; as in Megatron, the all-to-all already gathered the
-  other expert-parallel ranks' contributions). ``average=False`` sums. When a step starts from zeroed
-  buffers without ``no_sync`` micro-batches, the hook scales each gradient as it writes it (no extra pass
-  over the bucket, the same numbers); otherwise each bucket is scaled when its reduction starts.
-- ``shard_grads=True`` promises only each rank's owned slice of every bucket (the range plan of
-  ``buffers.py``) after the sync, which is what ZeRO-1 reads. It uses a reduce-scatter, or an all-reduce on
-  backends where that is faster (gloo: see ``benchmarks/bench_collectives.py``); the numbers are the same.
+- A post-accumulate-grad hook adds each ``.grad`` into its grad-buffer view and frees it; the optimizer
+  reads ``main_grad(param)``. Parameters with ``requires_grad=False`` are not wrapped.
+- Lazy zeroing: ``zero_grad_buffer()`` only marks the buffers stale (no memset per step). A parameter's first
+  gradient after it is copied instead of added, a bucket's views that got none are zeroed when it launches,
+  and ``main_grad`` zeroes a stale view on demand; only ``grad_data`` read in between holds stale values.
+- Buckets launch in one fixed order (backward order of their first parameter) on every rank, so collectives
+  match even when hooks fire in another order; a complete bucket waits for those before it. A parameter
+  with no gradient in the synchronising backward holds back its bucket and those after it, which
+  ``finish_grad_sync()`` reduces (so unused parameters never hang it).
+- ``average=True`` scales gradients by 1 / data-parallel size before a sum, expert buckets included (their
+  sum runs over the expert data-parallel group, as in Megatron). A step from zeroed buffers without
+  ``no_sync`` micro-batches scales in the hook as it writes (no extra pass); otherwise at launch.
+- ``shard_grads=True`` promises only each rank's owned slice of every bucket (``buffers.py``), what ZeRO-1
+  reads: a reduce-scatter, or an all-reduce where that is faster (gloo); the numbers are the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -51,8 +41,8 @@ from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather
 __all__ = ["DataParallel", "is_expert_param"]
 
 # On gloo (loopback, 2 ranks) reduce-scatter + all-gather costs several times one all-reduce and a
-# reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py), so the sharded
-# reduction is an all-reduce there. Backends not listed use a real reduce-scatter.
+# reduce-scatter alone more than an all-reduce (benchmarks/bench_collectives.py): there the sharded
+# reduction is an all-reduce. Backends not listed use a real reduce-scatter.
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
 
 
@@ -141,7 +131,6 @@ class DataParallel(nn.Module):
             id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params
         }
         self._sync_enabled = True
-        self._synced = True  # nothing accumulated since the last finish_grad_sync: calling it again is a no-op
         # Lazy zeroing: while _stale, only the views of parameters in _written hold this step's gradients.
         self._stale = False
         self._written: set[int] = set()
@@ -196,7 +185,7 @@ class DataParallel(nn.Module):
             else:
                 view.add_(grad, alpha=scale)
 
-    def _zero_unwritten(self, params: list[nn.Parameter]) -> None:
+    def _zero_unwritten(self, params: Sequence[nn.Parameter]) -> None:
         """Zero the stale views of ``params`` that got no gradient since ``zero_grad_buffer``."""
         for p in params:
             if id(p) not in self._written:
@@ -205,6 +194,7 @@ class DataParallel(nn.Module):
 
     # -- reduction -----------------------------------------------------------------------------------
     def _reset_sync_state(self) -> None:
+        self._synced = True  # nothing accumulated since: finish_grad_sync is a no-op
         self._ready: set[int] = set()
         self._pending = [len(b.params) for _, b in self._order]
         self._handles: list[Handle | None] = [None] * len(self._order)
@@ -241,10 +231,15 @@ class DataParallel(nn.Module):
             return self._sharded_reduction
         return _SHARDED_REDUCTION_BY_BACKEND.get(comm.backend, "reduce_scatter")
 
+    def _wait_all(self) -> None:
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (all of them without overlap; those held back by unused
         parameters), wait for every reduction, and reset for the next step. A second call with no backward in
-        between does nothing, so the optimizer can call it safely whether or not the training loop did.
+        between does nothing, so the optimizer can call it whether or not the training loop did.
 
         Raises:
             RuntimeError: the wrapped module's parameters changed after wrapping, or (with
@@ -254,17 +249,14 @@ class DataParallel(nn.Module):
         if self._synced:
             if self._stale:  # no gradient since zero_grad_buffer: every gradient is zero
                 for buf in self.param_and_grad_buffers:
-                    buf.zero_grad()
+                    buf.grad_data.zero_()
                 self._stale, self._written = False, set()
             return
         while self._next < len(self._order):
             self._launch(self._next)
-        for handle in self._handles:
-            if handle is not None:
-                handle.wait()
+        self._wait_all()
         nonfinite = self._nonfinite
         self._reset_sync_state()
-        self._synced = True
         self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
         if nonfinite:
             raise RuntimeError(
@@ -283,29 +275,25 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions, zero every gradient, and forget ready gradients. The zeroing is
-        lazy (module docstring): ``main_grad`` reads zero, ``grad_data`` is stale until written."""
-        for handle in self._handles:
-            if handle is not None:
-                handle.wait()
+        """Wait for in-flight reductions, zero every gradient (lazily: ``main_grad`` reads zero, ``grad_data``
+        is stale until written) and forget ready gradients."""
+        self._wait_all()
         self._stale, self._written, self._cleared = True, set(), True
         for _, p in self._named:
             p.grad = None
         self._reset_sync_state()
-        self._synced = True
 
     # -- queries -------------------------------------------------------------------------------------
     @property
     def launched_buckets(self) -> int:
-        """How many buckets' reductions have started since the last ``finish_grad_sync`` (observability:
-        with overlap, all of them once backward ends, unless unused parameters held some back)."""
+        """How many buckets' reductions have started since the last ``finish_grad_sync`` (with overlap, all
+        of them once backward ends, unless unused parameters held some back)."""
         return self._next
 
     @property
     def device(self) -> torch.device:
         """Where the buffers live (CPU when the module has no trainable parameters)."""
-        buffers = self.param_and_grad_buffers
-        return buffers[0].param_data.device if buffers else torch.device("cpu")
+        return _device_of(self.param_and_grad_buffers)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient in the grad buffer (its shape, the grad dtype); reduced after
@@ -340,36 +328,32 @@ class DataParallel(nn.Module):
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
         slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
-        seen: set[int] = set()
         for param in params:
-            buffer = next((b for b in self.param_and_grad_buffers if param in b), None)
-            if buffer is None:
+            if id(param) not in self._slot_of_param:
                 raise ValueError(
                     f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
                     "DataParallel-wrapped module; build the groups from ddp.module.named_parameters()")
-            name = buffer.name_of(param)
+            buffer = self._slot_of_param[id(param)][1]
+            slot = buffer.slot_of(param)
             if buffer.key.is_expert != expert:
                 kind = "an expert" if buffer.key.is_expert else "a dense"
-                raise ValueError(f"ZeRO-1 (expert={expert}): {name!r} is {kind} parameter; put dense and expert "
-                                 "(allreduce=False) parameters in separate stages")
-            if id(param) in seen:
-                raise ValueError(f"parameter {name!r} appears twice in param_groups")
-            seen.add(id(param))
-            slot = buffer.slot_of(param)
-            part = next((s for s in buffer.layout.owned_slices(slot.bucket, comm.rank) if s.name == name), None)
-            if part is not None:
-                at = slice(part.buffer_start, part.buffer_start + part.numel)
-                slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
-            in_buckets.setdefault((id(buffer), slot.bucket), (buffer, slot.bucket, set()))[2].add(name)
+                raise ValueError(f"ZeRO-1 (expert={expert}): {slot.name!r} is {kind} parameter; put dense and "
+                                 "expert (allreduce=False) parameters in separate stages")
+            names = in_buckets.setdefault((id(buffer), slot.bucket), (buffer, slot.bucket, set()))[2]
+            if slot.name in names:
+                raise ValueError(f"parameter {slot.name!r} appears twice in param_groups")
+            names.add(slot.name)
+            for part in buffer.layout.owned_slices(slot.bucket, comm.rank):
+                if part.name == slot.name:
+                    at = slice(part.buffer_start, part.buffer_start + part.numel)
+                    slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather)
         if overlap_param_gather:
             self._gather_hooks += _register_wait_hooks(self.module, gather)
-        groups = self.groups
-        buffers = [b for b in self.param_and_grad_buffers if b.key.is_expert == expert]
-        device = buffers[0].param_data.device if buffers else torch.device("cpu")
-        reduce_over = [comm, groups.ep, groups.mp] if expert else [comm, groups.mp]
-        return ShardedLayout(slices, reduce_over, groups.tp.rank, device, gather)
+        g = self.groups
+        device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
+        return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather)
 
     def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer is reduced (and sharded) over: expert data-parallel for expert buffers."""
@@ -379,24 +363,21 @@ class DataParallel(nn.Module):
         now = _trainable(self.module)
         for i, ((name, p), ptr) in enumerate(zip(self._named, self._data_ptrs, strict=True)):
             if i >= len(now) or now[i][0] != name:
-                current = repr(now[i][0]) if i < len(now) else "nothing"
                 raise RuntimeError(
                     "the wrapped module's parameters changed after DataParallel was built: expected "
-                    f"{name!r} at position {i}, found {current}; wrap the model again after changing it"
-                )
+                    f"{name!r} at position {i}, found {repr(now[i][0]) if i < len(now) else 'nothing'}; wrap "
+                    "the model again after changing it")
             if now[i][1] is not p:
                 raise RuntimeError(f"parameter {name!r} was replaced by a new tensor after DataParallel was "
                                    "built; copy values into it in place, or wrap the model again")
             if p.data_ptr() != ptr:
                 raise RuntimeError(
                     f"parameter {name!r} no longer lives in the DataParallel buffer (its .data was replaced, "
-                    "e.g. by module.to() or an assignment); move the model before wrapping it"
-                )
+                    "e.g. by module.to() or an assignment); move the model before wrapping it")
         if len(now) > len(self._named):
             raise RuntimeError(
                 "the wrapped module's parameters changed after DataParallel was built: "
-                f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model"
-            )
+                f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model")
 
 
 def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
@@ -408,16 +389,17 @@ def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
         needed = list(dict.fromkeys(g for p in sub.parameters(recurse=False) for lo, hi, g in spans
                                     if lo <= p.data_ptr() < hi))
         if needed:
-            hooks.append(sub.register_forward_pre_hook(_waiter(needed)))
+            hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
     return hooks
 
 
-def _waiter(gathers: list[Any]) -> Any:
-    def hook(module: nn.Module, args: Any) -> None:
-        for gather in gathers:
-            gather.wait()
+def _wait_for(gathers: list[Any], module: nn.Module, args: Any) -> None:
+    for gather in gathers:
+        gather.wait()
 
-    return hook
+
+def _device_of(buffers: Sequence[ParamAndGradBuffer]) -> torch.device:
+    return buffers[0].param_data.device if buffers else torch.device("cpu")
 
 
 def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
