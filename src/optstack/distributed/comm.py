@@ -21,10 +21,8 @@ import torch.distributed as dist
 
 from optstack._bytes import tensor_bytes
 
-__all__ = [
-    "Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized",
-    "world_rank", "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group",
-]
+__all__ = ["Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized", "world_rank",
+           "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group"]
 
 ProcessGroup = dist.ProcessGroup
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -84,9 +82,11 @@ class Handle:
             self._then()
 
 
-def _check_op(op: str) -> None:
+def _reduce_op(op: str) -> Any:
+    """The torch reduction for ``op`` ("avg" is a sum, divided afterwards)."""
     if op not in _REDUCE_OPS and op != "avg":
         raise ValueError(f"reduction op must be one of sum, max, min, avg; got {op!r}")
+    return _REDUCE_OPS["sum" if op == "avg" else op]
 
 
 class _Blocking:
@@ -127,10 +127,8 @@ class Comm(_Blocking):
     def __init__(self, group: dist.ProcessGroup | None = None, *, name: str = "world",
                  timeout: datetime.timedelta | None = None) -> None:
         if not is_initialized():
-            raise ValueError(
-                f"Comm({name!r}) needs an initialised torch.distributed process group; "
-                "call torch.distributed.init_process_group first, or use NullComm() for one process"
-            )
+            raise ValueError(f"Comm({name!r}) needs an initialised torch.distributed process group; call "
+                             "torch.distributed.init_process_group first, or use NullComm() for one process")
         self.group, self.name, self.timeout = group, name, timeout
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -145,16 +143,14 @@ class Comm(_Blocking):
         try:
             return fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as exc:
-            raise CommError(
-                f"{opname} on the {self.name!r} group (rank {self.rank} of {self.size}) failed: {exc}"
-            ) from exc
+            raise CommError(f"{opname} on the {self.name!r} group (rank {self.rank} of {self.size}) "
+                            f"failed: {exc}") from exc
 
     def _check_sizes(self, op: str, *, whole: torch.Tensor, part: torch.Tensor) -> None:
         if whole.numel() != part.numel() * self.size or whole.dtype != part.dtype:
-            raise ValueError(
-                f"{op} on {self.name!r} needs a whole tensor of size x part elements (size {self.size}), one "
-                f"dtype; got whole {tuple(whole.shape)} {whole.dtype}, part {tuple(part.shape)} {part.dtype}"
-            )
+            raise ValueError(f"{op} on {self.name!r} needs a whole tensor of size x part elements (size {self.size}), "
+                             f"one dtype; got whole {tuple(whole.shape)} {whole.dtype}, part {tuple(part.shape)} "
+                             f"{part.dtype}")
 
     def _object_device(self) -> torch.device:
         # Object collectives have no tensor to take the device from: gloo works on host memory, every
@@ -164,15 +160,13 @@ class Comm(_Blocking):
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         """Start an in-place all-reduce; ``tensor`` holds the result once the handle's ``wait()`` returns."""
-        _check_op(op)
-        work = self._start("all_reduce", dist.all_reduce, tensor, op=_REDUCE_OPS["sum" if op == "avg" else op])
+        work = self._start("all_reduce", dist.all_reduce, tensor, op=_reduce_op(op))
         return Handle("all_reduce", self, [work], (lambda: tensor.div_(self.size)) if op == "avg" else None)
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
         """Start ``reduce_scatter``; ``out`` holds this rank's reduced slice once ``wait()`` returns."""
-        _check_op(op)
+        rop = _reduce_op(op)
         self._check_sizes("reduce_scatter", whole=inp, part=out)
-        rop = _REDUCE_OPS["sum" if op == "avg" else op]
         finish_avg = (lambda: out.div_(self.size)) if op == "avg" else None
         if self._native_reduce_scatter:
             try:
@@ -217,9 +211,8 @@ class Comm(_Blocking):
         if tensor.ndim > _MAX_NDIM or tensor.dtype not in _DTYPES:
             raise ValueError(f"all_gather_uneven supports up to {_MAX_NDIM} dims of dtypes {_DTYPES}; got "
                              f"{tensor.ndim} dims of {tensor.dtype}")
-        header = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64, device=tensor.device)
-        header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.int64)
+        dims = [tensor.ndim, _DTYPES.index(tensor.dtype), *tensor.shape] + [0] * (_MAX_NDIM - tensor.ndim)
+        header = torch.tensor(dims, dtype=torch.int64, device=tensor.device)
         headers = torch.empty(self.size * header.numel(), dtype=torch.int64, device=tensor.device)
         rows = self.all_gather_into(headers, header).view(self.size, -1).tolist()
         shapes = [tuple(row[2:2 + row[0]]) for row in rows]
@@ -279,11 +272,11 @@ class NullComm(_Blocking):
         return Handle(op.removesuffix("_into"), self)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
-        _check_op(op)
+        _reduce_op(op)
         return Handle("all_reduce", self)
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
-        _check_op(op)
+        _reduce_op(op)
         return self._copy("reduce_scatter", out, inp)
 
     def all_gather_into_async(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
@@ -346,14 +339,10 @@ def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,
 
 def init_process_group(rank: int, size: int, *, store_path: str | os.PathLike[str], device: torch.device | None = None,
                        timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> Comm | NullComm:
-    """Join a world of ``size`` processes on one machine that meet through a file (no port to pick).
-
-    Every rank passes the same ``store_path`` (a file all can write, absent before the first rank calls).
-    The backend follows the device: NCCL for a CUDA ``device`` (bound to it), gloo otherwise. ``timeout``
-    bounds the rendezvous and every collective of the world group.
-
-    Returns:
-        The world as a ``Comm`` (``NullComm`` when ``size`` is 1).
+    """Join a world of ``size`` processes on one machine that meet through a file (no port to pick) and
+    return it as a ``Comm`` (``NullComm`` for one). Every rank passes the same ``store_path`` (a file all can
+    write, absent before the first rank calls). NCCL for a CUDA ``device`` (bound to it), gloo otherwise;
+    ``timeout`` bounds the rendezvous and every collective of the world group.
 
     Raises:
         ValueError: ``rank`` / ``size`` out of range or a world already initialised.

@@ -58,38 +58,27 @@ class DataParallel(nn.Module):
         module: any nn.Module; its trainable parameters become views into the parameter buffers.
         groups: the process groups (None = ``ParallelGroups.from_world()``: the whole world is data-parallel).
         bucket_size: elements per bucket (None = one bucket per buffer).
-        grad_dtype: gradient buffer dtype (None = the parameter dtype; ``torch.float32`` accumulates and
-            reduces bf16 gradients in fp32).
-        overlap_grad_reduce: launch bucket reductions from the backward hooks (False: all in
-            ``finish_grad_sync``).
+        grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
+        overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
         average: average (True) or sum (False) gradients over data-parallel ranks.
-        check_for_nan: check local gradients for non-finite values before each bucket's reduction; the
-            offending rank raises in ``finish_grad_sync``, naming the parameters.
-        sharded_reduction: how ``shard_grads`` reduces: "auto" (fastest for the backend), "reduce_scatter"
+        check_for_nan: check local gradients before each bucket's reduction; a rank with non-finite ones
+            raises in ``finish_grad_sync``, naming the parameters.
+        sharded_reduction: how ``shard_grads`` reduces: "auto" (the backend's fastest), "reduce_scatter"
             or "all_reduce".
-        shard_align, param_align: buffer alignment in elements (see ``optstack.distributed.buffers``).
+        shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first
-            differing parameter and the ranks).
+            differing one and the ranks).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        groups: ParallelGroups | None = None,
-        bucket_size: int | None = 40_000_000,
-        grad_dtype: torch.dtype | None = None,
-        overlap_grad_reduce: bool = True,
-        shard_grads: bool = False,
-        average: bool = True,
-        check_for_nan: bool = False,
-        sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
-        shard_align: int = 128,
-        param_align: int = 64,
-    ) -> None:
+    def __init__(self, module: nn.Module, *, groups: ParallelGroups | None = None,
+                 bucket_size: int | None = 40_000_000, grad_dtype: torch.dtype | None = None,
+                 overlap_grad_reduce: bool = True, shard_grads: bool = False, average: bool = True,
+                 check_for_nan: bool = False,
+                 sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
+                 shard_align: int = 128, param_align: int = 64) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -100,11 +89,8 @@ class DataParallel(nn.Module):
                              f"got {sharded_reduction!r}")
         self.module = module
         self.groups = groups if groups is not None else ParallelGroups.from_world()
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.shard_grads = shard_grads
-        self.average = average
-        self.check_for_nan = check_for_nan
-        self._sharded_reduction = sharded_reduction
+        self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
+        self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
         named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
@@ -140,7 +126,6 @@ class DataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
         self._gather_hooks: list[Any] = []  # forward pre-hooks waiting for overlapped parameter gathers
 
-    # -- forward and hooks ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
         return self.module(*args, **kwargs)
@@ -151,10 +136,8 @@ class DataParallel(nn.Module):
             return
         # Checked before accumulating: the bucket may be in flight, and adding to it would race.
         if self._handles[pos] is not None or (self._sync_enabled and id(param) in self._ready):
-            raise RuntimeError(
-                f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
-                "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step"
-            )
+            raise RuntimeError(f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
+                               "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step")
         if self._synced:  # the first gradient of a step (nn.Module.__setattr__ is slow: write only here)
             self._synced = False
             # Scaling as written equals scaling the sum only when each gradient is the whole sum: a step from
@@ -192,7 +175,6 @@ class DataParallel(nn.Module):
                 self._written.add(id(p))
                 self._grad_views[id(p)].zero_()
 
-    # -- reduction -----------------------------------------------------------------------------------
     def _reset_sync_state(self) -> None:
         self._synced = True  # nothing accumulated since: finish_grad_sync is a no-op
         self._ready: set[int] = set()
@@ -259,10 +241,9 @@ class DataParallel(nn.Module):
         self._reset_sync_state()
         self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
         if nonfinite:
-            raise RuntimeError(
-                f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before the "
-                f"reduction, in {nonfinite} (check_for_nan=True); check the loss and inputs on this rank"
-            )
+            raise RuntimeError(f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before "
+                               f"the reduction, in {nonfinite} (check_for_nan=True); check the loss and inputs on "
+                               "this rank")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -283,7 +264,6 @@ class DataParallel(nn.Module):
             p.grad = None
         self._reset_sync_state()
 
-    # -- queries -------------------------------------------------------------------------------------
     @property
     def launched_buckets(self) -> int:
         """How many buckets' reductions have started since the last ``finish_grad_sync`` (with overlap, all
@@ -306,15 +286,13 @@ class DataParallel(nn.Module):
             self._zero_unwritten([param])  # its gradient is zero until written
         return entry[1].grad_view(param)
 
-    def sharded_layout(
-        self, params: Sequence[torch.Tensor], *, expert: bool = False, overlap_param_gather: bool = False,
-        param_gather: Literal["auto", "all_gather", "broadcast"] = "auto",
-    ) -> ShardedLayout:
+    def sharded_layout(self, params: Sequence[torch.Tensor], *, expert: bool = False,
+                       overlap_param_gather: bool = False,
+                       param_gather: Literal["auto", "all_gather", "broadcast"] = "auto") -> ShardedLayout:
         """The views a ZeRO-1 placement steps ``params`` through: this rank's owned part of each (in the
-        shard group: data-parallel, or expert data-parallel for ``expert``), and the gather that publishes
-        them after a step: whole buckets, or only these parameters' pieces of a bucket shared with another
-        stage. With ``overlap_param_gather`` a forward pre-hook of each module using a bucket waits for its
-        gather, so the gathers overlap the next forward.
+        data-parallel group, or expert data-parallel for ``expert``), and the gather that publishes them after
+        a step (see ``param_gather.py``). With ``overlap_param_gather`` a forward pre-hook of each module using
+        a bucket waits for its gather, so the gathers overlap the next forward.
 
         Args:
             param_gather: ``"all_gather"`` (one per bucket), ``"broadcast"`` (one per rank and bucket, in
@@ -410,18 +388,14 @@ def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Paramete
     """Every rank of ``comm`` must wrap the same parameters (names, shapes, dtypes, in order)."""
     if comm.size == 1:
         return
-    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
-    everyone = comm.all_gather_object(mine)
+    everyone = comm.all_gather_object([(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named])
     ref = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == ref:
             continue
         common = min(len(ref), len(theirs))
         i = next((k for k in range(common) if ref[k] != theirs[k]), common)
-        a = ref[i] if i < len(ref) else "no parameter"
-        b = theirs[i] if i < len(theirs) else "no parameter"
-        raise ValueError(
-            f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} but "
-            f"rank {rank} has {b} (global ranks {comm.global_ranks[0]} and {comm.global_ranks[rank]}); "
-            "every data-parallel rank must wrap the same model"
-        )
+        a, b = (x[i] if i < len(x) else "no parameter" for x in (ref, theirs))
+        raise ValueError(f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} "
+                         f"but rank {rank} has {b} (global ranks {comm.global_ranks[0]} and "
+                         f"{comm.global_ranks[rank]}); every data-parallel rank must wrap the same model")
