@@ -179,19 +179,16 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
-    """The flat parameter and gradient storage of one buffer layout.
+    """The flat parameter and gradient storage of one buffer layout: afterwards every parameter's ``.data``
+    is a view into ``param_data`` (values kept); ``grad_data`` starts at zero.
 
     Args:
         named_params: (name, parameter) in backward order; one dtype and one device.
-        dp_size: the number of ranks the buckets are split across (data-parallel, or expert
-            data-parallel for expert buffers).
+        dp_size: the ranks the buckets are split across (data-parallel; expert data-parallel for experts).
         bucket_size: elements per bucket (None = one bucket).
         grad_dtype: gradient buffer dtype (None = the parameters' dtype; fp32 to accumulate bf16 grads).
         is_expert: whether these are expert (MoE) parameters, reduced over the expert data-parallel group.
         shard_align, param_align: see the module docstring.
-
-    After construction every parameter's ``.data`` is a view into ``param_data``, with its values kept;
-    ``grad_data`` starts at zero.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
@@ -211,7 +208,7 @@ class ParamAndGradBuffer:
         self.params = tuple(p for _, p in named_params)
         self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)
         self.grad_data = torch.zeros(self.layout.numel, dtype=self.key.grad_dtype, device=first.device)
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._slots = {id(p): slot for p, slot in zip(self.params, self.layout.params, strict=True)}
         self._by_name = dict(named_params)
         with torch.no_grad():
             for slot, p in zip(self.layout.params, self.params, strict=True):
@@ -228,14 +225,13 @@ class ParamAndGradBuffer:
                 f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, expert={k.is_expert})")
 
     def __contains__(self, param: object) -> bool:
-        return id(param) in self._index
+        return id(param) in self._slots
 
     def slot_of(self, param: torch.Tensor) -> ParamSlot:
         """The layout slot of ``param``."""
-        i = self._index.get(id(param))
-        if i is None:
+        if id(param) not in self._slots:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this buffer ({self!r})")
-        return self.layout.params[i]
+        return self._slots[id(param)]
 
     def name_of(self, param: torch.Tensor) -> str:
         return self.slot_of(param).name

@@ -92,30 +92,24 @@ class DataParallel(nn.Module):
         self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
         self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
-        named = _trainable(module)
+        self._named = named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
-        self._named = named
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
             list(reversed(named)), dp_size=self.groups.dp.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
-            shard_align=shard_align, param_align=param_align,
-        )
+            shard_align=shard_align, param_align=param_align)
         self._data_ptrs = [p.data_ptr() for _, p in named]
-
         # The launch order: every bucket of every buffer, by backward position of its first parameter.
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
             ((buf, b) for buf in self.param_and_grad_buffers for b in buf.buckets),
-            key=lambda fb: backward_pos[id(fb[1].params[0])],
-        )
+            key=lambda fb: backward_pos[id(fb[1].params[0])])
         self._slot_of_param: dict[int, tuple[int, ParamAndGradBuffer]] = {
-            id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params
-        }
+            id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params}
         # The hook's accumulation targets, made once: a view per call costs as much as the add for small params.
         self._grad_views: dict[int, torch.Tensor] = {
-            id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params
-        }
+            id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params}
         self._sync_enabled = True
         # Lazy zeroing: while _stale, only the views of parameters in _written hold this step's gradients.
         self._stale = False

@@ -1,14 +1,11 @@
 """The process groups of a parallel layout: data, tensor, pipeline, expert, expert-data and model parallel.
 
-Rank order follows Megatron's default: tensor-parallel fastest, then data-parallel, then pipeline; expert
-parallelism splits the data-parallel dimension, expert-parallel fastest inside it::
+Megatron's rank order, tensor-parallel fastest; expert parallelism splits the data-parallel dimension::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)     dp_rank = ep_rank + ep * expert_dp_rank
 
-So an expert-parallel group is ``ep`` neighbouring data-parallel ranks, the expert-data-parallel group (over
-which expert gradients are reduced) every ``ep``-th one, and the model-parallel group (tensor x pipeline) all
-ranks with one data-parallel rank. ``RankLayout`` is the pure arithmetic, ``ParallelGroups`` one ``Comm`` per
-kind, ``ComposedComm`` an all-reduce over several groups in turn.
+The model-parallel group (tensor x pipeline) is all ranks with one data-parallel rank. ``RankLayout`` is the
+pure arithmetic, ``ParallelGroups`` one ``Comm`` per kind, ``ComposedComm`` an all-reduce over several.
 """
 
 from __future__ import annotations
@@ -26,10 +23,8 @@ from optstack.distributed.comm import Comm, NullComm, ProcessGroup, is_initializ
 __all__ = ["ComposedComm", "ParallelGroups", "RankLayout", "GroupKind"]
 
 GroupKind = Literal["dp", "tp", "pp", "ep", "expert_dp", "mp"]
-_NAMES: dict[str, str] = {
-    "dp": "data-parallel", "tp": "tensor-parallel", "pp": "pipeline-parallel", "ep": "expert-parallel",
-    "expert_dp": "expert-data-parallel", "mp": "model-parallel",
-}
+_NAMES: dict[str, str] = {"dp": "data-parallel", "tp": "tensor-parallel", "pp": "pipeline-parallel",
+                          "ep": "expert-parallel", "expert_dp": "expert-data-parallel", "mp": "model-parallel"}
 # A rank's digits, most significant first, are (pp, expert_dp, ep, tp); a group varies these of them.
 _VARIES: dict[str, tuple[int, ...]] = {"pp": (0,), "expert_dp": (1,), "ep": (2,), "tp": (3,), "dp": (1, 2),
                                        "mp": (0, 3)}
@@ -50,15 +45,11 @@ class RankLayout:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
         if self.world_size % (self.tp * self.pp):
-            raise ValueError(
-                f"tp * pp = {self.tp} * {self.pp} must divide the world size {self.world_size}; "
-                f"choose sizes whose product divides {self.world_size}"
-            )
+            raise ValueError(f"tp * pp = {self.tp} * {self.pp} must divide the world size {self.world_size}; "
+                             f"choose sizes whose product divides {self.world_size}")
         if self.dp % self.ep:
-            raise ValueError(
-                f"ep = {self.ep} must divide the data-parallel size {self.dp} "
-                f"(world {self.world_size} / (tp {self.tp} * pp {self.pp})): expert parallelism splits it"
-            )
+            raise ValueError(f"ep = {self.ep} must divide the data-parallel size {self.dp} (world {self.world_size} "
+                             f"/ (tp {self.tp} * pp {self.pp})): expert parallelism splits it")
 
     @property
     def dp(self) -> int:
@@ -123,12 +114,10 @@ class ParallelGroups:
                       for kind, name in _NAMES.items()})
 
     @classmethod
-    def from_process_groups(
-        cls, *, dp: ProcessGroup | None = None, tp: ProcessGroup | None = None,
-        pp: ProcessGroup | None = None, ep: ProcessGroup | None = None,
-        expert_dp: ProcessGroup | None = None, mp: ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
-    ) -> ParallelGroups:
+    def from_process_groups(cls, *, dp: ProcessGroup | None = None, tp: ProcessGroup | None = None,
+                            pp: ProcessGroup | None = None, ep: ProcessGroup | None = None,
+                            expert_dp: ProcessGroup | None = None, mp: ProcessGroup | None = None,
+                            timeout: datetime.timedelta | None = None) -> ParallelGroups:
         """Wrap torch process groups you created; a group left out (None) has size 1. ``expert_dp`` defaults
         to ``dp`` when no expert-parallel group is given."""
         if expert_dp is None and ep is None:
@@ -160,8 +149,8 @@ class ParallelGroups:
 
 
 class ComposedComm:
-    """All-reduce over several orthogonal groups in turn (e.g. data-parallel, then model-parallel): the
-    reduction over their product. Only ``all_reduce``: what norms and non-finite checks need."""
+    """All-reduce over several orthogonal groups in turn (e.g. data-, then model-parallel): the reduction over
+    their product, what norms and non-finite checks need."""
 
     def __init__(self, comms: Sequence[Comm | NullComm]) -> None:
         self.comms = [c for c in comms if c.size > 1]
