@@ -1,17 +1,12 @@
 """Contiguous parameter and gradient buffers, their buckets, and the range plan that shards them.
 
-One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (the reverse of
-registration, as in Megatron) so the first bucket fills first in backward. ``BufferLayout.plan`` (pure):
-
-- each parameter starts at a multiple of ``param_align`` elements (default 64: 256 B of fp32);
-- buckets are cut at parameter boundaries, taking parameters while they fit in ``bucket_size`` elements (a
-  larger parameter gets a bucket of its own; ``bucket_size=None`` makes one bucket);
-- each bucket is zero-padded to a multiple of ``dp_size * shard_align`` (default 128), so it splits into
-  ``dp_size`` equal, aligned shards: rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across
-  parameters; ``owned_slices(bucket, rank)`` is each parameter's part of it, what ZeRO-1 builds views from.
-
-``ParamAndGradBuffer`` allocates one layout's two flat tensors and makes every parameter a view into the
-parameter buffer (values kept). No collectives here.
+One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (as in Megatron) so
+the first bucket fills first. ``BufferLayout.plan`` (pure): each parameter starts at a multiple of
+``param_align`` elements; buckets are cut at parameter boundaries while they fit in ``bucket_size`` elements
+(a larger parameter gets its own; None: one bucket) and zero-padded to a multiple of ``dp_size *
+shard_align``, so they split into ``dp_size`` equal, aligned shards: rank ``r`` owns ``[r * shard, (r + 1) *
+shard)``, cutting across parameters. ``ParamAndGradBuffer`` allocates a layout's two flat tensors and makes
+every parameter a view into the first. No collectives here.
 """
 
 from __future__ import annotations
@@ -264,13 +259,9 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
                   shard_align: int = 128, param_align: int = 64) -> list[ParamAndGradBuffer]:
-    """One ``ParamAndGradBuffer`` per (param dtype, grad dtype, dense/expert), in order of first appearance.
-
-    Args:
-        named_params: (name, parameter) in backward order.
-        dp_size, expert_dp_size: ranks the dense and the expert buckets are split across.
-        is_expert: which parameters are expert parameters (e.g. ``ddp.is_expert_param``).
-    """
+    """One ``ParamAndGradBuffer`` per (param dtype, grad dtype, dense/expert) of ``named_params`` (backward
+    order), in order of first appearance; dense buckets split across ``dp_size`` ranks, ``is_expert`` ones
+    across ``expert_dp_size``."""
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))

@@ -1,5 +1,5 @@
-"""The data-parallel wrapper: gradients accumulate into contiguous bucketed buffers and each bucket's
-reduction starts as soon as its last gradient arrives, overlapping the rest of backward. One step::
+"""The data-parallel wrapper: gradients accumulate into contiguous bucketed buffers (``buffers.py``) and a
+bucket's reduction starts as soon as its last gradient arrives, overlapping the rest of backward::
 
     ddp.zero_grad_buffer()
     with ddp.no_sync():             # micro-batches 1 .. n-1: accumulate locally, no communication
@@ -7,20 +7,14 @@ reduction starts as soon as its last gradient arrives, overlapping the rest of b
     ddp(xn).loss.backward()          # hooks launch each bucket's reduction when it is complete
     ddp.finish_grad_sync()           # wait for all; ddp.main_grad(p) now holds the reduced gradient
 
-- A post-accumulate-grad hook adds each ``.grad`` into its grad-buffer view and frees it; the optimizer
-  reads ``main_grad(param)``. Parameters with ``requires_grad=False`` are not wrapped.
-- Lazy zeroing: ``zero_grad_buffer()`` only marks the buffers stale (no memset per step). A parameter's first
-  gradient after it is copied instead of added, a bucket's views that got none are zeroed when it launches,
-  and ``main_grad`` zeroes a stale view on demand; only ``grad_data`` read in between holds stale values.
-- Buckets launch in one fixed order (backward order of their first parameter) on every rank, so collectives
-  match even when hooks fire in another order; a complete bucket waits for those before it. A parameter
-  with no gradient in the synchronising backward holds back its bucket and those after it, which
-  ``finish_grad_sync()`` reduces (so unused parameters never hang it).
-- ``average=True`` scales gradients by 1 / data-parallel size before a sum, expert buckets included (their
-  sum runs over the expert data-parallel group, as in Megatron). A step from zeroed buffers without
-  ``no_sync`` micro-batches scales in the hook as it writes (no extra pass); otherwise at launch.
-- ``shard_grads=True`` promises only each rank's owned slice of every bucket (``buffers.py``), what ZeRO-1
-  reads: a reduce-scatter, or an all-reduce where that is faster (gloo); the numbers are the same.
+A post-accumulate-grad hook adds each ``.grad`` into its buffer view and frees it. Buckets launch in one
+fixed order on every rank (backward order of their first parameter), so collectives match whatever order
+hooks fire in; a bucket with a parameter that got no gradient, and those after it, are left to
+``finish_grad_sync``, so unused parameters never hang it. Zeroing is lazy: no memset per step; a first
+gradient is copied instead of added, views never written are zeroed at launch or by ``main_grad``. Averaging
+scales each gradient as the hook writes it when that equals scaling the sum (a step from zeroed buffers
+without ``no_sync``), else the bucket at launch. ``shard_grads`` promises only each rank's owned slice
+(ZeRO-1): a reduce-scatter, or an all-reduce where that is faster (gloo); the numbers are the same.
 """
 
 from __future__ import annotations
@@ -61,7 +55,8 @@ class DataParallel(nn.Module):
         grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
-        average: average (True) or sum (False) gradients over data-parallel ranks.
+        average: average (True: scale by 1 / data-parallel size before the sum, expert buckets too, as in
+            Megatron) or sum (False) gradients over data-parallel ranks.
         check_for_nan: check local gradients before each bucket's reduction; a rank with non-finite ones
             raises in ``finish_grad_sync``, naming the parameters.
         sharded_reduction: how ``shard_grads`` reduces: "auto" (the backend's fastest), "reduce_scatter"

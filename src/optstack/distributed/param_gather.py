@@ -1,12 +1,10 @@
 """The parameter gathers after a step: every rank's updated range of a bucket to every rank (ZeRO-1), and
 whole parameters from their owners (layer-wise).
 
-One ``BucketGather`` per bucket holding a stage's parameters, planned once from the layout, run after every
-step and waited for at once or, overlapping the next forward, in forward pre-hooks. A bucket holding only
-this stage's parameters is gathered whole, in place; one shared with another stage (e.g. Muon matrices
-stepped layer-wise, biases by ZeRO-1) piece by piece, each rank packing only this stage's pieces, so two
-stages never write the same elements. The transport (``gather_via``) is one all-gather per bucket or one
-in-place broadcast per rank and bucket, both asynchronous, with the same numbers.
+A ZeRO-1 stage's gather is planned once, one per bucket: whole and in place when the bucket holds only this
+stage's parameters, else only this stage's pieces, packed per rank, so two stages sharing a bucket (e.g.
+Muon matrices stepped layer-wise, biases by ZeRO-1) never write the same elements. The transport is one
+all-gather per bucket or one in-place broadcast per rank and bucket, both asynchronous.
 """
 
 from __future__ import annotations
@@ -85,12 +83,8 @@ class BucketGather:
 
 
 def gather_via(choice: Literal["auto", "all_gather", "broadcast"], backend: str, *, overlap: bool) -> GatherVia:
-    """The transport: ``choice``, or for ``"auto"`` the fastest on ``backend``. Both transports are
-    asynchronous, so ``overlap`` does not change the choice today; callers state it so a backend could.
-
-    Raises:
-        ValueError: an unknown choice.
-    """
+    """The transport: ``choice``, or for ``"auto"`` the fastest on ``backend`` (both are asynchronous, so
+    ``overlap`` does not change it today; callers state it so a backend could). ValueError for another."""
     if choice not in ("auto", "all_gather", "broadcast"):
         raise ValueError(f"param_gather must be 'auto', 'all_gather' or 'broadcast', got {choice!r}")
     return _GATHER_BY_BACKEND.get(backend, "all_gather") if choice == "auto" else choice
@@ -151,10 +145,9 @@ class ShardedLayout:
 
     Attributes:
         slices: ``id(param)`` -> (start, end, parameter-buffer view, gradient-buffer view), 1-D, for the
-            parameters this rank owns part of (``[start, end)`` of the flattened parameter).
+            parameters this rank owns ``[start, end)`` of (flattened).
         reduce_over: the shard group first, then the groups holding other gradients.
-        tp_rank: this rank's tensor-parallel rank.
-        device: the buffers' device.
+        tp_rank, device: this rank's tensor-parallel rank; the buffers' device.
         gather: the stage's parameter gather (its forward pre-hooks, with overlap, are the wrapper's).
     """
 
