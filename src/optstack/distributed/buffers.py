@@ -1,24 +1,12 @@
 """Contiguous parameter and gradient buffers, their buckets, and the range plan that shards them.
 
-Parameters are laid out in *backward* order (the reverse of the module's registration order, as in
-Megatron), so the first bucket fills first during backward and its reduction can start early. There is one
-buffer per (param dtype, grad dtype, dense/expert); a bf16 model may keep an fp32 gradient buffer.
-
-Layout rules (``BufferLayout.plan``, pure, no tensors):
-
-- Each parameter starts at a multiple of ``param_align`` elements (default 64: 256 B of fp32), so views
-  handed to kernels are aligned.
-- Buckets are cut at parameter boundaries: a bucket takes parameters while they fit in ``bucket_size``
-  elements; a parameter larger than ``bucket_size`` gets a bucket of its own. ``bucket_size=None`` makes
-  one bucket.
-- Each bucket is padded so its length is a multiple of ``dp_size * shard_align`` (default 128): it splits into
-  ``dp_size`` equal shards whose length and start are multiples of 128 elements. Padding stays zero.
-- The range plan: rank ``r`` owns ``[r * shard, (r + 1) * shard)`` of every bucket; ranges cut across
-  parameters. ``owned_slices(bucket, rank)`` lists, per parameter, the part inside that range: exactly what
-  a ZeRO-1 optimizer needs to build shard views of parameters, gradients and fp32 masters.
-
-``ParamAndGradBuffer`` allocates the two flat tensors of one layout and makes every parameter a view into
-the parameter buffer (values kept). No collectives here.
+One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (as in Megatron) so
+the first bucket fills first. ``BufferLayout.plan`` (pure): each parameter starts at a multiple of
+``param_align`` elements; buckets are cut at parameter boundaries while they fit in ``bucket_size`` elements
+(a larger parameter gets its own; None: one bucket) and zero-padded to a multiple of ``dp_size *
+shard_align``, so they split into ``dp_size`` equal, aligned shards: rank ``r`` owns ``[r * shard, (r + 1) *
+shard)``, cutting across parameters. ``ParamAndGradBuffer`` allocates a layout's two flat tensors and makes
+every parameter a view into the first. No collectives here.
 """
 
 from __future__ import annotations
@@ -56,8 +44,8 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class BucketSlot:
-    """One bucket: buffer elements ``[offset, offset + numel)``; ``numel`` includes the padding and is
-    ``dp_size * shard_numel``. ``param_names`` in buffer (backward) order."""
+    """One bucket: buffer elements ``[offset, offset + numel)``, padding included (``numel`` is
+    ``dp_size * shard_numel``); ``param_names`` in buffer (backward) order."""
 
     index: int
     offset: int
@@ -72,14 +60,8 @@ class BucketSlot:
 
 @dataclass(frozen=True)
 class OwnedSlice:
-    """The part of one parameter inside one rank's owned range of a bucket.
-
-    Attributes:
-        name: the parameter.
-        param_start, param_end: the range ``[param_start, param_end)`` of the flattened parameter.
-        buffer_start: where ``param_start`` sits in the buffer.
-        shard_start: where ``param_start`` sits in the rank's shard of the bucket (0 .. shard_numel).
-    """
+    """The part ``[param_start, param_end)`` of one flattened parameter inside one rank's owned range of a
+    bucket; ``buffer_start`` / ``shard_start``: where ``param_start`` sits in the buffer / the rank's shard."""
 
     name: str
     param_start: int
@@ -94,7 +76,7 @@ class OwnedSlice:
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """The pure plan of one buffer (see the module docstring); build it with ``BufferLayout.plan``."""
+    """The pure plan of one buffer (module docstring); build it with ``BufferLayout.plan``."""
 
     params: tuple[ParamSlot, ...]
     buckets: tuple[BucketSlot, ...]
@@ -118,30 +100,28 @@ class BufferLayout:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"parameter names must be unique; {dup!r} appears twice")
-        bucket_multiple = dp_size * shard_align
+        multiple = dp_size * shard_align
         slots: list[ParamSlot] = []
         buckets: list[BucketSlot] = []
-        bucket_start, offset, members = 0, 0, []
+        start, offset, members = 0, 0, []  # the open bucket's start, the next free element, its parameters
 
         def close() -> None:
-            nonlocal bucket_start, offset, members
-            end = max(_align_up(offset, bucket_multiple), bucket_start + bucket_multiple)
-            buckets.append(BucketSlot(len(buckets), bucket_start, end - bucket_start,
-                                      (end - bucket_start) // dp_size, tuple(members)))
-            bucket_start, offset, members = end, end, []
+            nonlocal start, offset, members
+            end = max(_align_up(offset, multiple), start + multiple)
+            buckets.append(BucketSlot(len(buckets), start, end - start, (end - start) // dp_size, tuple(members)))
+            start, offset, members = end, end, []
 
         for name, shape in params:
-            numel = math.prod(shape)
-            start = _align_up(offset, param_align)
-            if members and bucket_size is not None and start + numel - bucket_start > bucket_size:
+            numel, at = math.prod(shape), _align_up(offset, param_align)
+            if members and bucket_size is not None and at + numel - start > bucket_size:
                 close()
-                start = _align_up(offset, param_align)
-            slots.append(ParamSlot(name, tuple(int(s) for s in shape), start, numel, len(buckets)))
+                at = _align_up(offset, param_align)
+            slots.append(ParamSlot(name, tuple(int(s) for s in shape), at, numel, len(buckets)))
             members.append(name)
-            offset = start + numel
+            offset = at + numel
         if members:
             close()
-        return cls(tuple(slots), tuple(buckets), bucket_start, dp_size)
+        return cls(tuple(slots), tuple(buckets), start, dp_size)
 
     @cached_property
     def _by_name(self) -> dict[str, ParamSlot]:
@@ -162,17 +142,14 @@ class BufferLayout:
         return rank * shard, (rank + 1) * shard
 
     def owned_slices(self, bucket: int, rank: int) -> tuple[OwnedSlice, ...]:
-        """Per parameter of ``bucket``, its part inside ``rank``'s owned range (parameters that do not
-        intersect it are left out), in buffer order."""
+        """Per parameter of ``bucket`` that intersects ``rank``'s owned range, its part of it (buffer order)."""
         b = self.buckets[bucket]
-        lo, hi = self.owned_range(bucket, rank)
-        lo, hi = lo + b.offset, hi + b.offset
+        lo, hi = (b.offset + x for x in self.owned_range(bucket, rank))
         out = []
-        for name in b.param_names:
-            p = self._by_name[name]
+        for p in (self._by_name[name] for name in b.param_names):
             start, end = max(p.offset, lo), min(p.end, hi)
             if start < end:
-                out.append(OwnedSlice(name, start - p.offset, end - p.offset, start, start - lo))
+                out.append(OwnedSlice(p.name, start - p.offset, end - p.offset, start, start - lo))
         return tuple(out)
 
 
@@ -197,19 +174,16 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
-    """The flat parameter and gradient storage of one buffer layout.
+    """The flat parameter and gradient storage of one buffer layout: afterwards every parameter's ``.data``
+    is a view into ``param_data`` (values kept); ``grad_data`` starts at zero.
 
     Args:
         named_params: (name, parameter) in backward order; one dtype and one device.
-        dp_size: the number of ranks the buckets are split across (data-parallel, or expert
-            data-parallel for expert buffers).
+        dp_size: the ranks the buckets are split across (data-parallel; expert data-parallel for experts).
         bucket_size: elements per bucket (None = one bucket).
         grad_dtype: gradient buffer dtype (None = the parameters' dtype; fp32 to accumulate bf16 grads).
         is_expert: whether these are expert (MoE) parameters, reduced over the expert data-parallel group.
         shard_align, param_align: see the module docstring.
-
-    After construction every parameter's ``.data`` is a view into ``param_data``, with its values kept;
-    ``grad_data`` starts at zero.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
@@ -223,45 +197,36 @@ class ParamAndGradBuffer:
                 raise ValueError(f"a buffer holds one dtype on one device; {name!r} is {p.dtype} on "
                                  f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
         self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert)
-        self.layout = BufferLayout.plan(
-            [(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size, bucket_size=bucket_size,
-            shard_align=shard_align, param_align=param_align,
-        )
+        self.layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
+                                        bucket_size=bucket_size, shard_align=shard_align, param_align=param_align)
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)
         self.grad_data = torch.zeros(self.layout.numel, dtype=self.key.grad_dtype, device=first.device)
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._slots = {id(p): slot for p, slot in zip(self.params, self.layout.params, strict=True)}
+        self._by_name = dict(named_params)
         with torch.no_grad():
             for slot, p in zip(self.layout.params, self.params, strict=True):
                 view = self.param_data[slot.offset:slot.end].view(slot.shape)
                 view.copy_(p.data)
                 p.data = view
-        self.buckets = tuple(
-            Bucket(b.index, b, tuple(self.params[self._index_of_name[n]] for n in b.param_names),
-                   self.param_data[b.offset:b.end], self.grad_data[b.offset:b.end])
-            for b in self.layout.buckets
-        )
+        self.buckets = tuple(Bucket(b.index, b, tuple(self._by_name[n] for n in b.param_names),
+                                    self.param_data[b.offset:b.end], self.grad_data[b.offset:b.end])
+                             for b in self.layout.buckets)
 
     def __repr__(self) -> str:
         k = self.key
         return (f"ParamAndGradBuffer({len(self.params)} params, {self.layout.numel} elements, "
-                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, "
-                f"expert={k.is_expert})")
-
-    @cached_property
-    def _index_of_name(self) -> dict[str, int]:
-        return {n: i for i, n in enumerate(self.names)}
+                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, expert={k.is_expert})")
 
     def __contains__(self, param: object) -> bool:
-        return id(param) in self._index
+        return id(param) in self._slots
 
     def slot_of(self, param: torch.Tensor) -> ParamSlot:
         """The layout slot of ``param``."""
-        i = self._index.get(id(param))
-        if i is None:
+        if id(param) not in self._slots:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this buffer ({self!r})")
-        return self.layout.params[i]
+        return self._slots[id(param)]
 
     def name_of(self, param: torch.Tensor) -> str:
         return self.slot_of(param).name
@@ -269,7 +234,7 @@ class ParamAndGradBuffer:
     def param_of(self, name: str) -> nn.Parameter:
         """The parameter called ``name``."""
         self.layout.slot(name)  # raises a clear error for unknown names
-        return self.params[self._index_of_name[name]]
+        return self._by_name[name]
 
     def grad_view(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient: a view of ``grad_data`` with ``param``'s shape, in the grad dtype."""
@@ -289,29 +254,18 @@ class ParamAndGradBuffer:
         offset = self.layout.buckets[bucket].offset
         return data[offset + lo:offset + hi]
 
-    def zero_grad(self) -> None:
-        """Zero the whole gradient buffer (padding included)."""
-        self.grad_data.zero_()
-
 
 def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int, expert_dp_size: int,
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
                   shard_align: int = 128, param_align: int = 64) -> list[ParamAndGradBuffer]:
-    """One ``ParamAndGradBuffer`` per (param dtype, grad dtype, dense/expert), in order of first appearance.
-
-    Args:
-        named_params: (name, parameter) in backward order.
-        dp_size, expert_dp_size: ranks the dense and the expert buckets are split across.
-        is_expert: which parameters are expert parameters (e.g. ``ddp.is_expert_param``).
-    """
+    """One ``ParamAndGradBuffer`` per (param dtype, grad dtype, dense/expert) of ``named_params`` (backward
+    order), in order of first appearance; dense buckets split across ``dp_size`` ranks, ``is_expert`` ones
+    across ``expert_dp_size``."""
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
-        expert = bool(is_expert(p))
-        groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, expert), []).append((name, p))
-    return [
-        ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
-                           bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
-                           shard_align=shard_align, param_align=param_align)
-        for key, members in groups.items()
-    ]
+        groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))
+    return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
+                               bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
+                               shard_align=shard_align, param_align=param_align)
+            for key, members in groups.items()]

@@ -1,15 +1,11 @@
-"""Every collective optstack uses, behind one small object. The only module that calls torch.distributed.
+"""Every collective optstack uses, behind one small object; the only module that calls torch.distributed.
 
-A ``Comm`` wraps one process group. ``NullComm`` (world size 1) makes every collective a no-op, so
-single-process code paths are the same code. Collectives on a ``Comm`` are synchronous unless the method
-ends in ``_async``, which returns a ``Handle``; each names its operation and group in the error raised when
-it fails or times out, so a rank that dies gives the others a clear message instead of a hang. Every
-blocking wait uses the Comm's ``timeout`` (gloo honours it per call through ``Work.wait(timeout)``; NCCL
-through the group's own timeout, which ``new_group`` / ``new_subgroups`` set to the same value).
-
-PyTorch 2.13 renamed the flat-tensor collectives: ``reduce_scatter_tensor`` -> ``reduce_scatter_single`` and
-``all_gather_into_tensor`` -> ``all_gather_single`` (the old names warn). This module uses the new names and
-falls back to an all-reduce when a backend has no native reduce-scatter.
+A ``Comm`` wraps one process group; ``NullComm`` (world size 1) makes every collective a no-op, so one
+process runs the same code. A method ending in ``_async`` returns a ``Handle``. Every wait is bounded by the
+Comm's ``timeout`` (gloo per call; NCCL through the group's own timeout, which ``new_group`` sets alike) and
+fails with a ``CommError`` naming the operation and group, so a dead peer gives a message, not a hang.
+PyTorch 2.13 renamed the flat collectives (``reduce_scatter_single``, ``all_gather_single``; the old names
+warn); a backend without a native reduce-scatter gets an all-reduce.
 """
 
 from __future__ import annotations
@@ -25,12 +21,11 @@ import torch.distributed as dist
 
 from optstack._bytes import tensor_bytes
 
-__all__ = [
-    "Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized",
-    "world_rank", "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group",
-]
+__all__ = ["Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized", "world_rank",
+           "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group"]
 
 ProcessGroup = dist.ProcessGroup
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _MAX_NDIM = 16  # all_gather_uneven exchanges shapes in a fixed-size header
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -60,11 +55,7 @@ class Handle:
 
     def __init__(self, op: str, comm: Comm | NullComm, works: Sequence[Any] = (),
                  then: Callable[[], None] | None = None) -> None:
-        self.op = op
-        self._comm = comm
-        self._works = list(works)
-        self._then = then
-        self._done = False
+        self.op, self._comm, self._works, self._then, self._done = op, comm, list(works), then, False
 
     def __repr__(self) -> str:
         return f"Handle({self.op!r} on {self._comm.name!r}, done={self._done})"
@@ -76,33 +67,55 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        comm = self._comm
         for work in self._works:
-            _wait_work(self._comm, self.op, work)
+            try:
+                work.wait(comm.timeout) if comm.timeout is not None else work.wait()
+            except Exception as exc:  # gloo/nccl raise RuntimeError subclasses with terse text
+                limit = f", timeout {comm.timeout.total_seconds():g} s" if comm.timeout is not None else ""
+                raise CommError(
+                    f"{self.op} on the {comm.name!r} group (rank {comm.rank} of {comm.size}, {comm.backend}"
+                    f"{limit}) failed: {exc}. A peer rank may have died, stalled or called a different collective."
+                ) from exc
         self._done = True
         if self._then is not None:
             self._then()
 
 
-def _wait_work(comm: Comm | NullComm, op: str, work: Any) -> None:
-    try:
-        if comm.timeout is not None:
-            work.wait(comm.timeout)
-        else:
-            work.wait()
-    except Exception as exc:  # gloo/nccl raise RuntimeError subclasses with terse text
-        limit = f", timeout {comm.timeout.total_seconds():g} s" if comm.timeout is not None else ""
-        raise CommError(
-            f"{op} on the {comm.name!r} group (rank {comm.rank} of {comm.size}, {comm.backend}{limit}) "
-            f"failed: {exc}. A peer rank may have died, stalled or called a different collective."
-        ) from exc
-
-
-def _check_op(op: str) -> None:
+def _reduce_op(op: str) -> Any:
+    """The torch reduction for ``op`` ("avg" is a sum, divided afterwards)."""
     if op not in _REDUCE_OPS and op != "avg":
         raise ValueError(f"reduction op must be one of sum, max, min, avg; got {op!r}")
+    return _REDUCE_OPS["sum" if op == "avg" else op]
 
 
-class Comm:
+class _Blocking:
+    """The blocking collectives of ``Comm`` and ``NullComm``: each is its ``_async`` form, waited for."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of ``tensor`` with ``op`` in {"sum", "max", "min", "avg"}; returns it."""
+        self.all_reduce_async(tensor, op).wait()  # type: ignore[attr-defined]
+        return tensor
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``inp`` (shape ``(size * n,)``, same on every rank) and keep this rank's equal slice
+        ``[rank * n, (rank + 1) * n)`` in ``out`` (``n`` elements). ``out`` may be that slice of ``inp``."""
+        self.reduce_scatter_async(out, inp, op).wait()  # type: ignore[attr-defined]
+        return out
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """Gather every rank's ``inp`` (same shape everywhere) into ``out`` (``size * inp.numel()``
+        elements, rank-major); ``inp`` may be this rank's slice of ``out``."""
+        self.all_gather_into_async(out, inp).wait()  # type: ignore[attr-defined]
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from group rank ``src`` (``src``'s own must not change until it is done)."""
+        self.broadcast_async(tensor, src).wait()  # type: ignore[attr-defined]
+        return tensor
+
+
+class Comm(_Blocking):
     """Collectives over one process group.
 
     Args:
@@ -111,21 +124,12 @@ class Comm:
         timeout: how long a blocking collective may wait before it fails (None = the group's own timeout).
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        *,
-        name: str = "world",
-        timeout: datetime.timedelta | None = None,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, name: str = "world",
+                 timeout: datetime.timedelta | None = None) -> None:
         if not is_initialized():
-            raise ValueError(
-                f"Comm({name!r}) needs an initialised torch.distributed process group; "
-                "call torch.distributed.init_process_group first, or use NullComm() for one process"
-            )
-        self.group = group
-        self.name = name
-        self.timeout = timeout
+            raise ValueError(f"Comm({name!r}) needs an initialised torch.distributed process group; call "
+                             "torch.distributed.init_process_group first, or use NullComm() for one process")
+        self.group, self.name, self.timeout = group, name, timeout
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
@@ -135,70 +139,41 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm({self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend})"
 
-    # -- helpers -------------------------------------------------------------------------------------
     def _start(self, opname: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as exc:
-            raise CommError(
-                f"{opname} on the {self.name!r} group (rank {self.rank} of {self.size}) failed: {exc}"
-            ) from exc
-
-    def _wait(self, op: str, work: Any) -> None:
-        _wait_work(self, op, work)
-
-    def _run(self, opname: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        self._wait(opname, self._start(opname, fn, *args, **kwargs))
+            raise CommError(f"{opname} on the {self.name!r} group (rank {self.rank} of {self.size}) "
+                            f"failed: {exc}") from exc
 
     def _check_sizes(self, op: str, *, whole: torch.Tensor, part: torch.Tensor) -> None:
         if whole.numel() != part.numel() * self.size or whole.dtype != part.dtype:
-            raise ValueError(
-                f"{op} on {self.name!r} needs a whole tensor of size x part elements (size {self.size}), one "
-                f"dtype; got whole {tuple(whole.shape)} {whole.dtype}, part {tuple(part.shape)} {part.dtype}"
-            )
+            raise ValueError(f"{op} on {self.name!r} needs a whole tensor of size x part elements (size {self.size}), "
+                             f"one dtype; got whole {tuple(whole.shape)} {whole.dtype}, part {tuple(part.shape)} "
+                             f"{part.dtype}")
 
     def _object_device(self) -> torch.device:
         # Object collectives have no tensor to take the device from: gloo works on host memory, every
         # other backend (NCCL, XCCL) on the current accelerator.
-        if "gloo" in self.backend:
-            return torch.device("cpu")
-        acc = torch.accelerator.current_accelerator()
-        if acc is None:
-            return torch.device("cpu")
-        return torch.device(acc.type, torch.accelerator.current_device_index())
-
-    # -- reductions ----------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce of ``tensor`` with ``op`` in {"sum", "max", "min", "avg"}; returns it."""
-        self.all_reduce_async(tensor, op).wait()
-        return tensor
+        acc = None if "gloo" in self.backend else torch.accelerator.current_accelerator()
+        return torch.device("cpu") if acc is None else torch.device(acc.type, torch.accelerator.current_device_index())
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         """Start an in-place all-reduce; ``tensor`` holds the result once the handle's ``wait()`` returns."""
-        _check_op(op)
-        rop = _REDUCE_OPS["sum" if op == "avg" else op]
-        work = self._start("all_reduce", dist.all_reduce, tensor, op=rop)
+        work = self._start("all_reduce", dist.all_reduce, tensor, op=_reduce_op(op))
         return Handle("all_reduce", self, [work], (lambda: tensor.div_(self.size)) if op == "avg" else None)
-
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``inp`` (shape ``(size * n,)``, same on every rank) and keep this rank's equal slice
-        ``[rank * n, (rank + 1) * n)`` in ``out`` (``n`` elements). ``out`` may be that slice of ``inp``."""
-        self.reduce_scatter_async(out, inp, op).wait()
-        return out
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
         """Start ``reduce_scatter``; ``out`` holds this rank's reduced slice once ``wait()`` returns."""
-        _check_op(op)
+        rop = _reduce_op(op)
         self._check_sizes("reduce_scatter", whole=inp, part=out)
-        rop = _REDUCE_OPS["sum" if op == "avg" else op]
         finish_avg = (lambda: out.div_(self.size)) if op == "avg" else None
         if self._native_reduce_scatter:
             try:
                 work = dist.reduce_scatter_single(out, inp, op=rop, group=self.group, async_op=True)
                 return Handle("reduce_scatter", self, [work], finish_avg)
             except (RuntimeError, NotImplementedError) as exc:
-                text = str(exc).lower()
-                if not any(s in text for s in ("not supported", "unsupported", "not implemented")):
+                if not any(s in str(exc).lower() for s in ("not supported", "unsupported", "not implemented")):
                     raise CommError(f"reduce_scatter on the {self.name!r} group (rank {self.rank}) failed: "
                                     f"{exc}") from exc
                 self._native_reduce_scatter = False
@@ -214,17 +189,18 @@ class Comm:
 
         return Handle("reduce_scatter", self, [work], finish)
 
-    # -- gathers and broadcasts ----------------------------------------------------------------------
-    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        """Gather every rank's ``inp`` (same shape everywhere) into ``out`` (``size * inp.numel()``
-        elements, rank-major); ``inp`` may be this rank's slice of ``out``."""
-        self.all_gather_into_async(out, inp).wait()
-        return out
-
     def all_gather_into_async(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
         """Start ``all_gather_into``; ``out`` is complete once ``wait()`` returns."""
         self._check_sizes("all_gather_into", whole=out, part=inp)
         return Handle("all_gather", self, [self._start("all_gather", dist.all_gather_single, out, inp)])
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
+        """Start an in-place broadcast from group rank ``src``; done once the handle's ``wait()`` returns."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast on {self.name!r}: src must be a group rank in [0, {self.size}), "
+                             f"got {src}")
+        return Handle("broadcast", self, [self._start("broadcast", dist.broadcast, tensor,
+                                                        src=self.global_ranks[src])])
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` in group-rank order; shapes may differ between ranks, dtypes may not.
@@ -235,12 +211,10 @@ class Comm:
         if tensor.ndim > _MAX_NDIM or tensor.dtype not in _DTYPES:
             raise ValueError(f"all_gather_uneven supports up to {_MAX_NDIM} dims of dtypes {_DTYPES}; got "
                              f"{tensor.ndim} dims of {tensor.dtype}")
-        header = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64, device=tensor.device)
-        header[0], header[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.int64)
+        dims = [tensor.ndim, _DTYPES.index(tensor.dtype), *tensor.shape] + [0] * (_MAX_NDIM - tensor.ndim)
+        header = torch.tensor(dims, dtype=torch.int64, device=tensor.device)
         headers = torch.empty(self.size * header.numel(), dtype=torch.int64, device=tensor.device)
-        self.all_gather_into(headers, header)
-        rows = headers.view(self.size, -1).tolist()
+        rows = self.all_gather_into(headers, header).view(self.size, -1).tolist()
         shapes = [tuple(row[2:2 + row[0]]) for row in rows]
         dtypes = [_DTYPES[row[1]] for row in rows]
         if any(d != tensor.dtype for d in dtypes):
@@ -254,20 +228,6 @@ class Comm:
         self.all_gather_into(gathered, padded)
         return [gathered[r * width: r * width + numels[r]].view(shapes[r]) for r in range(self.size)]
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """In-place broadcast from group rank ``src``."""
-        self.broadcast_async(tensor, src).wait()
-        return tensor
-
-    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
-        """Start an in-place broadcast from group rank ``src``; every rank's ``tensor`` holds ``src``'s
-        once the handle's ``wait()`` returns (``src``'s own must not change until then)."""
-        if not 0 <= src < self.size:
-            raise ValueError(f"broadcast on {self.name!r}: src must be a group rank in [0, {self.size}), "
-                             f"got {src}")
-        return Handle("broadcast", self, [self._start("broadcast", dist.broadcast, tensor,
-                                                        src=self.global_ranks[src])])
-
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order."""
         data = _to_bytes(obj, self._object_device())
@@ -277,77 +237,56 @@ class Comm:
         """Group rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
         device = self._object_device()
         data = _to_bytes(obj, device) if self.rank == src else torch.empty(0, dtype=torch.uint8)
-        length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-        self.broadcast(length, src)
+        length = self.broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=device), src)
         if self.rank != src:
             data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
         self.broadcast(data, src)
         return obj if self.rank == src else pickle.loads(tensor_bytes(data))
 
     def barrier(self) -> None:
-        self._run("barrier", dist.barrier)
+        Handle("barrier", self, [self._start("barrier", dist.barrier)]).wait()
 
 
 def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
 
 
-class NullComm:
-    """A world of one: every collective returns its input unchanged (reductions and gathers of one rank)."""
+class NullComm(_Blocking):
+    """A world of one: every collective leaves its input as it is (reductions and gathers of one rank)."""
+
+    group, timeout, rank, size, backend = None, None, 0, 1, "none"
 
     def __init__(self, name: str = "single-process") -> None:
-        self.group = None
         self.name = name
-        self.timeout = None
-        self.rank = 0
-        self.size = 1
-        self.backend = "none"
         self.global_ranks = [world_rank()]
 
     def __repr__(self) -> str:
         return f"NullComm({self.name!r})"
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        _check_op(op)
-        return tensor
+    def _copy(self, op: str, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+        if out.numel() != inp.numel():
+            raise ValueError(f"{op} on one rank needs output and input of equal size; got "
+                             f"{tuple(out.shape)} and {tuple(inp.shape)}")
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.view_as(out))
+        return Handle(op.removesuffix("_into"), self)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
-        _check_op(op)
+        _reduce_op(op)
         return Handle("all_reduce", self)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.reduce_scatter_async(out, inp, op)
-        return out
-
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Handle:
-        _check_op(op)
-        if out.numel() != inp.numel():
-            raise ValueError(f"reduce_scatter on one rank needs output and input of equal size; got "
-                             f"{tuple(out.shape)} and {tuple(inp.shape)}")
-        if out.data_ptr() != inp.data_ptr():
-            out.copy_(inp.view_as(out))
-        return Handle("reduce_scatter", self)
-
-    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        self.all_gather_into_async(out, inp)
-        return out
+        _reduce_op(op)
+        return self._copy("reduce_scatter", out, inp)
 
     def all_gather_into_async(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
-        if out.numel() != inp.numel():
-            raise ValueError(f"all_gather_into on one rank needs output and input of equal size; got "
-                             f"{tuple(out.shape)} and {tuple(inp.shape)}")
-        if out.data_ptr() != inp.data_ptr():
-            out.copy_(inp.view_as(out))
-        return Handle("all_gather", self)
-
-    def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor]
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
+        return self._copy("all_gather_into", out, inp)
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         return Handle("broadcast", self)
+
+    def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -359,9 +298,6 @@ class NullComm:
         return None
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
 def world_comm(name: str = "world", timeout: datetime.timedelta | None = None) -> Comm | NullComm:
     """The whole world as a Comm when torch.distributed is initialised with several ranks, else NullComm."""
     if is_initialized() and dist.get_world_size() > 1:
@@ -371,14 +307,13 @@ def world_comm(name: str = "world", timeout: datetime.timedelta | None = None) -
 
 def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | None = None
               ) -> Comm | NullComm | None:
-    """A Comm over the given global ranks. Collective: every rank of the world must call it with the same
-    ``ranks``, in the same order relative to other group creations. Members get the Comm (a NullComm when
-    the group has one rank; the world group itself when ``ranks`` is the whole world); others get None."""
+    """A Comm over the given global ranks. Collective: every rank of the world calls it with the same
+    ``ranks``, in the same order relative to other group creations. Members get the Comm (a NullComm for one
+    rank; the world group itself when ``ranks`` is the whole world); others get None."""
     ranks = sorted(int(r) for r in ranks)
-    size = world_size()
+    size, me = world_size(), world_rank()
     if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= size:
         raise ValueError(f"new_group({name!r}): ranks must be distinct ranks in [0, {size}); got {ranks}")
-    me = world_rank()
     if len(ranks) == 1:
         return NullComm(name) if me in ranks else None
     if len(ranks) == size:
@@ -393,37 +328,21 @@ def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | 
 def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,
                   timeout: datetime.timedelta | None = None) -> Comm | NullComm:
     """Partition the world into groups (every rank in exactly one list) and return this rank's Comm.
-    Collective: every rank must call it with the same ``rank_lists``."""
+    Collective: every rank calls it with the same ``rank_lists``."""
     flat = sorted(int(r) for ranks in rank_lists for r in ranks)
     if flat != list(range(world_size())):
         raise ValueError(f"new_subgroups({name!r}): the rank lists must cover every rank of the world "
                          f"(size {world_size()}) exactly once; got {[list(r) for r in rank_lists]}")
-    mine: Comm | NullComm | None = None
-    for ranks in rank_lists:
-        comm = new_group(ranks, name=name, timeout=timeout)
-        if comm is not None:
-            mine = comm
-    assert mine is not None  # every rank is in one list (checked above)
-    return mine
+    comms = [new_group(ranks, name=name, timeout=timeout) for ranks in rank_lists]
+    return next(c for c in comms if c is not None)  # every rank is in one list (checked above)
 
 
-def init_process_group(
-    rank: int,
-    size: int,
-    *,
-    store_path: str | os.PathLike[str],
-    device: torch.device | None = None,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=5),
-) -> Comm | NullComm:
-    """Join a world of ``size`` processes on one machine that meet through a file (no port to pick).
-
-    Every rank calls it with the same ``store_path`` (a file in a directory all of them can write, which
-    must not exist before the first rank calls). The backend follows the device: NCCL for a CUDA
-    ``device`` (bound to it), gloo otherwise. ``timeout`` bounds the rendezvous and every collective of the
-    world group.
-
-    Returns:
-        The world as a ``Comm`` (``NullComm`` when ``size`` is 1).
+def init_process_group(rank: int, size: int, *, store_path: str | os.PathLike[str], device: torch.device | None = None,
+                       timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> Comm | NullComm:
+    """Join a world of ``size`` processes on one machine that meet through a file (no port to pick) and
+    return it as a ``Comm`` (``NullComm`` for one). Every rank passes the same ``store_path`` (a file all can
+    write, absent before the first rank calls). NCCL for a CUDA ``device`` (bound to it), gloo otherwise;
+    ``timeout`` bounds the rendezvous and every collective of the world group.
 
     Raises:
         ValueError: ``rank`` / ``size`` out of range or a world already initialised.

@@ -1,7 +1,5 @@
-"""The data-parallel wrapper: gradients accumulate into contiguous bucketed buffers and each bucket's
-reduction starts as soon as its last gradient arrives, overlapping the rest of backward.
-
-One step::
+"""The data-parallel wrapper: gradients accumulate into contiguous bucketed buffers (``buffers.py``) and a
+bucket's reduction starts as soon as its last gradient arrives, overlapping the rest of backward::
 
     ddp.zero_grad_buffer()
     with ddp.no_sync():             # micro-batches 1 .. n-1: accumulate locally, no communication
@@ -9,34 +7,20 @@ One step::
     ddp(xn).loss.backward()          # hooks launch each bucket's reduction when it is complete
     ddp.finish_grad_sync()           # wait for all; ddp.main_grad(p) now holds the reduced gradient
 
-Rules worth knowing:
-
-- A post-accumulate-grad hook adds each parameter's ``.grad`` into its grad-buffer view and frees ``.grad``;
-  the optimizer reads ``main_grad(param)``. Parameters with ``requires_grad=False`` are not wrapped.
-- ``zero_grad_buffer()`` does not write the buffers (a memset of every gradient per step): it marks them
-  stale. A parameter's first gradient after it is copied into its view instead of added, and when a bucket's
-  reduction starts the views that got no gradient are zeroed. So ``main_grad(param)`` reads as zero from
-  ``zero_grad_buffer()`` on (it zeroes a stale view on demand), and every gradient is complete after
-  ``finish_grad_sync()``; only ``grad_data`` read directly in between holds stale values.
-- Buckets are launched in one fixed order (backward order of their first parameter) on every rank, so
-  collectives match across ranks even when hooks fire in a different order. A bucket that is complete waits
-  for the buckets before it.
-- A parameter that got no gradient in the synchronising backward (unused) holds back its bucket: that
-  bucket, and those after it, are reduced by ``finish_grad_sync()`` instead, with the unused parameter's
-  accumulated gradient (zero if none). So ``finish_grad_sync`` never hangs on unused parameters.
-- ``average=True`` multiplies every gradient by 1 / data-parallel size before a sum, expert buckets included
-  (their sum runs over the expert data-parallel group; as in Megatron, the all-to-all already gathered the
-  other expert-parallel ranks' contributions). ``average=False`` sums. When a step starts from zeroed
-  buffers without ``no_sync`` micro-batches, the hook scales each gradient as it writes it (no extra pass
-  over the bucket, the same numbers); otherwise each bucket is scaled when its reduction starts.
-- ``shard_grads=True`` promises only each rank's owned slice of every bucket (the range plan of
-  ``buffers.py``) after the sync, which is what ZeRO-1 reads. It uses a reduce-scatter, or an all-reduce on
-  backends where that is faster (gloo: see ``benchmarks/bench_collectives.py``); the numbers are the same.
+A post-accumulate-grad hook adds each ``.grad`` into its buffer view and frees it. Buckets launch in one
+fixed order on every rank (backward order of their first parameter), so collectives match whatever order
+hooks fire in; a bucket with a parameter that got no gradient, and those after it, are left to
+``finish_grad_sync``, so unused parameters never hang it. Zeroing is lazy: no memset per step; a first
+gradient is copied instead of added, views never written are zeroed at launch or by ``main_grad``. Averaging
+scales each gradient as the hook writes it when that equals scaling the sum (a step from zeroed buffers
+without ``no_sync``), else the bucket at launch. ``shard_grads`` promises only each rank's owned slice
+(ZeRO-1): a reduce-scatter, or an all-reduce where that is faster (gloo); the numbers are the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -51,8 +35,8 @@ from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather
 __all__ = ["DataParallel", "is_expert_param"]
 
 # On gloo (loopback, 2 ranks) reduce-scatter + all-gather costs several times one all-reduce and a
-# reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py), so the sharded
-# reduction is an all-reduce there. Backends not listed use a real reduce-scatter.
+# reduce-scatter alone more than an all-reduce (benchmarks/bench_collectives.py): there the sharded
+# reduction is an all-reduce. Backends not listed use a real reduce-scatter.
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
 
 
@@ -68,38 +52,28 @@ class DataParallel(nn.Module):
         module: any nn.Module; its trainable parameters become views into the parameter buffers.
         groups: the process groups (None = ``ParallelGroups.from_world()``: the whole world is data-parallel).
         bucket_size: elements per bucket (None = one bucket per buffer).
-        grad_dtype: gradient buffer dtype (None = the parameter dtype; ``torch.float32`` accumulates and
-            reduces bf16 gradients in fp32).
-        overlap_grad_reduce: launch bucket reductions from the backward hooks (False: all in
-            ``finish_grad_sync``).
+        grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
+        overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
-        average: average (True) or sum (False) gradients over data-parallel ranks.
-        check_for_nan: check local gradients for non-finite values before each bucket's reduction; the
-            offending rank raises in ``finish_grad_sync``, naming the parameters.
-        sharded_reduction: how ``shard_grads`` reduces: "auto" (fastest for the backend), "reduce_scatter"
+        average: average (True: scale by 1 / data-parallel size before the sum, expert buckets too, as in
+            Megatron) or sum (False) gradients over data-parallel ranks.
+        check_for_nan: check local gradients before each bucket's reduction; a rank with non-finite ones
+            raises in ``finish_grad_sync``, naming the parameters.
+        sharded_reduction: how ``shard_grads`` reduces: "auto" (the backend's fastest), "reduce_scatter"
             or "all_reduce".
-        shard_align, param_align: buffer alignment in elements (see ``optstack.distributed.buffers``).
+        shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first
-            differing parameter and the ranks).
+            differing one and the ranks).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        groups: ParallelGroups | None = None,
-        bucket_size: int | None = 40_000_000,
-        grad_dtype: torch.dtype | None = None,
-        overlap_grad_reduce: bool = True,
-        shard_grads: bool = False,
-        average: bool = True,
-        check_for_nan: bool = False,
-        sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
-        shard_align: int = 128,
-        param_align: int = 64,
-    ) -> None:
+    def __init__(self, module: nn.Module, *, groups: ParallelGroups | None = None,
+                 bucket_size: int | None = 40_000_000, grad_dtype: torch.dtype | None = None,
+                 overlap_grad_reduce: bool = True, shard_grads: bool = False, average: bool = True,
+                 check_for_nan: bool = False,
+                 sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
+                 shard_align: int = 128, param_align: int = 64) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -110,38 +84,28 @@ class DataParallel(nn.Module):
                              f"got {sharded_reduction!r}")
         self.module = module
         self.groups = groups if groups is not None else ParallelGroups.from_world()
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.shard_grads = shard_grads
-        self.average = average
-        self.check_for_nan = check_for_nan
-        self._sharded_reduction = sharded_reduction
+        self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
+        self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
-        named = _trainable(module)
+        self._named = named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
-        self._named = named
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
             list(reversed(named)), dp_size=self.groups.dp.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
-            shard_align=shard_align, param_align=param_align,
-        )
+            shard_align=shard_align, param_align=param_align)
         self._data_ptrs = [p.data_ptr() for _, p in named]
-
         # The launch order: every bucket of every buffer, by backward position of its first parameter.
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
             ((buf, b) for buf in self.param_and_grad_buffers for b in buf.buckets),
-            key=lambda fb: backward_pos[id(fb[1].params[0])],
-        )
+            key=lambda fb: backward_pos[id(fb[1].params[0])])
         self._slot_of_param: dict[int, tuple[int, ParamAndGradBuffer]] = {
-            id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params
-        }
+            id(p): (pos, buf) for pos, (buf, b) in enumerate(self._order) for p in b.params}
         # The hook's accumulation targets, made once: a view per call costs as much as the add for small params.
         self._grad_views: dict[int, torch.Tensor] = {
-            id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params
-        }
+            id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params}
         self._sync_enabled = True
-        self._synced = True  # nothing accumulated since the last finish_grad_sync: calling it again is a no-op
         # Lazy zeroing: while _stale, only the views of parameters in _written hold this step's gradients.
         self._stale = False
         self._written: set[int] = set()
@@ -151,7 +115,6 @@ class DataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
         self._gather_hooks: list[Any] = []  # forward pre-hooks waiting for overlapped parameter gathers
 
-    # -- forward and hooks ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
         return self.module(*args, **kwargs)
@@ -162,10 +125,8 @@ class DataParallel(nn.Module):
             return
         # Checked before accumulating: the bucket may be in flight, and adding to it would race.
         if self._handles[pos] is not None or (self._sync_enabled and id(param) in self._ready):
-            raise RuntimeError(
-                f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
-                "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step"
-            )
+            raise RuntimeError(f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
+                               "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step")
         if self._synced:  # the first gradient of a step (nn.Module.__setattr__ is slow: write only here)
             self._synced = False
             # Scaling as written equals scaling the sum only when each gradient is the whole sum: a step from
@@ -196,15 +157,15 @@ class DataParallel(nn.Module):
             else:
                 view.add_(grad, alpha=scale)
 
-    def _zero_unwritten(self, params: list[nn.Parameter]) -> None:
+    def _zero_unwritten(self, params: Sequence[nn.Parameter]) -> None:
         """Zero the stale views of ``params`` that got no gradient since ``zero_grad_buffer``."""
         for p in params:
             if id(p) not in self._written:
                 self._written.add(id(p))
                 self._grad_views[id(p)].zero_()
 
-    # -- reduction -----------------------------------------------------------------------------------
     def _reset_sync_state(self) -> None:
+        self._synced = True  # nothing accumulated since: finish_grad_sync is a no-op
         self._ready: set[int] = set()
         self._pending = [len(b.params) for _, b in self._order]
         self._handles: list[Handle | None] = [None] * len(self._order)
@@ -241,10 +202,15 @@ class DataParallel(nn.Module):
             return self._sharded_reduction
         return _SHARDED_REDUCTION_BY_BACKEND.get(comm.backend, "reduce_scatter")
 
+    def _wait_all(self) -> None:
+        for handle in self._handles:
+            if handle is not None:
+                handle.wait()
+
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (all of them without overlap; those held back by unused
         parameters), wait for every reduction, and reset for the next step. A second call with no backward in
-        between does nothing, so the optimizer can call it safely whether or not the training loop did.
+        between does nothing, so the optimizer can call it whether or not the training loop did.
 
         Raises:
             RuntimeError: the wrapped module's parameters changed after wrapping, or (with
@@ -254,23 +220,19 @@ class DataParallel(nn.Module):
         if self._synced:
             if self._stale:  # no gradient since zero_grad_buffer: every gradient is zero
                 for buf in self.param_and_grad_buffers:
-                    buf.zero_grad()
+                    buf.grad_data.zero_()
                 self._stale, self._written = False, set()
             return
         while self._next < len(self._order):
             self._launch(self._next)
-        for handle in self._handles:
-            if handle is not None:
-                handle.wait()
+        self._wait_all()
         nonfinite = self._nonfinite
         self._reset_sync_state()
-        self._synced = True
         self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
         if nonfinite:
-            raise RuntimeError(
-                f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before the "
-                f"reduction, in {nonfinite} (check_for_nan=True); check the loss and inputs on this rank"
-            )
+            raise RuntimeError(f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before "
+                               f"the reduction, in {nonfinite} (check_for_nan=True); check the loss and inputs on "
+                               "this rank")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -283,29 +245,24 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions, zero every gradient, and forget ready gradients. The zeroing is
-        lazy (module docstring): ``main_grad`` reads zero, ``grad_data`` is stale until written."""
-        for handle in self._handles:
-            if handle is not None:
-                handle.wait()
+        """Wait for in-flight reductions, zero every gradient (lazily: ``main_grad`` reads zero, ``grad_data``
+        is stale until written) and forget ready gradients."""
+        self._wait_all()
         self._stale, self._written, self._cleared = True, set(), True
         for _, p in self._named:
             p.grad = None
         self._reset_sync_state()
-        self._synced = True
 
-    # -- queries -------------------------------------------------------------------------------------
     @property
     def launched_buckets(self) -> int:
-        """How many buckets' reductions have started since the last ``finish_grad_sync`` (observability:
-        with overlap, all of them once backward ends, unless unused parameters held some back)."""
+        """How many buckets' reductions have started since the last ``finish_grad_sync`` (with overlap, all
+        of them once backward ends, unless unused parameters held some back)."""
         return self._next
 
     @property
     def device(self) -> torch.device:
         """Where the buffers live (CPU when the module has no trainable parameters)."""
-        buffers = self.param_and_grad_buffers
-        return buffers[0].param_data.device if buffers else torch.device("cpu")
+        return _device_of(self.param_and_grad_buffers)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient in the grad buffer (its shape, the grad dtype); reduced after
@@ -318,15 +275,13 @@ class DataParallel(nn.Module):
             self._zero_unwritten([param])  # its gradient is zero until written
         return entry[1].grad_view(param)
 
-    def sharded_layout(
-        self, params: Sequence[torch.Tensor], *, expert: bool = False, overlap_param_gather: bool = False,
-        param_gather: Literal["auto", "all_gather", "broadcast"] = "auto",
-    ) -> ShardedLayout:
+    def sharded_layout(self, params: Sequence[torch.Tensor], *, expert: bool = False,
+                       overlap_param_gather: bool = False,
+                       param_gather: Literal["auto", "all_gather", "broadcast"] = "auto") -> ShardedLayout:
         """The views a ZeRO-1 placement steps ``params`` through: this rank's owned part of each (in the
-        shard group: data-parallel, or expert data-parallel for ``expert``), and the gather that publishes
-        them after a step: whole buckets, or only these parameters' pieces of a bucket shared with another
-        stage. With ``overlap_param_gather`` a forward pre-hook of each module using a bucket waits for its
-        gather, so the gathers overlap the next forward.
+        data-parallel group, or expert data-parallel for ``expert``), and the gather that publishes them after
+        a step (see ``param_gather.py``). With ``overlap_param_gather`` a forward pre-hook of each module using
+        a bucket waits for its gather, so the gathers overlap the next forward.
 
         Args:
             param_gather: ``"all_gather"`` (one per bucket), ``"broadcast"`` (one per rank and bucket, in
@@ -340,36 +295,32 @@ class DataParallel(nn.Module):
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
         slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
-        seen: set[int] = set()
         for param in params:
-            buffer = next((b for b in self.param_and_grad_buffers if param in b), None)
-            if buffer is None:
+            if id(param) not in self._slot_of_param:
                 raise ValueError(
                     f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
                     "DataParallel-wrapped module; build the groups from ddp.module.named_parameters()")
-            name = buffer.name_of(param)
+            buffer = self._slot_of_param[id(param)][1]
+            slot = buffer.slot_of(param)
             if buffer.key.is_expert != expert:
                 kind = "an expert" if buffer.key.is_expert else "a dense"
-                raise ValueError(f"ZeRO-1 (expert={expert}): {name!r} is {kind} parameter; put dense and expert "
-                                 "(allreduce=False) parameters in separate stages")
-            if id(param) in seen:
-                raise ValueError(f"parameter {name!r} appears twice in param_groups")
-            seen.add(id(param))
-            slot = buffer.slot_of(param)
-            part = next((s for s in buffer.layout.owned_slices(slot.bucket, comm.rank) if s.name == name), None)
-            if part is not None:
-                at = slice(part.buffer_start, part.buffer_start + part.numel)
-                slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
-            in_buckets.setdefault((id(buffer), slot.bucket), (buffer, slot.bucket, set()))[2].add(name)
+                raise ValueError(f"ZeRO-1 (expert={expert}): {slot.name!r} is {kind} parameter; put dense and "
+                                 "expert (allreduce=False) parameters in separate stages")
+            names = in_buckets.setdefault((id(buffer), slot.bucket), (buffer, slot.bucket, set()))[2]
+            if slot.name in names:
+                raise ValueError(f"parameter {slot.name!r} appears twice in param_groups")
+            names.add(slot.name)
+            for part in buffer.layout.owned_slices(slot.bucket, comm.rank):
+                if part.name == slot.name:
+                    at = slice(part.buffer_start, part.buffer_start + part.numel)
+                    slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather)
         if overlap_param_gather:
             self._gather_hooks += _register_wait_hooks(self.module, gather)
-        groups = self.groups
-        buffers = [b for b in self.param_and_grad_buffers if b.key.is_expert == expert]
-        device = buffers[0].param_data.device if buffers else torch.device("cpu")
-        reduce_over = [comm, groups.ep, groups.mp] if expert else [comm, groups.mp]
-        return ShardedLayout(slices, reduce_over, groups.tp.rank, device, gather)
+        g = self.groups
+        device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
+        return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather)
 
     def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer is reduced (and sharded) over: expert data-parallel for expert buffers."""
@@ -379,24 +330,21 @@ class DataParallel(nn.Module):
         now = _trainable(self.module)
         for i, ((name, p), ptr) in enumerate(zip(self._named, self._data_ptrs, strict=True)):
             if i >= len(now) or now[i][0] != name:
-                current = repr(now[i][0]) if i < len(now) else "nothing"
                 raise RuntimeError(
                     "the wrapped module's parameters changed after DataParallel was built: expected "
-                    f"{name!r} at position {i}, found {current}; wrap the model again after changing it"
-                )
+                    f"{name!r} at position {i}, found {repr(now[i][0]) if i < len(now) else 'nothing'}; wrap "
+                    "the model again after changing it")
             if now[i][1] is not p:
                 raise RuntimeError(f"parameter {name!r} was replaced by a new tensor after DataParallel was "
                                    "built; copy values into it in place, or wrap the model again")
             if p.data_ptr() != ptr:
                 raise RuntimeError(
                     f"parameter {name!r} no longer lives in the DataParallel buffer (its .data was replaced, "
-                    "e.g. by module.to() or an assignment); move the model before wrapping it"
-                )
+                    "e.g. by module.to() or an assignment); move the model before wrapping it")
         if len(now) > len(self._named):
             raise RuntimeError(
                 "the wrapped module's parameters changed after DataParallel was built: "
-                f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model"
-            )
+                f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model")
 
 
 def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
@@ -408,16 +356,17 @@ def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
         needed = list(dict.fromkeys(g for p in sub.parameters(recurse=False) for lo, hi, g in spans
                                     if lo <= p.data_ptr() < hi))
         if needed:
-            hooks.append(sub.register_forward_pre_hook(_waiter(needed)))
+            hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
     return hooks
 
 
-def _waiter(gathers: list[Any]) -> Any:
-    def hook(module: nn.Module, args: Any) -> None:
-        for gather in gathers:
-            gather.wait()
+def _wait_for(gathers: list[Any], module: nn.Module, args: Any) -> None:
+    for gather in gathers:
+        gather.wait()
 
-    return hook
+
+def _device_of(buffers: Sequence[ParamAndGradBuffer]) -> torch.device:
+    return buffers[0].param_data.device if buffers else torch.device("cpu")
 
 
 def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -428,18 +377,14 @@ def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Paramete
     """Every rank of ``comm`` must wrap the same parameters (names, shapes, dtypes, in order)."""
     if comm.size == 1:
         return
-    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
-    everyone = comm.all_gather_object(mine)
+    everyone = comm.all_gather_object([(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named])
     ref = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == ref:
             continue
         common = min(len(ref), len(theirs))
         i = next((k for k in range(common) if ref[k] != theirs[k]), common)
-        a = ref[i] if i < len(ref) else "no parameter"
-        b = theirs[i] if i < len(theirs) else "no parameter"
-        raise ValueError(
-            f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} but "
-            f"rank {rank} has {b} (global ranks {comm.global_ranks[0]} and {comm.global_ranks[rank]}); "
-            "every data-parallel rank must wrap the same model"
-        )
+        a, b = (x[i] if i < len(x) else "no parameter" for x in (ref, theirs))
+        raise ValueError(f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} "
+                         f"but rank {rank} has {b} (global ranks {comm.global_ranks[0]} and "
+                         f"{comm.global_ranks[rank]}); every data-parallel rank must wrap the same model")

@@ -1,9 +1,5 @@
-"""The cross-rank union of param-group keys, so every rank builds the same groups (some of them empty).
-
-Ranks can hold different parameters (pipeline stages, expert shards), hence different local keys; the
-distributed optimizer and checkpoints need the same group list everywhere. The only collective is one
-``all_gather_object`` through ``Comm``.
-"""
+"""The cross-rank union of param-group keys, so every rank builds the same groups (some of them empty):
+ranks can hold different parameters (pipeline stages, expert shards), hence different local keys."""
 
 from __future__ import annotations
 
@@ -16,20 +12,14 @@ __all__ = ["union_group_keys"]
 
 
 def union_group_keys(local_keys: Sequence[GroupKey], comm: Comm | NullComm) -> list[GroupKey]:
-    """Every rank's keys, unioned, in group order (identical on every rank of ``comm``).
-
-    Collective: every rank of ``comm`` must call it, including ranks with no parameters (pass ``[]``).
-
-    Args:
-        local_keys: this rank's keys, e.g. ``group_keys(resolve(model, rules))``.
-        comm: the group to union over (``NullComm`` for one process).
+    """Every rank's keys (e.g. ``group_keys(resolve(model, rules))``), unioned, in group order: the same on
+    every rank of ``comm``. Collective: every rank calls it, a rank with no parameters with ``[]``.
 
     Raises:
-        ValueError: when ``local_keys`` holds something other than ``GroupKey``.
+        ValueError: ``local_keys`` holds something other than ``GroupKey``.
     """
     local = list(local_keys)
     for k in local:
         if not isinstance(k, GroupKey):
             raise ValueError(f"union_group_keys needs GroupKey values (from group_keys()), got {k!r}")
-    gathered = comm.all_gather_object(local)
-    return sorted({k for rank_keys in gathered for k in rank_keys})
+    return sorted({k for rank_keys in comm.all_gather_object(local) for k in rank_keys})

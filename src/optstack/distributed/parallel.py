@@ -1,20 +1,11 @@
 """The process groups of a parallel layout: data, tensor, pipeline, expert, expert-data and model parallel.
 
-Rank order follows Megatron's default, tensor-parallel fastest, then data-parallel, then pipeline::
+Megatron's rank order, tensor-parallel fastest; expert parallelism splits the data-parallel dimension::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)          dp = world / (tp * pp)
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)     dp_rank = ep_rank + ep * expert_dp_rank
 
-Expert parallelism splits the data-parallel dimension, expert-parallel fastest inside it::
-
-    dp_rank = ep_rank + ep * expert_dp_rank                 expert_dp = dp / ep
-
-so an expert-parallel group is ``ep`` neighbouring data-parallel ranks and the expert-data-parallel group
-(over which expert gradients are reduced) takes every ``ep``-th one. The model-parallel group is
-tensor x pipeline: all ranks with the same data-parallel rank (the grad norm is reduced over it).
-
-``RankLayout`` is the pure rank arithmetic; ``ParallelGroups`` holds one ``Comm`` (or ``NullComm`` for a
-dimension of size 1) per kind; ``ComposedComm`` all-reduces over several of them in turn. Only ``comm.py``
-touches torch.distributed.
+The model-parallel group (tensor x pipeline) is all ranks with one data-parallel rank. ``RankLayout`` is the
+pure arithmetic, ``ParallelGroups`` one ``Comm`` per kind, ``ComposedComm`` an all-reduce over several.
 """
 
 from __future__ import annotations
@@ -27,22 +18,16 @@ from typing import Any, Literal
 
 import torch
 
-from optstack.distributed.comm import (
-    Comm,
-    NullComm,
-    ProcessGroup,
-    is_initialized,
-    new_subgroups,
-    world_size,
-)
+from optstack.distributed.comm import Comm, NullComm, ProcessGroup, is_initialized, new_subgroups, world_size
 
 __all__ = ["ComposedComm", "ParallelGroups", "RankLayout", "GroupKind"]
 
 GroupKind = Literal["dp", "tp", "pp", "ep", "expert_dp", "mp"]
-_NAMES: dict[str, str] = {
-    "dp": "data-parallel", "tp": "tensor-parallel", "pp": "pipeline-parallel", "ep": "expert-parallel",
-    "expert_dp": "expert-data-parallel", "mp": "model-parallel",
-}
+_NAMES: dict[str, str] = {"dp": "data-parallel", "tp": "tensor-parallel", "pp": "pipeline-parallel",
+                          "ep": "expert-parallel", "expert_dp": "expert-data-parallel", "mp": "model-parallel"}
+# A rank's digits, most significant first, are (pp, expert_dp, ep, tp); a group varies these of them.
+_VARIES: dict[str, tuple[int, ...]] = {"pp": (0,), "expert_dp": (1,), "ep": (2,), "tp": (3,), "dp": (1, 2),
+                                       "mp": (0, 3)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,15 +45,11 @@ class RankLayout:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
         if self.world_size % (self.tp * self.pp):
-            raise ValueError(
-                f"tp * pp = {self.tp} * {self.pp} must divide the world size {self.world_size}; "
-                f"choose sizes whose product divides {self.world_size}"
-            )
+            raise ValueError(f"tp * pp = {self.tp} * {self.pp} must divide the world size {self.world_size}; "
+                             f"choose sizes whose product divides {self.world_size}")
         if self.dp % self.ep:
-            raise ValueError(
-                f"ep = {self.ep} must divide the data-parallel size {self.dp} "
-                f"(world {self.world_size} / (tp {self.tp} * pp {self.pp})): expert parallelism splits it"
-            )
+            raise ValueError(f"ep = {self.ep} must divide the data-parallel size {self.dp} (world {self.world_size} "
+                             f"/ (tp {self.tp} * pp {self.pp})): expert parallelism splits it")
 
     @property
     def dp(self) -> int:
@@ -78,28 +59,14 @@ class RankLayout:
     def expert_dp(self) -> int:
         return self.dp // self.ep
 
-    def rank(self, *, tp: int, dp: int, pp: int) -> int:
-        """The global rank at these coordinates."""
-        return tp + self.tp * (dp + self.dp * pp)
-
     def groups(self, kind: GroupKind) -> list[list[int]]:
-        """The rank lists of every group of ``kind``; together they cover the world exactly once."""
-        r = self.rank
-        tps, dps, pps = range(self.tp), range(self.dp), range(self.pp)
-        eps, edps = range(self.ep), range(self.expert_dp)
-        if kind == "tp":
-            return [[r(tp=t, dp=d, pp=p) for t in tps] for p in pps for d in dps]
-        if kind == "dp":
-            return [[r(tp=t, dp=d, pp=p) for d in dps] for p in pps for t in tps]
-        if kind == "pp":
-            return [[r(tp=t, dp=d, pp=p) for p in pps] for d in dps for t in tps]
-        if kind == "mp":
-            return [sorted(r(tp=t, dp=d, pp=p) for p in pps for t in tps) for d in dps]
-        if kind == "ep":
-            return [[r(tp=t, dp=e + self.ep * x, pp=p) for e in eps] for p in pps for x in edps for t in tps]
-        if kind == "expert_dp":
-            return [[r(tp=t, dp=e + self.ep * x, pp=p) for x in edps] for p in pps for e in eps for t in tps]
-        raise ValueError(f"group kind must be one of {sorted(_NAMES)}, got {kind!r}")
+        """The rank lists of every group of ``kind`` (each ascending); together they cover the world once."""
+        if kind not in _VARIES:
+            raise ValueError(f"group kind must be one of {sorted(_NAMES)}, got {kind!r}")
+        varied = _VARIES[kind]
+        grid = torch.arange(self.world_size).view(self.pp, self.expert_dp, self.ep, self.tp)
+        fixed = [d for d in range(4) if d not in varied]
+        return grid.permute(*fixed, *varied).reshape(-1, math.prod(grid.shape[d] for d in varied)).tolist()
 
 
 def _null(kind: str) -> Any:
@@ -131,8 +98,8 @@ class ParallelGroups:
                    timeout: datetime.timedelta | None = None) -> ParallelGroups:
         """Groups over the initialised torch.distributed world in Megatron's rank order (module docstring).
 
-        With the defaults the whole world is data-parallel (the world group itself is reused). Without an
-        initialised torch.distributed this is ``single()``. Collective: every rank must call it alike.
+        With the defaults the whole world is data-parallel (the world group itself is reused); without an
+        initialised torch.distributed this is ``single()``. Collective: every rank calls it alike.
 
         Raises:
             ValueError: tp * pp does not divide the world size, or ep does not divide the data-parallel size.
@@ -143,17 +110,14 @@ class ParallelGroups:
                                  "call torch.distributed.init_process_group first")
             return cls.single()
         layout = RankLayout(world_size=world_size(), tp=tp, pp=pp, ep=ep)
-        comms = {kind: new_subgroups(layout.groups(kind), name=name, timeout=timeout)  # type: ignore[arg-type]
-                 for kind, name in _NAMES.items()}
-        return cls(**comms)
+        return cls(**{kind: new_subgroups(layout.groups(kind), name=name, timeout=timeout)  # type: ignore[arg-type]
+                      for kind, name in _NAMES.items()})
 
     @classmethod
-    def from_process_groups(
-        cls, *, dp: ProcessGroup | None = None, tp: ProcessGroup | None = None,
-        pp: ProcessGroup | None = None, ep: ProcessGroup | None = None,
-        expert_dp: ProcessGroup | None = None, mp: ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
-    ) -> ParallelGroups:
+    def from_process_groups(cls, *, dp: ProcessGroup | None = None, tp: ProcessGroup | None = None,
+                            pp: ProcessGroup | None = None, ep: ProcessGroup | None = None,
+                            expert_dp: ProcessGroup | None = None, mp: ProcessGroup | None = None,
+                            timeout: datetime.timedelta | None = None) -> ParallelGroups:
         """Wrap torch process groups you created; a group left out (None) has size 1. ``expert_dp`` defaults
         to ``dp`` when no expert-parallel group is given."""
         if expert_dp is None and ep is None:
@@ -168,8 +132,7 @@ class ParallelGroups:
         {"dp", "tp", "pp"}; missing dimensions have size 1, expert groups are ep = 1, expert_dp = dp.
         Collective when the mesh has both "tp" and "pp" (the model-parallel group is created)."""
         names = tuple(mesh.mesh_dim_names or ())
-        unknown = sorted(set(names) - {"dp", "tp", "pp"})
-        if not names or unknown:
+        if not names or set(names) - {"dp", "tp", "pp"}:
             raise ValueError(f"from_device_mesh needs mesh_dim_names from ('dp', 'tp', 'pp'); got {names}. "
                              "Create the mesh with init_device_mesh(..., mesh_dim_names=('dp',)) or similar")
         comms: dict[str, Comm | NullComm] = {
@@ -186,9 +149,8 @@ class ParallelGroups:
 
 
 class ComposedComm:
-    """All-reduce over several orthogonal groups in turn (e.g. data-parallel, then model-parallel): the
-    result is the reduction over their product. Only ``all_reduce`` is offered; it is what norms and
-    non-finite checks need."""
+    """All-reduce over several orthogonal groups in turn (e.g. data-, then model-parallel): the reduction over
+    their product, what norms and non-finite checks need."""
 
     def __init__(self, comms: Sequence[Comm | NullComm]) -> None:
         self.comms = [c for c in comms if c.size > 1]

@@ -1,18 +1,10 @@
-"""The parameter gather after a ZeRO-1 step: every rank's updated range of a bucket to every rank.
+"""The parameter gathers after a step: every rank's updated range of a bucket to every rank (ZeRO-1), and
+whole parameters from their owners (layer-wise).
 
-One ``BucketGather`` per bucket that holds a stage's parameters, planned once (pure: from the layout) and
-run after every step, either waited for at once or, overlapping the next forward, in forward pre-hooks
-of the modules whose parameters live in the bucket.
-
-- A bucket holding only this stage's parameters is gathered whole: each rank's range straight into the
-  parameter buffer, no copies.
-- A bucket shared with another stage (e.g. Muon matrices stepped by the layer-wise stage, biases by the
-  ZeRO-1 one) is gathered piece by piece: each rank packs only this stage's pieces, so two stages never
-  write the same elements, even with gathers in flight.
-
-The transport is chosen per backend (``gather_via``): one all-gather per bucket, or one in-place broadcast
-per rank and bucket; both are asynchronous, so either can overlap the next forward. The numbers are the
-same either way.
+A ZeRO-1 stage's gather is planned once, one per bucket: whole and in place when the bucket holds only this
+stage's parameters, else only this stage's pieces, packed per rank, so two stages sharing a bucket (e.g.
+Muon matrices stepped layer-wise, biases by ZeRO-1) never write the same elements. The transport is one
+all-gather per bucket or one in-place broadcast per rank and bucket, both asynchronous.
 """
 
 from __future__ import annotations
@@ -32,61 +24,49 @@ __all__ = ["BucketGather", "GatherVia", "OwnerBroadcast", "ParamGather", "Sharde
 
 GatherVia = Literal["all_gather", "broadcast"]
 
-# How the parameter gather moves data, per backend. On gloo one broadcast per rank (of its range, in place)
-# measured 2-5x faster than one all-gather of the bucket (2 ranks: 5M-element shards 16 ms vs 60 ms, a 75 MB
-# buffer ~50 ms vs 243-258 ms; 3 ranks 47 ms vs 149 ms), overlapped or not.
+# On gloo one broadcast per rank (of its range, in place) measured 2-5x faster than one all-gather of the
+# bucket (2 ranks: 5M-element shards 16 ms vs 60 ms, a 75 MB buffer ~50 ms vs 243-258 ms; 3 ranks 47 ms vs
+# 149 ms), overlapped or not.
 _GATHER_BY_BACKEND: dict[str, GatherVia] = {"gloo": "broadcast"}
 
 
 @dataclass(eq=False)
 class BucketGather:
-    """The parameter gather of one bucket for one stage: the whole bucket (``packed`` False: every rank's
-    range of ``bucket_data``), or only this stage's pieces, packed per rank (``plan``: (rank, offset in
-    that rank's packet, bucket offset, numel) per piece; ``widths``: each rank's packet size)."""
+    """The parameter gather of one bucket for one stage: the whole bucket (``pieces`` empty: every rank's
+    range of ``bucket_data``, in place), or this stage's pieces packed per rank (``pieces[rank]``: (offset in
+    the rank's packet, offset in the bucket, numel) each; ``widths[rank]``: its packet's size)."""
 
     comm: Comm | NullComm
     bucket_data: torch.Tensor  # the bucket's slice of the parameter buffer
-    packed: bool
     via: GatherVia
-    plan: tuple[tuple[int, int, int, int], ...] = ()
+    pieces: tuple[tuple[tuple[int, int, int], ...], ...] = ()
     widths: tuple[int, ...] = ()
     handles: list[Handle] = field(default_factory=list)
-    received: torch.Tensor | None = None  # all-gather of packets: every rank's, rank-major
-    packets: list[torch.Tensor] = field(default_factory=list)  # broadcast of packets: one per rank
+    packets: list[torch.Tensor] = field(default_factory=list)  # in flight: every rank's packet, to unpack
 
     def _packet(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s part: a view of its range, or its pieces packed (this rank's filled in)."""
-        if not self.packed:
+        if not self.pieces:
             shard = self.bucket_data.numel() // self.comm.size
-            return self.bucket_data[rank * shard : (rank + 1) * shard]
-        width = max(self.widths) if self.via == "all_gather" else self.widths[rank]
-        packet = self.bucket_data.new_zeros(width)
+            return self.bucket_data[rank * shard:(rank + 1) * shard]
+        packet = self.bucket_data.new_zeros(max(self.widths) if self.via == "all_gather" else self.widths[rank])
         if rank == self.comm.rank:
-            for owner, offset, at, numel in self.plan:
-                if owner == rank:
-                    packet[offset : offset + numel].copy_(self.bucket_data[at : at + numel])
+            for offset, at, numel in self.pieces[rank]:
+                packet[offset:offset + numel].copy_(self.bucket_data[at:at + numel])
         return packet
-
-    def _unpack(self, rank: int, packet: torch.Tensor) -> None:
-        for owner, offset, at, numel in self.plan:
-            if owner == rank:
-                self.bucket_data[at : at + numel].copy_(packet[offset : offset + numel])
 
     def launch(self) -> None:
         """Start the gather (collective: every rank, same order); ``wait()`` finishes it."""
-        me = self.comm.rank
+        comm = self.comm
         if self.via == "broadcast":
-            self.packets = [self._packet(rank) for rank in range(self.comm.size)]
-            self.handles = [self.comm.broadcast_async(packet, rank) for rank, packet in enumerate(self.packets)]
-            if not self.packed:
-                self.packets = []  # views of the bucket: nothing to unpack
-            return
-        if not self.packed:
-            self.handles = [self.comm.all_gather_into_async(self.bucket_data, self._packet(me))]
-            return
-        packet = self._packet(me)
-        self.received = packet.new_empty(packet.numel() * self.comm.size)
-        self.handles = [self.comm.all_gather_into_async(self.received, packet)]
+            packets = [self._packet(rank) for rank in range(comm.size)]
+            self.handles = [comm.broadcast_async(packet, rank) for rank, packet in enumerate(packets)]
+        else:
+            mine = self._packet(comm.rank)
+            out = mine.new_empty(mine.numel() * comm.size) if self.pieces else self.bucket_data
+            self.handles = [comm.all_gather_into_async(out, mine)]
+            packets = list(out.view(comm.size, -1)) if self.pieces else []
+        self.packets = packets if self.pieces else []  # a whole bucket is gathered in place: nothing to unpack
 
     def wait(self) -> None:
         """Wait for the gather started by ``launch()`` and unpack it (a no-op when none is in flight)."""
@@ -95,67 +75,45 @@ class BucketGather:
         for handle in self.handles:
             handle.wait()
         self.handles = []
-        me = self.comm.rank
-        if self.packets:
-            for rank, packet in enumerate(self.packets):
-                if rank != me:
-                    self._unpack(rank, packet)
-            self.packets = []
-        if self.received is not None:
-            width = self.received.numel() // self.comm.size
-            for rank in range(self.comm.size):
-                if rank != me:
-                    self._unpack(rank, self.received[rank * width : (rank + 1) * width])
-            self.received = None
+        for rank, packet in enumerate(self.packets):
+            if rank != self.comm.rank:
+                for offset, at, numel in self.pieces[rank]:
+                    self.bucket_data[at:at + numel].copy_(packet[offset:offset + numel])
+        self.packets = []
 
 
-def gather_via(
-    choice: Literal["auto", "all_gather", "broadcast"], backend: str, *, overlap: bool
-) -> GatherVia:
-    """The transport: ``choice``, or for ``"auto"`` the fastest on ``backend``. Both transports are
-    asynchronous, so ``overlap`` (the gathers run during the next forward) does not change the choice; it is
-    kept so callers state it and a backend could prefer one transport when overlapping.
-
-    Raises:
-        ValueError: an unknown choice.
-    """
+def gather_via(choice: Literal["auto", "all_gather", "broadcast"], backend: str, *, overlap: bool) -> GatherVia:
+    """The transport: ``choice``, or for ``"auto"`` the fastest on ``backend`` (both are asynchronous, so
+    ``overlap`` does not change it today; callers state it so a backend could). ValueError for another."""
     if choice not in ("auto", "all_gather", "broadcast"):
         raise ValueError(f"param_gather must be 'auto', 'all_gather' or 'broadcast', got {choice!r}")
-    if choice != "auto":
-        return choice
-    return _GATHER_BY_BACKEND.get(backend, "all_gather")
+    return _GATHER_BY_BACKEND.get(backend, "all_gather") if choice == "auto" else choice
 
 
-def plan_bucket_gathers(
-    buckets: Sequence[tuple[ParamAndGradBuffer, int, set[str]]],
-    comm: Comm | NullComm,
-    via: GatherVia,
-    module: nn.Module,
-) -> list[BucketGather]:
-    """One gather per (buffer, bucket index, names of the stage's parameters in it), the same list in the
-    same order on every rank (collectives must match): forward order, by the first parameter of the bucket
-    in ``module``'s registration order, so the bucket the next forward needs first is sent first. Empty
-    when ``comm`` has one rank (it owns everything)."""
+def plan_bucket_gathers(buckets: Sequence[tuple[ParamAndGradBuffer, int, set[str]]], comm: Comm | NullComm,
+                        via: GatherVia, module: nn.Module) -> list[BucketGather]:
+    """One gather per (buffer, bucket index, names of the stage's parameters in it), the same list on every
+    rank (collectives must match), in forward order: by the bucket's first parameter in ``module``'s
+    registration order, so what the next forward needs first is sent first. Empty when ``comm`` has one
+    rank (it owns everything)."""
     if comm.size == 1:
         return []
     position = {id(p): i for i, p in enumerate(module.parameters())}
     keyed: list[tuple[int, BucketGather]] = []
     for buffer, index, names in buckets:
         bucket = buffer.buckets[index]
+        pieces: list[tuple[tuple[int, int, int], ...]] = []
+        if names != set(bucket.slot.param_names):
+            for rank in range(comm.size):
+                mine, offset = [], 0
+                for part in buffer.layout.owned_slices(index, rank):
+                    if part.name in names:
+                        mine.append((offset, part.buffer_start - bucket.slot.offset, part.numel))
+                        offset += part.numel
+                pieces.append(tuple(mine))
+        widths = tuple(sum(numel for *_, numel in mine) for mine in pieces)
         first_use = min(position[id(p)] for p in bucket.params)
-        if names == set(bucket.slot.param_names):
-            keyed.append((first_use, BucketGather(comm, bucket.param_data, packed=False, via=via)))
-            continue
-        plan, widths = [], []
-        for rank in range(comm.size):
-            offset = 0
-            for part in buffer.layout.owned_slices(index, rank):
-                if part.name in names:
-                    plan.append((rank, offset, part.buffer_start - bucket.slot.offset, part.numel))
-                    offset += part.numel
-            widths.append(offset)
-        keyed.append((first_use, BucketGather(comm, bucket.param_data, packed=True, via=via, plan=tuple(plan),
-                                              widths=tuple(widths))))
+        keyed.append((first_use, BucketGather(comm, bucket.param_data, via, tuple(pieces), widths)))
     keyed.sort(key=lambda kg: kg[0])
     return [gather for _, gather in keyed]
 
@@ -183,16 +141,13 @@ class ParamGather:
 
 @dataclass(frozen=True, eq=False)
 class ShardedLayout:
-    """What a ZeRO-1 placement sees of a data-parallel wrapper (``DataParallel.sharded_layout``): per
-    parameter, the owned part of the flattened parameter and its views in the buffers; the groups gradient
-    statistics are reduced over; and the gather that publishes the stepped ranges.
+    """What a ZeRO-1 placement sees of a data-parallel wrapper (``DataParallel.sharded_layout``).
 
     Attributes:
         slices: ``id(param)`` -> (start, end, parameter-buffer view, gradient-buffer view), 1-D, for the
-            parameters this rank owns part of.
+            parameters this rank owns ``[start, end)`` of (flattened).
         reduce_over: the shard group first, then the groups holding other gradients.
-        tp_rank: this rank's tensor-parallel rank.
-        device: the buffers' device.
+        tp_rank, device: this rank's tensor-parallel rank; the buffers' device.
         gather: the stage's parameter gather (its forward pre-hooks, with overlap, are the wrapper's).
     """
 
@@ -219,22 +174,23 @@ class OwnerBroadcast:
 
     def __init__(self, comm: Comm | NullComm, params: Sequence[torch.Tensor], owners: Sequence[int]) -> None:
         self.comm = comm
-        self.plan: list[tuple[int, list[torch.Tensor], list[list[torch.Tensor]]]] = []
+        self.plan: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]] = []  # per owner: in place, packs
         for rank in range(comm.size):
-            mine = [p for p, owner in zip(params, owners, strict=True) if owner == rank]
-            large = [p for p in mine if p.numel() >= BROADCAST_IN_PLACE and p.is_contiguous()]
+            large: list[torch.Tensor] = []
             packs: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in mine:
-                if not (p.numel() >= BROADCAST_IN_PLACE and p.is_contiguous()):
+            for p in (p for p, owner in zip(params, owners, strict=True) if owner == rank):
+                if p.numel() >= BROADCAST_IN_PLACE and p.is_contiguous():
+                    large.append(p)
+                else:
                     packs.setdefault(p.dtype, []).append(p)
-            self.plan.append((rank, large, list(packs.values())))
+            self.plan.append((large, list(packs.values())))
 
     @torch.no_grad()
     def run(self) -> None:
         comm = self.comm
         if comm.size == 1:
             return
-        for owner, large, small in self.plan:
+        for owner, (large, small) in enumerate(self.plan):
             for param in large:
                 comm.broadcast(param.data, owner)
             for members in small:
