@@ -95,7 +95,7 @@ def set_phase_hook(hook: Callable[[str], contextlib.AbstractContextManager[None]
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Mark a named phase of the step (``prepare_grads``, ``clip``, ``inner_step``, ...) for the phase hook."""
+    """Mark a named phase of the step (``grad_norm``, ``inner_step``, ``param_gather``, ...) for the phase hook."""
     if _phase_hook is None:
         yield
     else:
