@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optstack._bytes import tensor_bytes
+from optstack.tensor_bytes import tensor_bytes
 from optstack.checkpoint.state import _fingerprint
 
 CASES = [

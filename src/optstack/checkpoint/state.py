@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from optstack._bytes import tensor_bytes
+from optstack.tensor_bytes import tensor_bytes
 from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scalar, identity_of, settings_of
 from optstack.groups import group_map as core_group_map
 from optstack.protocol import ParamShard

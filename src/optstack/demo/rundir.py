@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from optstack._bytes import tensor_bytes
+from optstack.tensor_bytes import tensor_bytes
 from optstack.checkpoint.io import LATEST, resolve_checkpoint
 
 __all__ = ["RunDir", "TrainState", "TRAIN_STATE_VERSION"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from optstack._bytes import tensor_bytes
+from optstack.tensor_bytes import tensor_bytes
 
 __all__ = ["Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized", "world_rank",
            "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group"]

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from optstack.algorithms._common import zeros_in_runs
 from optstack.stage.placement import Piece
 
 __all__ = ["Direct", "Masters", "Precision"]
@@ -75,7 +74,7 @@ class Precision:
         if dtypes != self._dtypes:  # planned on the first step (and again if a gradient's dtype changes)
             self._dtypes = dtypes
             self._copied = [i for i, d in enumerate(dtypes) if d is not None and d != inner[i].dtype]
-            self._copy_to = zeros_in_runs([inner[i] for i in self._copied], torch.float32)
+            self._copy_to = _back_to_back([inner[i] for i in self._copied])
         ready: list[torch.Tensor | None] = list(grads)
         if self._copied:
             torch._foreach_copy_(self._copy_to, [grads[i] for i in self._copied])  # type: ignore[misc]
@@ -116,3 +115,12 @@ class Masters(Precision):
 
     def _wants_master(self, piece: Piece) -> bool:
         return piece.value.dtype in _LOW_PRECISION
+
+
+def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero fp32 tensors shaped like ``like``, back to back in one allocation: where the stepped tensors lie
+    back to back their gradients do too, so the fused kernels step the run as one tensor."""
+    if not like:
+        return []
+    flat = torch.zeros(sum(t.numel() for t in like), dtype=torch.float32, device=like[0].device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
