@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optstack.tensor_bytes import tensor_bytes
 from optstack.checkpoint.state import _fingerprint
+from optstack.tensor_bytes import tensor_bytes
 
 CASES = [
     torch.randn(5000), torch.randn(30).double(), torch.arange(-5, 5, dtype=torch.int64), torch.tensor(3.5),

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from optstack.tensor_bytes import tensor_bytes
 from optstack.checkpoint.format import dtype_from_name, dtype_name, encode_scalar, identity_of, settings_of
 from optstack.groups import group_map as core_group_map
 from optstack.protocol import ParamShard
 from optstack.stage import Stage
+from optstack.tensor_bytes import tensor_bytes
 
 __all__ = ["HeldParam", "SavePlan", "collect", "describe", "plan_save", "check_load",
            "group_map", "restore_group_settings"]

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from optstack.tensor_bytes import tensor_bytes
 from optstack.checkpoint.io import LATEST, resolve_checkpoint
+from optstack.tensor_bytes import tensor_bytes
 
 __all__ = ["RunDir", "TrainState", "TRAIN_STATE_VERSION"]
 
