@@ -28,15 +28,24 @@ FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 class PerDeviceOptimizer(torch.optim.Optimizer):
     """The shell of AdamW, SGD and Lion: check each group, then step its tensors with a grad, per device.
 
-    Subclasses implement ``_check_group`` (a ValueError for a bad hyperparameter; it runs when a group is
-    added and again each step, since a scheduler may have written the group) and ``_step_device``.
+    Groups are checked when added and again each step (a scheduler may have written them): the ``_checked``
+    keys must be numbers >= 0 (``"betas"`` a pair in [0, 1)); subclasses add checks in ``_check_group``.
+    Subclasses implement ``_step_device``.
     """
 
+    _name = ""  #: the owner named in errors
+    _checked: tuple[str, ...] = ()
     #: ``step(grad_scale=f)`` multiplies every gradient by ``f`` as it is read (the loss-scale and clip
     #: factor of optstack's stages): folded into the kernel where it takes one, else one multiply pass.
     takes_grad_scale = True
     #: the subclass's ``_step_device`` takes ``grad_scale`` itself (its kernel applies it)
     _folds_grad_scale = False
+
+    def __init__(self, params: Any, defaults: dict[str, Any], impl: str,
+                 impls: Sequence[str] = ("auto", "fused", "foreach", "reference")) -> None:
+        check_impl(self._name, impl, impls)
+        self.impl = impl
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (torch.optim semantics) and validate its hyperparameters."""
@@ -44,7 +53,11 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
 
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
-        raise NotImplementedError
+        for key in self._checked:
+            if key == "betas":
+                check_betas(self._name, index, group)
+            else:
+                check_min(self._name, index, group, key)
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         """Step ``params`` (all on ``device``, all with a grad) with ``group``'s hyperparameters."""

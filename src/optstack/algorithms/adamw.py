@@ -22,16 +22,7 @@ from typing import Any
 
 import torch
 
-from optstack.algorithms._common import (
-    Impl,
-    PerDeviceOptimizer,
-    check_betas,
-    check_impl,
-    check_min,
-    coalesce,
-    resolve_impl,
-    zeros_in_runs,
-)
+from optstack.algorithms._common import Impl, PerDeviceOptimizer, coalesce, resolve_impl, zeros_in_runs
 from optstack.algorithms._staging import rms_to_v, run_staged, v_to_rms
 
 __all__ = ["AdamW", "adamw_reference", "kwargs_from_config"]
@@ -95,6 +86,7 @@ class AdamW(PerDeviceOptimizer):
         impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
     """
 
+    _checked = ("lr", "betas", "eps", "weight_decay")
     _folds_grad_scale = True
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
@@ -102,23 +94,16 @@ class AdamW(PerDeviceOptimizer):
                  decoupled: bool = True, exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, impl: Impl = "auto") -> None:
         self._name = "AdamW" if decoupled else "Adam"
-        check_impl(self._name, impl, ("auto", "fused", "foreach", "reference"))
         for field, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in _STATE_DTYPES:
                 raise ValueError(f"{self._name}: {field} must be one of torch.float32, torch.bfloat16, "
                                  f"torch.float16, torch.float64; got {dtype!r}")
-        self.decoupled, self.impl = decoupled, impl
+        self.decoupled = decoupled
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self._sq_key = _RMS_KEY if exp_avg_sq_dtype == torch.float16 else "exp_avg_sq"
         # fp32 scratch for low-precision tensors, by (math dtype, device): reused, not part of the state
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-
-    def _check_group(self, index: int, group: dict[str, Any]) -> None:
-        check_min(self._name, index, group, "lr")
-        check_betas(self._name, index, group)
-        check_min(self._name, index, group, "eps")
-        check_min(self._name, index, group, "weight_decay")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, impl)
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      grad_scale: float = 1.0) -> None:
