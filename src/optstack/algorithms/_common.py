@@ -1,10 +1,8 @@
-"""Shared by the algorithm shells: the per-device step template, hyperparameter checks, the fast-path choice
-and flat runs of tensors.
-
-The kernels are element-wise, so tensors that lie back to back in one storage (the flat shard views the
-distributed layer hands in) can be stepped as one flat tensor: one kernel call instead of one per tensor,
-whose few microseconds of overhead dominate for small tensors. ``coalesce`` finds such runs;
-``zeros_in_runs`` lays out new state so that its runs are adjacent too.
+"""Shared by the algorithm shells: the per-device step template, hyperparameter checks, the fast-path choice and
+flat runs. The kernels are element-wise, so tensors lying back to back in one storage (the flat shard views the
+distributed layer hands in) are stepped as one flat tensor: one kernel call instead of one per tensor, whose few
+microseconds of overhead dominate for small tensors. ``coalesce`` finds such runs; ``zeros_in_runs`` lays out
+new state so that its runs are adjacent too.
 """
 
 from __future__ import annotations
@@ -15,8 +13,8 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["FUSED_DEVICE_TYPES", "Impl", "PerDeviceOptimizer", "check_betas", "check_impl", "check_min", "coalesce",
-           "group_by_device", "resolve_impl", "zeros_in_runs"]
+__all__ = ["FUSED_DEVICE_TYPES", "Impl", "PerDeviceOptimizer", "check_betas", "check_min", "coalesce", "resolve_impl",
+           "zeros_in_runs"]
 
 Impl = Literal["auto", "fused", "foreach", "reference"]
 
@@ -43,7 +41,8 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], impl: str,
                  impls: Sequence[str] = ("auto", "fused", "foreach", "reference")) -> None:
-        check_impl(self._name, impl, impls)
+        if impl not in impls:
+            raise ValueError(f"{self._name}: impl must be one of {', '.join(map(repr, impls))}, got {impl!r}")
         self.impl = impl
         super().__init__(params, defaults)
 
@@ -76,8 +75,11 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             self._check_group(index, group)
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            for device, params in group_by_device(with_grad).items():
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.device, []).append(p)
+            for device, params in by_device.items():
                 if self._folds_grad_scale:
                     self._step_device(group, params, device, grad_scale=grad_scale)  # type: ignore[call-arg]
                     continue
@@ -85,12 +87,6 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
                     torch._foreach_mul_([p.grad for p in params], grad_scale)
                 self._step_device(group, params, device)
         return loss
-
-
-def check_impl(owner: str, impl: str, allowed: Sequence[str]) -> None:
-    """Raise a ValueError unless ``impl`` is one of ``allowed``."""
-    if impl not in allowed:
-        raise ValueError(f"{owner}: impl must be one of {', '.join(map(repr, allowed))}, got {impl!r}")
 
 
 def resolve_impl(impl: str, device: torch.device, has_fused: bool) -> str:
@@ -119,22 +115,13 @@ def check_betas(owner: str, index: int, group: dict[str, Any]) -> None:
             raise ValueError(f"{owner} param group {index}: betas[{i}] must be in [0, 1), got {beta!r}")
 
 
-def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    """``tensors`` bucketed by device, in order."""
-    buckets: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        buckets.setdefault(t.device, []).append(t)
-    return buckets
-
-
 def coalesce(
     lists: Sequence[Sequence[torch.Tensor]], keys: Sequence[Hashable] | None = None
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """Merge runs of back-to-back tensors into flat views, across several aligned lists at once.
 
-    Entries merge when, in every list, each tensor starts where the previous one ends (contiguous, one dtype,
-    one storage) and their ``keys`` (e.g. step counts) are equal. Only element-wise kernels may run on the
-    result.
+    Entries merge when, in every list, each tensor starts where the previous one ends (contiguous, one dtype, one
+    storage) and their ``keys`` (e.g. step counts) are equal. Only element-wise kernels may run on the result.
 
     Args:
         lists: aligned lists (params, grads, state...), all of one length.

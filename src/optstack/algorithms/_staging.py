@@ -19,6 +19,7 @@ __all__ = ["CHUNK", "rms_to_v", "run_staged", "v_to_rms"]
 CHUNK = 1 << 20  # elements per operand per batch: 4 MiB of fp32, about a cache (measured best of 2^16..2^20)
 
 Kernel = Callable[..., None]  # kernel(params, grads, exp_avgs, exp_avg_sqs, steps, step_values, hyper)
+_Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor, float]]  # (quad or a piece of it, step, step value)
 
 
 def rms_to_v(rms: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
@@ -45,20 +46,21 @@ def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: lis
         hyper: the kernel's hyperparameters (``beta2`` decodes ``grad_rms``).
         scratch: the optimizer's reusable buffers by (math dtype, device); filled on first use.
     """
-    batches: dict[torch.dtype, _Batch] = {}
+    pending: dict[tuple[torch.dtype, torch.device], _Batch] = {}  # by scratch key: (math dtype, device)
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}  # scratch elements the pending pieces take
     for quad, step, value in zip(quads, steps, values, strict=True):
-        dtype = torch.float64 if quad[0].dtype == torch.float64 else torch.float32
-        if dtype not in batches:
-            key = (dtype, quad[0].device)
-            if key not in scratch:
-                scratch[key] = torch.empty(4, CHUNK, dtype=dtype, device=quad[0].device)
-            batches[dtype] = _Batch(scratch[key], as_rms, hyper["beta2"])
+        key = (torch.float64 if quad[0].dtype == torch.float64 else torch.float32, quad[0].device)
+        if key not in scratch:
+            scratch[key] = torch.empty(4, CHUNK, dtype=key[0], device=key[1])
         for piece in _pieces(quad):
-            if batches[dtype].numel + piece[0].numel() > CHUNK:
-                batches[dtype].run(kernel, hyper)
-            batches[dtype].add(piece, step, value)
-    for batch in batches.values():
-        batch.run(kernel, hyper)
+            if key in pending and filled[key] + piece[0].numel() > CHUNK:
+                _run_batch(kernel, pending.pop(key), scratch[key], as_rms, hyper)
+            if key not in pending:
+                pending[key], filled[key] = [], 0
+            pending[key].append((piece, step, value))
+            filled[key] += min(piece[0].numel(), CHUNK)
+    for key, batch in pending.items():
+        _run_batch(kernel, batch, scratch[key], as_rms, hyper)
 
 
 def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -69,62 +71,46 @@ def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]
         yield from zip(*(t.view(-1).split(CHUNK) for t in quad), strict=True)
 
 
-class _Batch:
-    """Scratch slices holding math-dtype copies, the tensors they come from and go back to, and their steps.
-
-    The copies are batched into ``torch._foreach_*`` calls: per-tensor dispatch, not bytes, is the cost for
-    many small tensors."""
-
-    def __init__(self, scratch: torch.Tensor, as_rms: bool, beta2: float) -> None:
-        self.scratch, self.as_rms, self.beta2 = scratch, as_rms, beta2  # scratch: (4, CHUNK), a row per operand
-        self.clear()
-
-    def clear(self) -> None:
-        self.lists: list[list[torch.Tensor]] = [[], [], [], []]
-        self.steps: list[torch.Tensor] = []
-        self.values: list[float] = []
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored), plain operands
-        self.results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
-        self.rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
-        self.numel = 0
-
-    def add(self, quad: tuple[torch.Tensor, ...], step: torch.Tensor, value: float) -> None:
+def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: bool, hyper: dict[str, Any]) -> None:
+    """``kernel`` over ``batch``'s (quad, step, value), each tensor it cannot take as it is copied into a slice of
+    ``scratch`` (4, CHUNK), a row per operand. The copies are batched into ``torch._foreach_*`` calls: per-tensor
+    dispatch, not bytes, is the cost for many small tensors."""
+    lists: list[list[torch.Tensor]] = [[], [], [], []]
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored), plain operands
+    results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
+    rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
+    offset = 0
+    for quad, _, value in batch:
         numel = quad[0].numel()
         for k, t in enumerate(quad):
-            encoded = self.as_rms and k == 3
-            if not encoded and t.dtype == self.scratch.dtype and t.is_contiguous():
-                self.lists[k].append(t)  # usable as it is
+            encoded = as_rms and k == 3
+            if not encoded and t.dtype == scratch.dtype and t.is_contiguous():
+                lists[k].append(t)  # usable as it is
                 continue
             if numel <= CHUNK:
-                math = self.scratch[k, self.numel : self.numel + numel].view(t.shape)
+                math = scratch[k, offset : offset + numel].view(t.shape)
             else:  # a large non-contiguous tensor: a one-off temporary
-                math = torch.empty(t.shape, dtype=self.scratch.dtype, device=t.device)
-            self.lists[k].append(math)
+                math = torch.empty(t.shape, dtype=scratch.dtype, device=t.device)
+            lists[k].append(math)
             if encoded:
-                self.rms.append((math, t, value))
+                rms.append((math, t, value))
             else:
-                self.copies.append((math, t))
+                copies.append((math, t))
                 if k != 1:  # the grad is only read
-                    self.results.append((math, t))
-        self.steps.append(step)
-        self.values.append(value)
-        self.numel += min(numel, CHUNK)
-
-    def run(self, kernel: Kernel, hyper: dict[str, Any]) -> None:
-        if not self.steps:
-            return
-        if self.copies:
-            torch._foreach_copy_([m for m, _ in self.copies], [t for _, t in self.copies])
-        math, stored, steps = ([list(c) for c in zip(*self.rms, strict=True)] or [[], [], []])
-        if math:  # v = grad_rms**2 * (1 - beta2**(step - 1)), step - 1 being the count before this step
-            torch._foreach_copy_(math, stored)
-            torch._foreach_mul_(math, math)
-            torch._foreach_mul_(math, [1 - self.beta2 ** (s - 1) for s in steps])
-        kernel(*self.lists, self.steps, self.values, hyper)
-        if math:
-            torch._foreach_div_(math, [1 - self.beta2**s for s in steps])
-            torch._foreach_sqrt_(math)
-            torch._foreach_copy_(stored, math)
-        if self.results:
-            torch._foreach_copy_([t for _, t in self.results], [m for m, _ in self.results])
-        self.clear()
+                    results.append((math, t))
+        offset += min(numel, CHUNK)
+    if copies:
+        torch._foreach_copy_([m for m, _ in copies], [t for _, t in copies])
+    decoded, encoded_rms, rms_steps = [list(c) for c in zip(*rms, strict=True)] or [[], [], []]
+    beta2 = hyper["beta2"]
+    if decoded:  # v = grad_rms**2 * (1 - beta2**(step - 1)), step - 1 being the count before this step
+        torch._foreach_copy_(decoded, encoded_rms)
+        torch._foreach_mul_(decoded, decoded)
+        torch._foreach_mul_(decoded, [1 - beta2 ** (s - 1) for s in rms_steps])
+    kernel(*lists, [step for _, step, _ in batch], [value for _, _, value in batch], hyper)
+    if decoded:
+        torch._foreach_div_(decoded, [1 - beta2**s for s in rms_steps])
+        torch._foreach_sqrt_(decoded)
+        torch._foreach_copy_(encoded_rms, decoded)
+    if results:
+        torch._foreach_copy_([t for _, t in results], [m for m, _ in results])

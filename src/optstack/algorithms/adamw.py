@@ -112,8 +112,12 @@ class AdamW(PerDeviceOptimizer):
         step_device = device if impl == "fused" and device.type != "cpu" else torch.device("cpu")
         states = [self.state[p] for p in params]
         fresh = [i for i, state in enumerate(states) if not state]
-        if fresh:
-            self._init_state([params[i] for i in fresh], [states[i] for i in fresh], step_device)
+        if fresh:  # back-to-back state for back-to-back params; the steps: views of one buffer (_advance_steps)
+            new = [params[i] for i in fresh]
+            moments = zeros_in_runs(new, self.exp_avg_dtype), zeros_in_runs(new, self.exp_avg_sq_dtype)
+            zero_steps = torch.zeros(len(fresh), dtype=torch.float32, device=step_device).unbind()
+            for i, step, m, v in zip(fresh, zero_steps, *moments, strict=True):
+                states[i].update({"step": step, "exp_avg": m, self._sq_key: v})
         steps, values = _advance_steps(states, step_device)
         grads = [p.grad for p in params]
         if grad_scale != 1.0 and impl != "fused":
@@ -151,13 +155,6 @@ class AdamW(PerDeviceOptimizer):
             else:
                 run_staged(kernel, list(zip(*merged, strict=True)), run_steps, run_values, as_rms=as_rms,
                            hyper=hyper, scratch=self._scratch)
-
-    def _init_state(self, params: list[torch.Tensor], states: list[dict[str, Any]], step_device: torch.device) -> None:
-        exp_avgs = zeros_in_runs(params, self.exp_avg_dtype)
-        exp_avg_sqs = zeros_in_runs(params, self.exp_avg_sq_dtype)
-        steps = torch.zeros(len(params), dtype=torch.float32, device=step_device)
-        for i, state in enumerate(states):
-            state.update({"step": steps[i], "exp_avg": exp_avgs[i], self._sq_key: exp_avg_sqs[i]})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW`` / ``Adam``.
