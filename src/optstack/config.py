@@ -114,9 +114,7 @@ class LossScaleConfig:
 
     def resolved_mode(self, precision: Precision) -> Literal["none", "constant", "dynamic"]:
         """The mode in effect for parameters of ``precision`` (``mode``, or its default when None)."""
-        if self.mode is not None:
-            return self.mode
-        return "dynamic" if precision == "fp16" else "none"
+        return self.mode if self.mode is not None else "dynamic" if precision == "fp16" else "none"
 
     def build(self, precision: Precision) -> LossScaler:
         """The loss scaler for parameters of ``precision``: ``NoScaler``, ``ConstantScaler(initial)`` or a
@@ -220,12 +218,11 @@ class OffloadConfig:
 
     Attributes:
         enabled: the first ``fraction`` of each optimizer's elements (in group order; of this rank's shard under
-            ZeRO-1) keep their fp32 master and state in host memory and are stepped there; the rest stay on the
-            device (fraction 0 and 1 are the two ends of one code path).
+            ZeRO-1) keep their fp32 master and state in host memory and are stepped there, the rest on the device.
         fraction: share of the elements stepped on the host, in [0, 1] (0 by default, as Megatron's
             ``optimizer_offload_fraction``: set it, e.g. 1.0 to offload everything).
-        overlap_transfers: on CUDA, run the device->host gradient and host->device parameter copies on side
-            streams overlapping the device step.
+        overlap_transfers: on CUDA, copy gradients to the host and parameters back on side streams, overlapping
+            the device step.
     """
 
     enabled: bool = False
@@ -239,8 +236,7 @@ class OffloadConfig:
         """``make_optimizer`` (building ``spec``'s optimizer) with this offload; itself while not ``enabled``.
 
         Raises:
-            ValueError: ``spec`` has no host kernel (``check_combination`` refuses that for the config's
-                algorithm; a rule may route groups to another one, refused here by the same check).
+            ValueError: ``spec`` has no host kernel (a rule may route groups to another algorithm than the config's).
         """
         if not self.enabled:
             return make_optimizer
@@ -262,8 +258,6 @@ class OptimizerConfig:
         clip_grad: clip the global grad norm to this (0 = no clipping).
         grad_norm_skip_threshold: skip the step when the grad norm exceeds this (None = never).
         log_num_zeros_in_grad: count zero gradient elements each step.
-
-    Which settings may go together is decided by ``check_combination``, called at the end of construction.
     """
 
     algorithm: str = "adamw"
@@ -322,15 +316,9 @@ class OptimizerConfig:
 
 
 def check_combination(config: OptimizerConfig, spec_of: Callable[[str], AlgorithmSpec] = get_algorithm) -> None:
-    """Decide whether the settings of ``config`` may go together: the one place that does.
-
-    Refused, each with its own error naming the fields and what to do instead: ``precision='fp16'`` with a
-    Muon-family algorithm (Newton-Schulz overflows in fp16); a loss scale with ``precision='fp32'``;
-    ``distributed.overlap_param_gather`` without ``sharding='zero1'`` (only shards are gathered);
-    ``offload.enabled`` with an algorithm that has no host kernel, or with ``sharding='layerwise'``;
-    ``sharding='layerwise'`` with an algorithm outside the Muon family (its state would silently stay
-    replicated). The algorithm is looked up (``spec_of``, the registry by default) only for a rule that needs it,
-    so a plug-in is not imported sooner than it must be.
+    """Decide whether the settings of ``config`` may go together: the one place that does. Each refused
+    combination has its own error naming the fields and what to do instead. The algorithm is looked up
+    (``spec_of``, the registry by default) only for a rule that needs it, so a plug-in is not imported sooner.
 
     Raises:
         ValueError: the first refused combination (or an unknown algorithm, from ``spec_of``).

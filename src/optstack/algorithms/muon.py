@@ -15,11 +15,10 @@ Scale modes (``rows, cols`` the matrix's shape): ``spectral`` ``sqrt(max(rows, c
 ``extra_scale_factor=0.2`` the update RMS matches AdamW's), ``unit_rms_norm`` ``sqrt(rows / cols)`` (Scion),
 ``shape_scaling`` ``sqrt(max(1, rows / cols))`` (Keller Jordan's Muon).
 
-QKV split: a fused attention weight of ``num_groups`` blocks of ``q + k + v`` rows (Megatron's ``linear_qkv``)
-with ``qkv_split_shapes=(q, k, v)`` has all its q rows, k rows and v rows orthogonalised as three matrices
-``(num_groups * q, in)`` etc., each scaled by its own shape, as Megatron's ``TensorParallelMuon``. Put such
-weights in their own group (a rule). Every hyperparameter is per group. The step batches same-shaped matrices
-into one Newton-Schulz (fewer, larger matmuls), equal to the reference to fp32 round-off.
+QKV split (``qkv_split_shapes=(q, k, v)``, as Megatron's ``TensorParallelMuon``): a fused attention weight of
+``num_groups`` blocks of ``q + k + v`` rows has its q, k and v rows orthogonalised as three matrices
+``(num_groups * q, in)`` etc., each scaled by its own shape. The step batches same-shaped matrices into one
+Newton-Schulz (fewer, larger matmuls), equal to the reference to fp32 round-off.
 """
 
 from __future__ import annotations
@@ -114,13 +113,10 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters: momentum, decoupled weight decay, Newton-Schulz-orthogonalised update.
 
-    Defaults follow Megatron Core's ``OptimizerConfig`` (``muon_momentum=0.95``, ``muon_nesterov=False``,
-    ``muon_coefficient_type="quintic"``, ``muon_num_ns_steps=5``, ``muon_scale_mode="spectral"``,
-    ``muon_extra_scale_factor=1.0``) except ``matmul_precision``, which defaults to exact fp32 (Megatron:
-    ``"medium"``, bf16 on GPU); on CPU Newton-Schulz always runs in fp32. Parameters that are not 2-D and
-    embedding / output weights belong to a scalar optimizer (AdamW): route them there with a rule. Every
-    argument below is also a per-group key. State per parameter: ``"momentum_buffer"`` (the param's shape and
-    dtype).
+    Defaults are Megatron Core's (``muon_momentum`` etc.) but ``matmul_precision``: exact fp32 (Megatron:
+    ``"medium"``, bf16 on GPU; on CPU Newton-Schulz always runs in fp32). Parameters that are not 2-D and
+    embedding / output weights belong to a scalar optimizer (AdamW): route them there with a rule. Every argument
+    below is also a per-group key. State per parameter: ``"momentum_buffer"`` (the param's shape and dtype).
 
     Args:
         params: parameters or param-group dicts (``param_names`` in a group is used in error messages).
@@ -135,8 +131,7 @@ class Muon(torch.optim.Optimizer):
         extra_scale_factor: multiplies the scale (0.2 with ``"spectral"`` matches AdamW's update RMS).
         matmul_precision: fp32 matmul precision of Newton-Schulz on an accelerator: ``"highest"`` (fp32),
             ``"high"`` (TF32 where available) or ``"medium"`` (bf16 matmuls). Ignored on CPU.
-        qkv_split_shapes: ``(q, k, v)`` rows per attention group of a fused QKV weight, whose q, k and v blocks
-            are then orthogonalised separately. Set it only on a group of fused QKV weights.
+        qkv_split_shapes: ``(q, k, v)`` rows per attention group; set it only on a group of fused QKV weights.
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 0.02, momentum: float = 0.95,
