@@ -65,8 +65,7 @@ class _Schedule:
         if not isinstance(data, Mapping):
             raise ValueError(f"{cls.__name__}.from_dict needs a mapping, got {type(data).__name__}")
         fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
-        names = [f.name for f in fields]
-        unknown = sorted(set(data) - set(names))
+        names, unknown = [f.name for f in fields], sorted(set(data) - {f.name for f in fields})
         missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
         if unknown or missing:
             raise ValueError(
@@ -76,9 +75,7 @@ class _Schedule:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LRSchedule(_Schedule):
-    """The learning rate as a function of the step (Megatron's ``get_lr``).
-
-    Piecewise, in this order of precedence:
+    """The learning rate as a function of the step (Megatron's ``get_lr``), piecewise, in this order of precedence:
 
     1. warmup (only when ``warmup_steps > 0``), for ``step <= warmup_steps``:
        ``init_lr + (max_lr - init_lr) * step / warmup_steps``;
@@ -141,9 +138,13 @@ class LRSchedule(_Schedule):
             _check_order(owner, "wsd_decay_steps", "decay_steps", self, ": annealing ends at decay_steps")
 
     def __call__(self, step: int, *, max_lr: float | None = None, min_lr: float | None = None) -> float:
-        """The learning rate at ``step`` (>= 0), before any per-group ``lr_mult``; ``max_lr`` / ``min_lr``: a param
-        group's own peak and floor (None = the schedule's), as Megatron's ``param_group["max_lr"]`` (the warmup
-        still starts from the schedule's ``init_lr``)."""
+        """The learning rate at ``step`` (>= 0), before any per-group ``lr_mult``.
+
+        Args:
+            step: the number of steps taken.
+            max_lr, min_lr: a param group's own peak and floor (None: the schedule's), as Megatron's
+                ``param_group["max_lr"]``; the warmup still starts from the schedule's ``init_lr``.
+        """
         _check_count("LRSchedule", "step", step)
         max_lr = _group_value("max_lr", max_lr, self.max_lr)
         min_lr = _group_value("min_lr", min_lr, self.min_lr)
@@ -219,8 +220,12 @@ class WDSchedule(_Schedule):
         return cls(start_wd=wd, end_wd=wd)
 
     def __call__(self, step: int, *, start_wd: float | None = None, end_wd: float | None = None) -> float:
-        """The weight decay at ``step`` (>= 0), before any per-group ``wd_mult``; ``start_wd`` / ``end_wd``: a
-        param group's own values (None = the schedule's), as Megatron's ``param_group["start_wd"]``."""
+        """The weight decay at ``step`` (>= 0), before any per-group ``wd_mult``.
+
+        Args:
+            step: the number of steps taken.
+            start_wd, end_wd: a param group's own values (None: the schedule's), as Megatron's ``param_group``.
+        """
         _check_count("WDSchedule", "step", step)
         start_wd = _group_value("start_wd", start_wd, self.start_wd)
         end_wd = _group_value("end_wd", end_wd, self.end_wd)
@@ -246,15 +251,12 @@ class Scheduler:
     """Writes ``lr`` and ``weight_decay`` into every param group from an ``LRSchedule`` and a ``WDSchedule``.
 
     Per group: ``lr = lr_schedule(step, max_lr=group["max_lr"], min_lr=group["min_lr"]) * group["lr_mult"]`` and
-    ``weight_decay = wd_schedule(step, start_wd=group["start_wd"], end_wd=group["end_wd"]) * group["wd_mult"]``;
-    each key is optional (absent or None: the schedule's value, multipliers 1). Empty groups are written too
-    (logging reads the lr of possibly empty ``default_config`` groups). Construction applies step 0, as Megatron's
-    constructor calls ``step(0)``. Every group's values are computed before any is written, so a bad group leaves
-    every group and the step untouched.
-
-    Differences from Megatron: ``load_state_dict`` *sets* the step to the checkpoint's (Megatron adds it to the
-    current count, the same on a fresh scheduler) and writes the groups after all fields are settled. ``lr_mult``
-    is applied as in Megatron before its per-group ``max_lr``/``min_lr`` overrides made it vestigial.
+    ``weight_decay = wd_schedule(step, start_wd=group["start_wd"], end_wd=group["end_wd"]) * group["wd_mult"]``,
+    each key optional (absent or None: the schedule's value, multipliers 1); empty groups too (logging reads their
+    lr). Construction applies step 0, as Megatron's. All groups' values are computed before any is written, so a
+    bad group changes nothing. Unlike Megatron, ``load_state_dict`` *sets* the step to the checkpoint's (Megatron
+    adds it, the same on a fresh scheduler) and writes the groups after all fields are settled; ``lr_mult`` is
+    applied as in Megatron before its per-group ``max_lr``/``min_lr`` made it vestigial.
 
     Args:
         optimizer: the object whose ``param_groups`` are written; read afresh on every step.
