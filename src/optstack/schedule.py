@@ -1,16 +1,10 @@
 """Learning-rate and weight-decay schedules, and the scheduler that writes them into param groups.
 
-This module owns three things:
-
-* ``LRSchedule``: linear warmup from ``init_lr`` to ``max_lr``, then constant / linear / cosine /
-  inverse-square-root / WSD (warmup-stable-decay) down to ``min_lr`` at ``decay_steps``, ``min_lr`` after.
-* ``WDSchedule``: weight decay constant, or rising (linear / cosine) from ``start_wd`` to ``end_wd``.
-* ``Scheduler``: applies both to every param group of any object with ``param_groups`` (a
-  ``torch.optim.Optimizer`` or optstack's chained optimizer); its only state is the step count.
-
-Schedules are frozen, validated values and pure functions of the step, with the semantics of Megatron
-Core's ``OptimizerParamScheduler`` (``get_lr`` / ``get_wd`` / ``step`` / ``_check_and_set``). Where this
-module deliberately differs from Megatron, the docstring of the class concerned says so.
+``LRSchedule`` (warmup, then constant / linear / cosine / inverse-square-root / WSD down to ``min_lr``) and
+``WDSchedule`` (constant, or a linear / cosine ramp) are frozen, validated values and pure functions of the step,
+with the semantics of Megatron Core's ``OptimizerParamScheduler``; ``Scheduler`` applies both to every param group
+of anything with ``param_groups``, its only state the step count. Where this module differs from Megatron on
+purpose, the class concerned says so.
 """
 
 from __future__ import annotations
@@ -18,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, ClassVar, Literal, Protocol, get_args
+from typing import Any, ClassVar, Literal, Protocol, Self, get_args
 
 __all__ = ["LRSchedule", "WDSchedule", "Scheduler", "LRStyle", "WSDStyle", "WDStyle", "OnCheckpoint"]
 
@@ -54,26 +47,35 @@ def _group_value(name: str, value: float | None, default: float) -> float:
     return value
 
 
-def _fields_from_dict(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
-    """The init fields of dataclass ``cls`` taken from ``data``; unknown or missing keys are errors."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{cls.__name__}.from_dict needs a mapping, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    required = [f.name for f in dataclasses.fields(cls) if f.init and f.default is dataclasses.MISSING]
-    unknown = sorted(set(data) - set(names))
-    missing = [n for n in required if n not in data]
-    if unknown or missing:
-        raise ValueError(
-            f"{cls.__name__}.from_dict: unknown keys {unknown}, missing keys {missing}; the keys are {names}"
-        )
-    return {n: data[n] for n in names if n in data}
+def _check_order(owner: str, low: str, high: str, values: Any, why: str = "") -> None:
+    if getattr(values, low) > getattr(values, high):
+        raise ValueError(f"{owner}.{low} ({getattr(values, low)}) must be <= {high} ({getattr(values, high)}){why}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class LRSchedule:
-    """The learning rate as a function of the step (Megatron's ``get_lr``).
+class _Schedule:
+    """``to_dict`` / ``from_dict`` for the frozen schedule dataclasses."""
 
-    Piecewise, in this order of precedence:
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a flat dict of plain Python values (the inverse of ``from_dict``)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Build from ``to_dict()`` output; unknown or missing required keys are a ``ValueError``."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__}.from_dict needs a mapping, got {type(data).__name__}")
+        fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+        names, unknown = [f.name for f in fields], sorted(set(data) - {f.name for f in fields})
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+        if unknown or missing:
+            raise ValueError(
+                f"{cls.__name__}.from_dict: unknown keys {unknown}, missing keys {missing}; the keys are {names}")
+        return cls(**{n: data[n] for n in names if n in data})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LRSchedule(_Schedule):
+    """The learning rate as a function of the step (Megatron's ``get_lr``), piecewise, in this order of precedence:
 
     1. warmup (only when ``warmup_steps > 0``), for ``step <= warmup_steps``:
        ``init_lr + (max_lr - init_lr) * step / warmup_steps``;
@@ -81,17 +83,15 @@ class LRSchedule:
     3. ``step > decay_steps``: ``min_lr``;
     4. ``"inverse-square-root"``: ``max(min_lr, max_lr * sqrt(max(warmup_steps, 1)) / sqrt(max(step, 1)))``;
     5. ``"linear"`` / ``"cosine"``: ``min_lr + coeff * (max_lr - min_lr)`` with
-       ``r = (step - warmup_steps) / (decay_steps - warmup_steps)`` and coeff ``1 - r`` or
-       ``(cos(pi * r) + 1) / 2``;
-    6. ``"WSD"``: coeff 1 up to ``decay_steps - wsd_decay_steps``, then over the last ``wsd_decay_steps``
-       steps, with ``r`` the fraction of them done, ``wsd_style`` gives coeff: linear ``1 - r``, cosine
+       ``r = (step - warmup_steps) / (decay_steps - warmup_steps)`` and coeff ``1 - r`` or ``(cos(pi * r) + 1) / 2``;
+    6. ``"WSD"``: coeff 1 up to ``decay_steps - wsd_decay_steps``, then over the last ``wsd_decay_steps`` steps,
+       with ``r`` the fraction of them done, ``wsd_style`` gives coeff: linear ``1 - r``, cosine
        ``(cos(pi * r) + 1) / 2``, exponential ``2 * 0.5**r - 1``, minus_sqrt ``1 - sqrt(r)``.
 
-    Differences from Megatron, all in what is accepted, none in the values: ``warmup_steps == decay_steps``
-    is allowed (Megatron asserts ``<``): the value is still well defined (warm up to ``max_lr`` at
-    ``decay_steps``, then ``min_lr``, or ``max_lr`` for ``"constant"``). ``wsd_decay_steps`` may not exceed
-    ``decay_steps``. ``wsd_style`` defaults to ``"exponential"`` (Megatron's ``--lr-wsd-decay-style``
-    default; its class default ``None`` fails on the first annealing step).
+    Differences from Megatron, in what is accepted only: ``warmup_steps == decay_steps`` is allowed (Megatron
+    asserts ``<``; the value is still well defined); ``wsd_decay_steps`` may not exceed ``decay_steps``;
+    ``wsd_style`` defaults to ``"exponential"`` (Megatron's ``--lr-wsd-decay-style`` default; its class default
+    ``None`` fails on the first annealing step).
 
     Attributes:
         init_lr: learning rate at step 0 of the warmup.
@@ -122,53 +122,34 @@ class LRSchedule:
         _check_choice(owner, "wsd_style", self.wsd_style, self.WSD_STYLES)
         for name in ("init_lr", "max_lr", "min_lr"):
             _check_rate(owner, name, getattr(self, name))
-        if self.min_lr > self.max_lr:
-            raise ValueError(f"LRSchedule.min_lr ({self.min_lr}) must be <= max_lr ({self.max_lr})")
-        if self.init_lr > self.max_lr:
-            raise ValueError(
-                f"LRSchedule.init_lr ({self.init_lr}) must be <= max_lr ({self.max_lr}): "
-                "the warmup rises to max_lr"
-            )
+        _check_order(owner, "min_lr", "max_lr", self)
+        _check_order(owner, "init_lr", "max_lr", self, ": the warmup rises to max_lr")
         _check_count(owner, "warmup_steps", self.warmup_steps)
         # decay_steps >= 1 even for "constant": Megatron requires it, and 0 would make the decay ratio 0/0.
         _check_count(owner, "decay_steps", self.decay_steps, minimum=1)
-        if self.warmup_steps > self.decay_steps:
-            raise ValueError(
-                f"LRSchedule.warmup_steps ({self.warmup_steps}) must be <= decay_steps ({self.decay_steps}); "
-                "decay_steps counts from step 0 and includes the warmup"
-            )
+        _check_order(owner, "warmup_steps", "decay_steps", self, "; decay_steps counts from step 0 and includes the "
+                     "warmup")
         if self.wsd_decay_steps is not None:
             _check_count(owner, "wsd_decay_steps", self.wsd_decay_steps)
         if self.style == "WSD":
             if self.wsd_decay_steps is None:
-                raise ValueError(
-                    "LRSchedule.wsd_decay_steps is required when style='WSD': the length of the final "
-                    f"annealing phase, an integer in [0, decay_steps={self.decay_steps}]"
-                )
-            if self.wsd_decay_steps > self.decay_steps:
-                raise ValueError(
-                    f"LRSchedule.wsd_decay_steps ({self.wsd_decay_steps}) must be <= decay_steps "
-                    f"({self.decay_steps}): annealing ends at decay_steps"
-                )
+                raise ValueError("LRSchedule.wsd_decay_steps is required when style='WSD': the length of the final "
+                                 f"annealing phase, an integer in [0, decay_steps={self.decay_steps}]")
+            _check_order(owner, "wsd_decay_steps", "decay_steps", self, ": annealing ends at decay_steps")
 
     def __call__(self, step: int, *, max_lr: float | None = None, min_lr: float | None = None) -> float:
-        """The learning rate at ``step``.
+        """The learning rate at ``step`` (>= 0), before any per-group ``lr_mult``.
 
         Args:
-            step: the number of steps taken (>= 0).
-            max_lr: a param group's own peak learning rate (None = the schedule's), as Megatron's
-                ``param_group["max_lr"]``. The warmup still starts from the schedule's ``init_lr``.
-            min_lr: a param group's own floor (None = the schedule's).
-
-        Returns:
-            The learning rate, before any per-group ``lr_mult``.
+            step: the number of steps taken.
+            max_lr, min_lr: a param group's own peak and floor (None: the schedule's), as Megatron's
+                ``param_group["max_lr"]``; the warmup still starts from the schedule's ``init_lr``.
         """
         _check_count("LRSchedule", "step", step)
         max_lr = _group_value("max_lr", max_lr, self.max_lr)
         min_lr = _group_value("min_lr", min_lr, self.min_lr)
         if min_lr > max_lr:
             raise ValueError(f"min_lr ({min_lr}) must be <= max_lr ({max_lr})")
-
         if self.warmup_steps > 0 and step <= self.warmup_steps:
             return self.init_lr + (max_lr - self.init_lr) * float(step) / float(self.warmup_steps)
         if self.style == "constant":
@@ -176,54 +157,39 @@ class LRSchedule:
         if step > self.decay_steps:
             return min_lr
         if self.style == "inverse-square-root":
-            lr = max_lr * max(self.warmup_steps, 1) ** 0.5 / max(step, 1) ** 0.5
-            return max(min_lr, lr)
+            return max(min_lr, max_lr * max(self.warmup_steps, 1) ** 0.5 / max(step, 1) ** 0.5)
         return min_lr + self._decay_coeff(step) * (max_lr - min_lr)
 
     def _decay_coeff(self, step: int) -> float:
         """Fraction of (max_lr - min_lr) left at ``step``, for warmup_steps < step <= decay_steps."""
-        if self.style == "linear":
-            return 1.0 - (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
-        if self.style == "cosine":
-            ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
-            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        # WSD (wsd_decay_steps is validated to be set). With 0 annealing steps, step never passes the
-        # anneal start here, so the division below never sees 0.
-        wsd_decay_steps = self.wsd_decay_steps or 0
-        anneal_start = self.decay_steps - wsd_decay_steps
-        if step <= anneal_start:
-            return 1.0
-        ratio = (step - anneal_start) / wsd_decay_steps
-        if self.wsd_style == "linear":
+        if self.style in ("linear", "cosine"):
+            ratio, style = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps), self.style
+        else:  # WSD (wsd_decay_steps is set): with 0 annealing steps, step never passes the anneal start here
+            anneal_start = self.decay_steps - (self.wsd_decay_steps or 0)
+            if step <= anneal_start:
+                return 1.0
+            ratio, style = (step - anneal_start) / (self.wsd_decay_steps or 0), self.wsd_style
+        if style == "linear":
             return 1.0 - ratio
-        if self.wsd_style == "cosine":
+        if style == "cosine":
             return 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        if self.wsd_style == "exponential":
+        if style == "exponential":
             return 2.0 * math.pow(0.5, ratio) - 1.0
         return 1.0 - math.sqrt(ratio)  # minus_sqrt
 
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a flat dict of plain Python values (the inverse of ``from_dict``)."""
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LRSchedule:
-        """Build from ``to_dict()`` output; unknown or missing required keys are a ``ValueError``."""
-        return cls(**_fields_from_dict(cls, data))
-
-
-@dataclass(frozen=True, kw_only=True)
-class WDSchedule:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WDSchedule(_Schedule):
     """Weight decay as a function of the step (Megatron's ``get_wd``).
 
-    ``end_wd`` for ``step > incr_steps``; otherwise, with ``r = step / incr_steps``, ``"constant"`` gives
-    ``end_wd`` (which equals ``start_wd``), ``"linear"`` ``start_wd + r * (end_wd - start_wd)`` and
-    ``"cosine"`` ``start_wd + (cos(pi * (1 - r)) + 1) / 2 * (end_wd - start_wd)``.
+    ``end_wd`` for ``step > incr_steps``; otherwise, with ``r = step / incr_steps``, ``"constant"`` gives ``end_wd``
+    (which equals ``start_wd``), ``"linear"`` ``start_wd + r * (end_wd - start_wd)`` and ``"cosine"``
+    ``start_wd + (cos(pi * (1 - r)) + 1) / 2 * (end_wd - start_wd)``.
 
-    Differences from Megatron, in what is accepted only: ``end_wd < start_wd`` (a falling weight decay) is
-    allowed (Megatron asserts ``end_wd >= start_wd``); ``"linear"`` / ``"cosine"`` need ``incr_steps >= 1``
-    (Megatron divides by zero at step 0); ``"constant"`` with a group's own ``start_wd != end_wd`` is a
-    ``ValueError`` at every step (Megatron asserts only up to ``incr_steps``).
+    Differences from Megatron, in what is accepted only: ``end_wd < start_wd`` is allowed (Megatron asserts
+    ``>=``); ``"linear"`` / ``"cosine"`` need ``incr_steps >= 1`` (Megatron divides by zero at step 0);
+    ``"constant"`` with a group's own ``start_wd != end_wd`` is a ``ValueError`` at every step (Megatron asserts
+    only up to ``incr_steps``).
 
     Attributes:
         start_wd: weight decay at step 0.
@@ -240,17 +206,13 @@ class WDSchedule:
     STYLES: ClassVar[tuple[str, ...]] = get_args(WDStyle)
 
     def __post_init__(self) -> None:
-        owner = "WDSchedule"
-        _check_choice(owner, "style", self.style, self.STYLES)
-        _check_rate(owner, "start_wd", self.start_wd)
-        _check_rate(owner, "end_wd", self.end_wd)
-        _check_count(owner, "incr_steps", self.incr_steps, minimum=0 if self.style == "constant" else 1)
+        _check_choice("WDSchedule", "style", self.style, self.STYLES)
+        for name in ("start_wd", "end_wd"):
+            _check_rate("WDSchedule", name, getattr(self, name))
+        _check_count("WDSchedule", "incr_steps", self.incr_steps, minimum=0 if self.style == "constant" else 1)
         if self.style == "constant" and self.start_wd != self.end_wd:
-            raise ValueError(
-                f"WDSchedule.style='constant' needs start_wd == end_wd, got {self.start_wd} and "
-                f"{self.end_wd}; "
-                "use style='linear' or 'cosine' for a changing weight decay"
-            )
+            raise ValueError(f"WDSchedule.style='constant' needs start_wd == end_wd, got {self.start_wd} and "
+                             f"{self.end_wd}; use style='linear' or 'cosine' for a changing weight decay")
 
     @classmethod
     def constant(cls, wd: float) -> WDSchedule:
@@ -258,40 +220,24 @@ class WDSchedule:
         return cls(start_wd=wd, end_wd=wd)
 
     def __call__(self, step: int, *, start_wd: float | None = None, end_wd: float | None = None) -> float:
-        """The weight decay at ``step``, before any per-group ``wd_mult``.
+        """The weight decay at ``step`` (>= 0), before any per-group ``wd_mult``.
 
         Args:
-            step: the number of steps taken (>= 0).
-            start_wd: a param group's own start value (None = the schedule's), as Megatron's
-                ``param_group["start_wd"]``.
-            end_wd: a param group's own end value (None = the schedule's).
+            step: the number of steps taken.
+            start_wd, end_wd: a param group's own values (None: the schedule's), as Megatron's ``param_group``.
         """
         _check_count("WDSchedule", "step", step)
         start_wd = _group_value("start_wd", start_wd, self.start_wd)
         end_wd = _group_value("end_wd", end_wd, self.end_wd)
         if self.style == "constant":
             if start_wd != end_wd:
-                raise ValueError(
-                    f"weight decay style 'constant' needs start_wd == end_wd, got {start_wd} and {end_wd}"
-                )
+                raise ValueError(f"weight decay style 'constant' needs start_wd == end_wd, got {start_wd} and {end_wd}")
             return end_wd
         if step > self.incr_steps:
             return end_wd
         ratio = step / self.incr_steps
-        if self.style == "linear":
-            coeff = ratio
-        else:  # cosine
-            coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        coeff = ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
         return start_wd + coeff * (end_wd - start_wd)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a flat dict of plain Python values (the inverse of ``from_dict``)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WDSchedule:
-        """Build from ``to_dict()`` output; unknown or missing required keys are a ``ValueError``."""
-        return cls(**_fields_from_dict(cls, data))
 
 
 class HasParamGroups(Protocol):
@@ -304,25 +250,20 @@ class HasParamGroups(Protocol):
 class Scheduler:
     """Writes ``lr`` and ``weight_decay`` into every param group from an ``LRSchedule`` and a ``WDSchedule``.
 
-    Per group: ``lr = lr_schedule(step, max_lr=group["max_lr"], min_lr=group["min_lr"]) * group["lr_mult"]``
-    and ``weight_decay = wd_schedule(step, start_wd=group["start_wd"], end_wd=group["end_wd"]) *
-    group["wd_mult"]``; each key is optional (absent or None: the schedule's value, multipliers 1). Empty
-    groups are written too (logging reads the lr of possibly empty ``default_config`` groups).
-
-    Construction applies step 0, as Megatron's constructor calls ``step(0)``. Every update is computed for
-    all groups before any group is written, so a bad group leaves every group and the step untouched.
-
-    Differences from Megatron: ``load_state_dict`` *sets* the step to the checkpoint's (Megatron adds it to
-    the current count, the same on a fresh scheduler), and writes the groups after all fields are settled
-    (Megatron writes them before loading the weight-decay fields). ``lr_mult`` is applied as in Megatron
-    before its per-group ``max_lr``/``min_lr`` overrides made it vestigial.
+    Per group: ``lr = lr_schedule(step, max_lr=group["max_lr"], min_lr=group["min_lr"]) * group["lr_mult"]`` and
+    ``weight_decay = wd_schedule(step, start_wd=group["start_wd"], end_wd=group["end_wd"]) * group["wd_mult"]``,
+    each key optional (absent or None: the schedule's value, multipliers 1); empty groups too (logging reads their
+    lr). Construction applies step 0, as Megatron's. All groups' values are computed before any is written, so a
+    bad group changes nothing. Unlike Megatron, ``load_state_dict`` *sets* the step to the checkpoint's (Megatron
+    adds it, the same on a fresh scheduler) and writes the groups after all fields are settled; ``lr_mult`` is
+    applied as in Megatron before its per-group ``max_lr``/``min_lr`` made it vestigial.
 
     Args:
         optimizer: the object whose ``param_groups`` are written; read afresh on every step.
         lr: the learning-rate schedule.
         wd: the weight-decay schedule.
-        on_checkpoint: how ``load_state_dict`` treats a checkpoint's schedule fields: ``"match"`` requires
-            them to equal the constructor's (Megatron with neither flag), ``"use_checkpoint"`` adopts them
+        on_checkpoint: how ``load_state_dict`` treats a checkpoint's schedule fields: ``"match"`` requires them to
+            equal the constructor's (Megatron with neither flag), ``"use_checkpoint"`` adopts them
             (``use_checkpoint_opt_param_scheduler``), ``"use_class"`` keeps the constructor's
             (``override_opt_param_scheduler``). The step always comes from the checkpoint.
     """
@@ -330,19 +271,11 @@ class Scheduler:
     STATE_VERSION: ClassVar[int] = 1
     ON_CHECKPOINT: ClassVar[tuple[str, ...]] = get_args(OnCheckpoint)
 
-    def __init__(
-        self,
-        optimizer: HasParamGroups,
-        lr: LRSchedule,
-        wd: WDSchedule,
-        *,
-        on_checkpoint: OnCheckpoint = "match",
-    ) -> None:
+    def __init__(self, optimizer: HasParamGroups, lr: LRSchedule, wd: WDSchedule, *,
+                 on_checkpoint: OnCheckpoint = "match") -> None:
         if not isinstance(getattr(optimizer, "param_groups", None), list):
-            raise ValueError(
-                f"Scheduler.optimizer must have a list `param_groups` (a torch.optim.Optimizer or a chained "
-                f"optimizer), got {type(optimizer).__name__}"
-            )
+            raise ValueError("Scheduler.optimizer must have a list `param_groups` (a torch.optim.Optimizer or a "
+                             f"chained optimizer), got {type(optimizer).__name__}")
         if not isinstance(lr, LRSchedule):
             raise ValueError(f"Scheduler.lr must be an LRSchedule, got {type(lr).__name__}")
         if not isinstance(wd, WDSchedule):
@@ -350,9 +283,7 @@ class Scheduler:
         _check_choice("Scheduler", "on_checkpoint", on_checkpoint, self.ON_CHECKPOINT)
         self.optimizer = optimizer
         self.on_checkpoint: OnCheckpoint = on_checkpoint
-        self._lr = lr
-        self._wd = wd
-        self._num_steps = 0
+        self._lr, self._wd, self._num_steps = lr, wd, 0
         self._apply(lr, wd, 0)
 
     @property
@@ -397,70 +328,43 @@ class Scheduler:
                 raise ValueError(f"param group {index}: {error}") from error
             values.append((group_lr * group.get("lr_mult", 1.0), group_wd * group.get("wd_mult", 1.0)))
         for group, (group_lr, group_wd) in zip(groups, values, strict=True):
-            group["lr"] = group_lr
-            group["weight_decay"] = group_wd
+            group["lr"], group["weight_decay"] = group_lr, group_wd
         self._lr, self._wd, self._num_steps = lr, wd, num_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The step and both schedules' fields, as plain Python values.
-
-        Returns:
-            ``{"version": 1, "num_steps": int, "lr": LRSchedule.to_dict(), "wd": WDSchedule.to_dict()}``.
-        """
-        return {
-            "version": self.STATE_VERSION,
-            "num_steps": self._num_steps,
-            "lr": self._lr.to_dict(),
-            "wd": self._wd.to_dict(),
-        }
+        """``{"version": 1, "num_steps": int, "lr": LRSchedule.to_dict(), "wd": WDSchedule.to_dict()}``."""
+        return {"version": self.STATE_VERSION, "num_steps": self._num_steps, "lr": self._lr.to_dict(),
+                "wd": self._wd.to_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the step, and the schedules as ``on_checkpoint`` says; all or nothing.
 
         Raises:
-            ValueError: a malformed checkpoint; with ``on_checkpoint="match"``, any schedule field that
-                differs (every such field is named with both values); a group the loaded schedule
-                cannot serve.
+            ValueError: a malformed checkpoint; with ``on_checkpoint="match"``, any schedule field that differs
+                (every such field is named with both values); a group the loaded schedule cannot serve.
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"Scheduler.load_state_dict needs a mapping, got {type(state_dict).__name__}")
         expected = {"version", "num_steps", "lr", "wd"}
         if set(state_dict) != expected:
-            raise ValueError(
-                f"Scheduler.load_state_dict: keys {sorted(state_dict)}, expected {sorted(expected)} "
-                "(from Scheduler.state_dict())"
-            )
+            raise ValueError(f"Scheduler.load_state_dict: keys {sorted(state_dict)}, expected {sorted(expected)} "
+                             "(from Scheduler.state_dict())")
         if state_dict["version"] != self.STATE_VERSION:
-            raise ValueError(
-                f"Scheduler.load_state_dict: version {state_dict['version']!r} is not supported "
-                f"(this optstack reads version {self.STATE_VERSION})"
-            )
+            raise ValueError(f"Scheduler.load_state_dict: version {state_dict['version']!r} is not supported "
+                             f"(this optstack reads version {self.STATE_VERSION})")
         num_steps = state_dict["num_steps"]
         _check_count("scheduler checkpoint", "num_steps", num_steps)
-        saved_lr = LRSchedule.from_dict(state_dict["lr"])
-        saved_wd = WDSchedule.from_dict(state_dict["wd"])
-
+        saved_lr, saved_wd = LRSchedule.from_dict(state_dict["lr"]), WDSchedule.from_dict(state_dict["wd"])
         if self.on_checkpoint == "use_class":
-            lr, wd = self._lr, self._wd
-        else:
-            if self.on_checkpoint == "match":
-                self._require_match(saved_lr, saved_wd)
-            lr, wd = saved_lr, saved_wd
-        self._apply(lr, wd, num_steps)
-
-    def _require_match(self, saved_lr: LRSchedule, saved_wd: WDSchedule) -> None:
-        differences = [
-            f"{prefix}.{name}: constructor {ours[name]!r}, checkpoint {theirs[name]!r}"
-            for prefix, ours, theirs in (
-                ("lr", self._lr.to_dict(), saved_lr.to_dict()),
-                ("wd", self._wd.to_dict(), saved_wd.to_dict()),
-            )
-            for name in ours
-            if ours[name] != theirs[name]
-        ]
-        if differences:
-            raise ValueError(
-                "Scheduler.load_state_dict: the checkpoint's schedule differs from the constructor's "
-                f"(on_checkpoint='match'): {'; '.join(differences)}. Pass on_checkpoint='use_checkpoint' "
-                "to take the checkpoint's values or on_checkpoint='use_class' to keep the constructor's."
-            )
+            saved_lr, saved_wd = self._lr, self._wd
+        elif self.on_checkpoint == "match":
+            differences = [f"{prefix}.{name}: constructor {ours[name]!r}, checkpoint {theirs[name]!r}"
+                           for prefix, ours, theirs in (("lr", self._lr.to_dict(), saved_lr.to_dict()),
+                                                        ("wd", self._wd.to_dict(), saved_wd.to_dict()))
+                           for name in ours if ours[name] != theirs[name]]
+            if differences:
+                raise ValueError(
+                    "Scheduler.load_state_dict: the checkpoint's schedule differs from the constructor's "
+                    f"(on_checkpoint='match'): {'; '.join(differences)}. Pass on_checkpoint='use_checkpoint' to "
+                    "take the checkpoint's values or on_checkpoint='use_class' to keep the constructor's.")
+        self._apply(saved_lr, saved_wd, num_steps)

@@ -1,8 +1,6 @@
-"""optstack.algorithms: the update algorithms (one module each) and the registry that names them.
-
-Each algorithm is a ``torch.optim.Optimizer`` subclass with a single-tensor reference kernel (the test
-oracle) and a fast multi-tensor path. ``Muon`` is imported on first use (``optstack.algorithms.Muon`` or
-``get_algorithm("muon")``), so importing this package does not pull in Newton-Schulz.
+"""The update algorithms (one module each: a ``torch.optim.Optimizer`` with a single-tensor reference kernel,
+the test oracle, and a fast multi-tensor path) and the registry that names them. ``Muon`` is imported on first
+use (``optstack.algorithms.Muon`` or ``get_algorithm("muon")``), so this package does not pull in Newton-Schulz.
 """
 
 from __future__ import annotations
@@ -14,20 +12,8 @@ from optstack.algorithms.lion import Lion, lion_reference
 from optstack.algorithms.registry import AlgorithmSpec, Family, algorithm_names, get_algorithm, register
 from optstack.algorithms.sgd import SGD, sgd_reference
 
-__all__ = [
-    "SGD",
-    "AdamW",
-    "AlgorithmSpec",
-    "Family",
-    "Lion",
-    "Muon",
-    "adamw_reference",
-    "algorithm_names",
-    "get_algorithm",
-    "lion_reference",
-    "register",
-    "sgd_reference",
-]
+__all__ = ["SGD", "AdamW", "AlgorithmSpec", "Family", "Lion", "Muon", "adamw_reference", "algorithm_names",
+           "get_algorithm", "lion_reference", "register", "sgd_reference"]
 
 
 def __getattr__(name: str) -> Any:

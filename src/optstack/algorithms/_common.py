@@ -1,46 +1,50 @@
-"""Helpers shared by the algorithm shells: the per-device step template, hyperparameter checks, fast-path
-choice and flat tensor runs.
-
-The algorithms are element-wise, so a list of tensors that lie back to back in one storage can be stepped
-as one flat tensor: one kernel call instead of one per tensor. The distributed layer hands the inner
-optimizer exactly such lists (flat shard views of contiguous buffers), and the per-tensor overhead of the
-fused CPU kernel (a few microseconds) dominates for small tensors. ``coalesce`` finds those runs;
-``zeros_in_runs`` lays out new optimizer state so that its runs are adjacent too.
+"""Shared by the algorithm shells: the per-device step template, hyperparameter checks, the fast-path choice and
+flat runs. The kernels are element-wise, so tensors lying back to back in one storage (the flat shard views the
+distributed layer hands in) are stepped as one flat tensor: one kernel call instead of one per tensor, whose few
+microseconds of overhead dominate for small tensors. ``coalesce`` finds such runs; ``zeros_in_runs`` lays out
+new state so that its runs are adjacent too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from itertools import pairwise
 from typing import Any, Literal
 
 import torch
 
-__all__ = [
-    "FUSED_DEVICE_TYPES",
-    "Impl",
-    "PerDeviceOptimizer",
-    "check_betas",
-    "check_impl",
-    "check_min",
-    "coalesce",
-    "group_by_device",
-    "resolve_impl",
-    "zeros_in_runs",
-]
+__all__ = ["FUSED_DEVICE_TYPES", "Impl", "PerDeviceOptimizer", "check_betas", "check_min", "coalesce", "resolve_impl",
+           "zeros_in_runs"]
 
 Impl = Literal["auto", "fused", "foreach", "reference"]
 
-# Device types whose fused kernels we call on "auto". Measured on CPU (benchmarks/bench_adamw.py): the fused
-# AdamW kernel is ~5x faster than foreach; on CUDA it is torch's own recommended path. Elsewhere: foreach.
+# Device types whose fused kernels "auto" calls. On CPU the fused AdamW kernel is ~5x faster than foreach
+# (benchmarks/bench_adamw.py); on CUDA it is torch's recommended path. Elsewhere: foreach.
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 
 
 class PerDeviceOptimizer(torch.optim.Optimizer):
-    """The shell AdamW, SGD and Lion share: check each group, then step its tensors with a grad per device.
+    """The shell of AdamW, SGD and Lion: check each group, then step its tensors with a grad, per device.
 
-    Subclasses implement ``_check_group`` (raise a ValueError for a bad hyperparameter; it runs when a group
-    is added and again each step, since a scheduler may have written the group) and ``_step_device``.
+    Groups are checked when added and again each step (a scheduler may have written them): the ``_checked``
+    keys must be numbers >= 0 (``"betas"`` a pair in [0, 1)); subclasses add checks in ``_check_group``.
+    Subclasses implement ``_step_device``.
     """
+
+    _name = ""  #: the owner named in errors
+    _checked: tuple[str, ...] = ()
+    #: ``step(grad_scale=f)`` multiplies every gradient by ``f`` as it is read (the loss-scale and clip
+    #: factor of optstack's stages): folded into the kernel where it takes one, else one multiply pass.
+    takes_grad_scale = True
+    #: the subclass's ``_step_device`` takes ``grad_scale`` itself (its kernel applies it)
+    _folds_grad_scale = False
+
+    def __init__(self, params: Any, defaults: dict[str, Any], impl: str,
+                 impls: Sequence[str] = ("auto", "fused", "foreach", "reference")) -> None:
+        if impl not in impls:
+            raise ValueError(f"{self._name}: impl must be one of {', '.join(map(repr, impls))}, got {impl!r}")
+        self.impl = impl
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (torch.optim semantics) and validate its hyperparameters."""
@@ -48,30 +52,34 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
 
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
-        raise NotImplementedError
+        for key in self._checked:
+            if key == "betas":
+                check_betas(self._name, index, group)
+            else:
+                check_min(self._name, index, group, key)
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         """Step ``params`` (all on ``device``, all with a grad) with ``group``'s hyperparameters."""
         raise NotImplementedError
 
-    #: ``step(grad_scale=f)`` multiplies every gradient by ``f`` as it is read (the loss-scale and clip
-    #: factor of optstack's stages): folded into the kernel where it takes one, else one multiply pass.
-    takes_grad_scale = True
-    #: the subclass's ``_step_device`` takes ``grad_scale`` itself (its kernel applies it)
-    _folds_grad_scale = False
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float = 1.0) -> Any:  # type: ignore[override]
-        """One step over every tensor with a grad, the gradients multiplied by ``grad_scale``; returns the
-        closure's loss (None without a closure)."""
+        """One step over every tensor with a grad, the gradients multiplied by ``grad_scale``.
+
+        Returns:
+            The closure's loss (None without a closure).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             self._check_group(index, group)
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            for device, params in group_by_device(with_grad).items():
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.device, []).append(p)
+            for device, params in by_device.items():
                 if self._folds_grad_scale:
                     self._step_device(group, params, device, grad_scale=grad_scale)  # type: ignore[call-arg]
                     continue
@@ -79,12 +87,6 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
                     torch._foreach_mul_([p.grad for p in params], grad_scale)
                 self._step_device(group, params, device)
         return loss
-
-
-def check_impl(owner: str, impl: str, allowed: Sequence[str]) -> None:
-    """Raise a ValueError unless ``impl`` is one of ``allowed``."""
-    if impl not in allowed:
-        raise ValueError(f"{owner}: impl must be one of {', '.join(map(repr, allowed))}, got {impl!r}")
 
 
 def resolve_impl(impl: str, device: torch.device, has_fused: bool) -> str:
@@ -97,8 +99,7 @@ def resolve_impl(impl: str, device: torch.device, has_fused: bool) -> str:
 def check_min(owner: str, index: int, group: dict[str, Any], key: str, low: float = 0.0) -> None:
     """Raise a ValueError naming ``owner``, the group and the field unless ``group[key] >= low``."""
     value = group[key]
-    if isinstance(value, torch.Tensor):
-        value = value.item()
+    value = value.item() if isinstance(value, torch.Tensor) else value
     if not isinstance(value, int | float) or not value >= low:  # `not >=` also catches NaN
         raise ValueError(f"{owner} param group {index}: {key} must be a number >= {low}, got {value!r}")
 
@@ -114,30 +115,21 @@ def check_betas(owner: str, index: int, group: dict[str, Any]) -> None:
             raise ValueError(f"{owner} param group {index}: betas[{i}] must be in [0, 1), got {beta!r}")
 
 
-def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    """``tensors`` bucketed by device, in order."""
-    buckets: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        buckets.setdefault(t.device, []).append(t)
-    return buckets
-
-
 def coalesce(
     lists: Sequence[Sequence[torch.Tensor]], keys: Sequence[Hashable] | None = None
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """Merge runs of back-to-back tensors into flat views, across several aligned lists at once.
 
-    Entries merge when, in every list, each tensor starts where the previous one ends (contiguous, one
-    dtype, one storage) and their ``keys`` (e.g. step counts) are equal. Only element-wise kernels may run on
-    the result. The scan reads a few attributes per tensor; a tensor with no neighbour costs two.
+    Entries merge when, in every list, each tensor starts where the previous one ends (contiguous, one dtype, one
+    storage) and their ``keys`` (e.g. step counts) are equal. Only element-wise kernels may run on the result.
 
     Args:
-        lists: aligned lists (params, grads, state...); all the same length.
+        lists: aligned lists (params, grads, state...), all of one length.
         keys: per entry; entries merge only when their keys are equal.
 
     Returns:
-        The merged lists (a run becomes one 1-D view; a lone tensor is returned as it is) and, for each
-        merged entry, the index of its first original entry (to pick its step or hyperparameters).
+        The merged lists (a run becomes one 1-D view; a lone tensor is returned as it is) and, for each merged
+        entry, the index of its first original entry (to pick its step or hyperparameters).
     """
     runs = _runs(lists, keys)
     if len(runs) == len(lists[0]):  # nothing merged: keep the caller's order
@@ -146,22 +138,18 @@ def coalesce(
     for run in runs:
         numel = sum(lists[0][i].numel() for i in run)
         for out, ts in zip(merged, lists, strict=True):
-            out.append(ts[run[0]] if len(run) == 1 else _flat_view(ts[run[0]], numel))
+            first = ts[run[0]]
+            out.append(first if len(run) == 1 else torch.as_strided(first, (numel,), (1,), first.storage_offset()))
     return merged, [run[0] for run in runs]
 
 
 def zeros_in_runs(params: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Zero state tensors shaped like ``params`` (in ``dtype``, default each param's own); params lying back
-    to back get back-to-back state.
-
-    Then ``coalesce`` finds the same runs in the state as in the params and grads, and a whole run of flat
-    shard views is stepped by one kernel call.
-    """
+    to back get back-to-back state, so ``coalesce`` finds the same runs in state, params and grads."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(params)
     for run in _runs([params]):
         if len(run) == 1:
-            p = params[run[0]]
-            out[run[0]] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            out[run[0]] = torch.zeros_like(params[run[0]], dtype=dtype, memory_format=torch.preserve_format)
             continue
         sizes = [params[i].numel() for i in run]
         flat = params[run[0]].new_zeros(sum(sizes), dtype=dtype)
@@ -170,58 +158,45 @@ def zeros_in_runs(params: Sequence[torch.Tensor], dtype: torch.dtype | None = No
     return out
 
 
-def _flat_view(first: torch.Tensor, numel: int) -> torch.Tensor:
-    """A 1-D view of ``numel`` elements of ``first``'s storage, starting where ``first`` starts."""
-    return torch.as_strided(first, (numel,), (1,), first.storage_offset())
-
-
 def _runs(lists: Sequence[Sequence[torch.Tensor]], keys: Sequence[Hashable] | None = None) -> list[list[int]]:
     """Entry indices grouped into runs that are back to back in every list (see ``coalesce``)."""
     lead = lists[0]
     if len(lead) < 2:
         return [[i] for i in range(len(lead))]
     ptrs = [t.data_ptr() for t in lead]
-    ends = [ptr + t.nbytes for ptr, t in zip(ptrs, lead, strict=True)]
     order = sorted(range(len(lead)), key=ptrs.__getitem__)
-    # Candidates from the lead list's addresses alone (cheap), then checked in full.
+    # Candidates from the lead list's addresses alone (a tensor with no neighbour costs two reads), then
+    # checked in full.
     candidates: list[list[int]] = [[order[0]]]
-    for i in order[1:]:
-        j = candidates[-1][-1]
-        if ends[j] == ptrs[i] and (keys is None or keys[i] == keys[j]):
+    for j, i in pairwise(order):
+        if ptrs[j] + lead[j].nbytes == ptrs[i] and (keys is None or keys[i] == keys[j]):
             candidates[-1].append(i)
         else:
             candidates.append([i])
-    runs: list[list[int]] = []
-    for candidate in candidates:
-        runs.extend(_split_run(candidate, lists) if len(candidate) > 1 else [candidate])
-    return runs
+    return [run for c in candidates for run in (_split_run(c, lists) if len(c) > 1 else [c])]
 
 
 def _split_run(candidate: list[int], lists: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:
-    """Split ``candidate`` where any list is not back to back, contiguous and of one dtype; split up a run
-    whose first and last tensors are not in one storage."""
+    """Split ``candidate`` where any list is not back to back, contiguous and of one dtype."""
     linked = [True] * (len(candidate) - 1)  # linked[k]: entry k+1 follows entry k in every list
     for ts in lists:
         members = [ts[i] for i in candidate]
         ptrs = [t.data_ptr() for t in members]
         dense = [t.is_contiguous() and t.dtype == members[0].dtype for t in members]
-        for k in range(len(members) - 1):
-            if not (dense[k] and dense[k + 1] and ptrs[k] + members[k].nbytes == ptrs[k + 1]):
-                linked[k] = False
+        linked = [linked[k] and dense[k] and dense[k + 1] and ptrs[k] + members[k].nbytes == ptrs[k + 1]
+                  for k in range(len(linked))]
     runs = [[candidate[0]]]
     for k, i in enumerate(candidate[1:]):
         if linked[k]:
             runs[-1].append(i)
         else:
             runs.append([i])
+    # Address arithmetic alone could step from one allocation into the next: a flat view must stay inside
+    # one storage, which holds when the run's first and last tensors share it.
     out: list[list[int]] = []
     for run in runs:
-        # Address arithmetic alone could step from one allocation into the next: a flat view must stay
-        # inside one storage, which holds when the run's first and last tensors share it.
-        if len(run) == 1 or all(_storage(ts[run[0]]) == _storage(ts[run[-1]]) for ts in lists):
-            out.append(run)
-        else:
-            out.extend([i] for i in run)
+        whole = len(run) == 1 or all(_storage(ts[run[0]]) == _storage(ts[run[-1]]) for ts in lists)
+        out.extend([run] if whole else [[i] for i in run])
     return out
 
 

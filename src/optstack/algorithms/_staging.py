@@ -1,15 +1,10 @@
-"""Running Adam's kernels on tensors they cannot take as they are: low-precision moments or params, mixed
-dtypes, non-contiguous tensors.
-
-Each such tensor is copied into a slice of an fp32 (fp64 for fp64 params) scratch buffer, the kernel runs
-over a batch of slices, and the results are rounded back into the tensors. The scratch holds ``CHUNK``
-elements per operand and is reused batch after batch and step after step, so the copies stay in cache and
-nothing is allocated per step: a bf16-state step then costs ~1.6x the fp32 step (fresh temporaries per step
-cost ~8x, mostly page faults; measured on 20M params, 1 thread).
-Large tensors are cut into ``CHUNK``-element pieces; element-wise math makes that exact.
-
-The fp16 second moment is stored as ``grad_rms = sqrt(v / (1 - beta2**step))`` (see ``adamw.py``); it is
-decoded to ``v`` on the way in and encoded on the way out.
+"""Adam's kernels on tensors they cannot take as they are (low-precision moments or params, mixed dtypes,
+non-contiguous tensors): each is copied into a slice of a reused fp32 (fp64 for fp64 params) scratch buffer of
+``CHUNK`` elements per operand, the kernel runs over a batch of slices, and the results are rounded back.
+Reusing the scratch keeps the copies in cache and allocates nothing per step: a bf16-state step costs ~1.6x
+the fp32 one (fresh temporaries ~8x, mostly page faults; 20M params, 1 thread). Large tensors are cut into
+``CHUNK``-element pieces (exact: the math is element-wise). The fp16 second moment is stored as
+``grad_rms = sqrt(v / (1 - beta2**step))`` (see ``adamw.py``), decoded on the way in, encoded on the way out.
 """
 
 from __future__ import annotations
@@ -23,18 +18,14 @@ __all__ = ["CHUNK", "rms_to_v", "run_staged", "v_to_rms"]
 
 CHUNK = 1 << 20  # elements per operand per batch: 4 MiB of fp32, about a cache (measured best of 2^16..2^20)
 
-# kernel(params, grads, exp_avgs, exp_avg_sqs, steps, step_values, hyper)
-Kernel = Callable[..., None]
+Kernel = Callable[..., None]  # kernel(params, grads, exp_avgs, exp_avg_sqs, steps, step_values, hyper)
+_Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor, float]]  # (quad or a piece of it, step, step value)
 
 
-def rms_to_v(rms: torch.Tensor, step: float, beta2: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The second moment from its stored form after ``step`` steps: ``grad_rms**2 * (1 - beta2**step)``,
-    written into ``out`` (default: a new fp32 tensor)."""
-    if out is None:
-        out = rms.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    else:
-        out.copy_(rms)
-    return out.square_().mul_(1 - beta2**step)
+def rms_to_v(rms: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
+    """The second moment, as a new fp32 tensor, from its stored form after ``step`` steps."""
+    v = rms.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return v.square_().mul_(1 - beta2**step)
 
 
 def v_to_rms(v: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
@@ -42,16 +33,9 @@ def v_to_rms(v: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
     return v.zero_() if step == 0 else v.div_(1 - beta2**step).sqrt_()
 
 
-def run_staged(
-    kernel: Kernel,
-    quads: list[tuple[torch.Tensor, ...]],
-    steps: list[torch.Tensor],
-    values: list[float],
-    *,
-    as_rms: bool,
-    hyper: dict[str, Any],
-    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor],
-) -> None:
+def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor], values: list[float],
+               *, as_rms: bool, hyper: dict[str, Any],
+               scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> None:
     """Run ``kernel`` over math-dtype copies of (param, grad, exp_avg, exp_avg_sq) and round the results back.
 
     Args:
@@ -62,87 +46,71 @@ def run_staged(
         hyper: the kernel's hyperparameters (``beta2`` decodes ``grad_rms``).
         scratch: the optimizer's reusable buffers by (math dtype, device); filled on first use.
     """
-    batches: dict[torch.dtype, _Batch] = {}
+    pending: dict[tuple[torch.dtype, torch.device], _Batch] = {}  # by scratch key: (math dtype, device)
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}  # scratch elements the pending pieces take
     for quad, step, value in zip(quads, steps, values, strict=True):
-        math_dtype = torch.float64 if quad[0].dtype == torch.float64 else torch.float32
-        key = (math_dtype, quad[0].device)
+        key = (torch.float64 if quad[0].dtype == torch.float64 else torch.float32, quad[0].device)
         if key not in scratch:
-            scratch[key] = torch.empty(4, CHUNK, dtype=math_dtype, device=quad[0].device)
-        batch = batches.setdefault(math_dtype, _Batch(scratch[key], as_rms, hyper["beta2"]))
+            scratch[key] = torch.empty(4, CHUNK, dtype=key[0], device=key[1])
         for piece in _pieces(quad):
-            if batch.numel + piece[0].numel() > CHUNK:
-                batch.run(kernel, hyper)
-            batch.add(piece, step, value)
-    for batch in batches.values():
-        batch.run(kernel, hyper)
+            if key in pending and filled[key] + piece[0].numel() > CHUNK:
+                _run_batch(kernel, pending.pop(key), scratch[key], as_rms, hyper)
+            if key not in pending:
+                pending[key], filled[key] = [], 0
+            pending[key].append((piece, step, value))
+            filled[key] += min(piece[0].numel(), CHUNK)
+    for key, batch in pending.items():
+        _run_batch(kernel, batch, scratch[key], as_rms, hyper)
 
 
 def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
     """Aligned flat pieces of at most ``CHUNK`` elements (the whole tensors when one is not contiguous)."""
     if quad[0].numel() <= CHUNK or not all(t.is_contiguous() for t in quad):
         yield quad
-        return
-    yield from zip(*(t.view(-1).split(CHUNK) for t in quad), strict=True)
+    else:
+        yield from zip(*(t.view(-1).split(CHUNK) for t in quad), strict=True)
 
 
-class _Batch:
-    """Scratch slices holding math-dtype copies, the tensors they come from and go back to, and their steps.
-
-    The copies in and out are batched into ``torch._foreach_*`` calls: per-tensor op dispatch, not bytes,
-    is the cost for many small tensors."""
-
-    def __init__(self, scratch: torch.Tensor, as_rms: bool, beta2: float) -> None:
-        self.scratch = scratch  # (4, CHUNK): one row per operand
-        self.as_rms = as_rms
-        self.beta2 = beta2
-        self.clear()
-
-    def clear(self) -> None:
-        self.lists: list[list[torch.Tensor]] = [[], [], [], []]
-        self.steps: list[torch.Tensor] = []
-        self.values: list[float] = []
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored), plain operands
-        self.results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
-        self.rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
-        self.numel = 0
-
-    def add(self, quad: tuple[torch.Tensor, ...], step: torch.Tensor, value: float) -> None:
+def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: bool, hyper: dict[str, Any]) -> None:
+    """``kernel`` over ``batch``'s (quad, step, value), each tensor it cannot take as it is copied into a slice of
+    ``scratch`` (4, CHUNK), a row per operand. The copies are batched into ``torch._foreach_*`` calls: per-tensor
+    dispatch, not bytes, is the cost for many small tensors."""
+    lists: list[list[torch.Tensor]] = [[], [], [], []]
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored), plain operands
+    results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
+    rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
+    offset = 0
+    for quad, _, value in batch:
         numel = quad[0].numel()
         for k, t in enumerate(quad):
-            encoded = self.as_rms and k == 3
-            if not encoded and t.dtype == self.scratch.dtype and t.is_contiguous():
-                self.lists[k].append(t)  # usable as it is
+            encoded = as_rms and k == 3
+            if not encoded and t.dtype == scratch.dtype and t.is_contiguous():
+                lists[k].append(t)  # usable as it is
                 continue
             if numel <= CHUNK:
-                math = self.scratch[k, self.numel : self.numel + numel].view(t.shape)
+                math = scratch[k, offset : offset + numel].view(t.shape)
             else:  # a large non-contiguous tensor: a one-off temporary
-                math = torch.empty(t.shape, dtype=self.scratch.dtype, device=t.device)
-            self.lists[k].append(math)
+                math = torch.empty(t.shape, dtype=scratch.dtype, device=t.device)
+            lists[k].append(math)
             if encoded:
-                self.rms.append((math, t, value))
+                rms.append((math, t, value))
             else:
-                self.copies.append((math, t))
+                copies.append((math, t))
                 if k != 1:  # the grad is only read
-                    self.results.append((math, t))
-        self.steps.append(step)
-        self.values.append(value)
-        self.numel += min(numel, CHUNK)
-
-    def run(self, kernel: Kernel, hyper: dict[str, Any]) -> None:
-        if not self.steps:
-            return
-        if self.copies:
-            torch._foreach_copy_([m for m, _ in self.copies], [t for _, t in self.copies])
-        rms = [list(c) for c in zip(*self.rms, strict=True)] or [[], [], []]
-        if rms[0]:  # v = grad_rms**2 * (1 - beta2**(step - 1)), step - 1 being the count before this step
-            torch._foreach_copy_(rms[0], rms[1])
-            torch._foreach_mul_(rms[0], rms[0])
-            torch._foreach_mul_(rms[0], [1 - self.beta2 ** (s - 1) for s in rms[2]])
-        kernel(*self.lists, self.steps, self.values, hyper)
-        if rms[0]:
-            torch._foreach_div_(rms[0], [1 - self.beta2**s for s in rms[2]])
-            torch._foreach_sqrt_(rms[0])
-            torch._foreach_copy_(rms[1], rms[0])
-        if self.results:
-            torch._foreach_copy_([t for _, t in self.results], [m for m, _ in self.results])
-        self.clear()
+                    results.append((math, t))
+        offset += min(numel, CHUNK)
+    if copies:
+        torch._foreach_copy_([m for m, _ in copies], [t for _, t in copies])
+    decoded, encoded_rms, rms_steps = [list(c) for c in zip(*rms, strict=True)] or [[], [], []]
+    beta2 = hyper["beta2"]
+    if decoded:  # v = grad_rms**2 * (1 - beta2**(step - 1)), step - 1 being the count before this step
+        torch._foreach_copy_(decoded, encoded_rms)
+        torch._foreach_mul_(decoded, decoded)
+        torch._foreach_mul_(decoded, [1 - beta2 ** (s - 1) for s in rms_steps])
+    kernel(*lists, [step for _, step, _ in batch], [value for _, _, value in batch], hyper)
+    if decoded:
+        torch._foreach_div_(decoded, [1 - beta2**s for s in rms_steps])
+        torch._foreach_sqrt_(decoded)
+        torch._foreach_copy_(encoded_rms, decoded)
+    if results:
+        torch._foreach_copy_([t for _, t in results], [m for m, _ in results])

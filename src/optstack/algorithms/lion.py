@@ -1,14 +1,13 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the sign of an interpolated
-momentum, decoupled weight decay, one state tensor.
+momentum, decoupled weight decay, one state tensor (``exp_avg``, the momentum m, in the param's dtype).
 
     update = sign(beta1 * m + (1 - beta1) * g)
     p     *= 1 - lr * weight_decay
     p     -= lr * update
     m      = beta2 * m + (1 - beta2) * g
 
-``lion_reference`` is the single-tensor kernel (the test oracle); the optimizer's fast path is ``foreach``
-(torch has no fused Lion kernel), with back-to-back tensors (flat shard views) stepped as one flat tensor.
-State per parameter: ``exp_avg`` (the momentum m), in the parameter's dtype.
+``lion_reference`` is the single-tensor kernel (the test oracle); the fast path is ``foreach`` (torch has no
+fused Lion), with back-to-back tensors stepped as one flat tensor.
 """
 
 from __future__ import annotations
@@ -18,28 +17,13 @@ from typing import Any, Literal
 
 import torch
 
-from optstack.algorithms._common import (
-    PerDeviceOptimizer,
-    check_betas,
-    check_impl,
-    check_min,
-    coalesce,
-    zeros_in_runs,
-)
+from optstack.algorithms._common import PerDeviceOptimizer, coalesce, zeros_in_runs
 
 __all__ = ["Lion", "kwargs_from_config", "lion_reference"]
 
 
-def lion_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-) -> None:
+def lion_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,
+                   beta2: float, weight_decay: float) -> None:
     """One Lion step on single tensors, in place (``grad`` is only read).
 
     ``lerp(m, g, 1 - beta)`` is ``beta * m + (1 - beta) * g`` in one rounding.
@@ -56,8 +40,7 @@ def lion_reference(
 
 
 def kwargs_from_config(config: Any) -> dict[str, Any]:
-    """``Lion``'s constructor kwargs from an ``OptimizerConfig``'s ``lion`` section (the registry adds ``lr``
-    and ``weight_decay``)."""
+    """``Lion``'s kwargs from an ``OptimizerConfig``'s ``lion`` section (the registry adds the base ones)."""
     return {"betas": (config.lion.beta1, config.lion.beta2)}
 
 
@@ -75,24 +58,13 @@ class Lion(PerDeviceOptimizer):
         impl: "auto" (= "foreach"), "foreach" or "reference".
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        *,
-        impl: Literal["auto", "foreach", "reference"] = "auto",
-    ) -> None:
-        check_impl("Lion", impl, ("auto", "foreach", "reference"))
-        self.impl = impl
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+    _name, _checked = "Lion", ("lr", "betas", "weight_decay")
 
-    @staticmethod
-    def _check_group(index: int, group: dict[str, Any]) -> None:
-        check_min("Lion", index, group, "lr")
-        check_betas("Lion", index, group)
-        check_min("Lion", index, group, "weight_decay")
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
+                 impl: Literal["auto", "foreach", "reference"] = "auto") -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay}, impl,
+                         ("auto", "foreach", "reference"))
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         new = [p for p in params if "exp_avg" not in self.state[p]]
@@ -107,8 +79,7 @@ class Lion(PerDeviceOptimizer):
             for p, g, m in zip(params, grads, exp_avgs, strict=True):
                 lion_reference(p, g, m, **hyper)
             return
-        # foreach ops need one dtype per call (the base class already split by device)
-        batches: dict[torch.dtype, list[int]] = {}
+        batches: dict[torch.dtype, list[int]] = {}  # foreach ops take one dtype per call
         for i, p in enumerate(params):
             batches.setdefault(p.dtype, []).append(i)
         for picked in batches.values():

@@ -1,34 +1,24 @@
-"""Muon: momentum SGD whose update is orthogonalised by Newton-Schulz, for 2-D weight matrices.
+"""Muon: momentum SGD whose update is orthogonalised by Newton-Schulz (``newton_schulz.py``), for 2-D weights.
 
-Owns the ``Muon`` optimizer, its single-tensor reference kernel ``muon_reference`` (the test oracle), the
-update scale modes and the QKV split. The Newton-Schulz kernel lives in ``newton_schulz.py``.
-
-Per parameter ``p`` with gradient ``g`` and momentum buffer ``m`` (state ``"momentum_buffer"``, zeros at
-first), following Megatron Core / NVIDIA Emerging-Optimizers' ``OrthogonalizedOptimizer`` exactly::
+Per parameter ``p`` with gradient ``g`` and momentum buffer ``m`` (state ``"momentum_buffer"``, zeros at first),
+as Megatron Core / NVIDIA Emerging-Optimizers' ``OrthogonalizedOptimizer``::
 
     m  = momentum * m + (1 - momentum) * g             # EMA of the gradient
     u  = (1 - momentum) * g + momentum * m  if nesterov else m
     p  = p * (1 - lr * weight_decay)                   # decoupled weight decay
     p  = p - lr * extra_scale_factor * scale(rows, cols) * NS(u)
 
-The EMA form differs from the classic ``m = momentum * m + g`` (and nesterov ``g + momentum * m``) only by
-the constant factor ``1 - momentum``, which Newton-Schulz's normalisation removes: both give the same
-update; the EMA form is kept so a momentum buffer means the same as in Megatron's checkpoints.
+The EMA form differs from the classic ``m = momentum * m + g`` only by the factor ``1 - momentum``, which
+Newton-Schulz's normalisation removes; it is kept so a momentum buffer means what it means in Megatron.
 
-Scale modes (``rows, cols`` = the matrix's shape, ``out, in`` for a linear layer's weight):
-    ``spectral``: ``sqrt(max(rows, cols))`` (Kimi / Moonlight; with ``extra_scale_factor=0.2`` the update
-        RMS matches AdamW's, so AdamW learning rates transfer).
-    ``unit_rms_norm``: ``sqrt(rows / cols)`` (Scion, Bernstein).
-    ``shape_scaling``: ``sqrt(max(1, rows / cols))`` (Keller Jordan's Muon).
+Scale modes (``rows, cols`` the matrix's shape): ``spectral`` ``sqrt(max(rows, cols))`` (Kimi / Moonlight; with
+``extra_scale_factor=0.2`` the update RMS matches AdamW's), ``unit_rms_norm`` ``sqrt(rows / cols)`` (Scion),
+``shape_scaling`` ``sqrt(max(1, rows / cols))`` (Keller Jordan's Muon).
 
-QKV split: for a fused attention weight laid out as ``num_groups`` blocks of ``q + k + v`` rows (Megatron's
-``linear_qkv``), ``qkv_split_shapes=(q, k, v)`` orthogonalises all q rows, all k rows and all v rows as
-three separate matrices of shapes ``(num_groups * q, in)`` etc., each scaled by its own shape, as Megatron's
-``TensorParallelMuon`` does. Put such weights in their own group (a rule) with the split shapes set.
-
-Every hyperparameter is per group (schedulers write ``lr`` and ``weight_decay``). The step batches
-same-shaped matrices into one batched Newton-Schulz (fewer, larger matmuls), which equals the reference
-to fp32 round-off.
+QKV split (``qkv_split_shapes=(q, k, v)``, as Megatron's ``TensorParallelMuon``): a fused attention weight of
+``num_groups`` blocks of ``q + k + v`` rows has its q, k and v rows orthogonalised as three matrices
+``(num_groups * q, in)`` etc., each scaled by its own shape. The step batches same-shaped matrices into one
+Newton-Schulz (fewer, larger matmuls), equal to the reference to fp32 round-off.
 """
 
 from __future__ import annotations
@@ -54,8 +44,17 @@ from optstack.algorithms.newton_schulz import (
 __all__ = ["Muon", "ScaleMode", "kwargs_from_config", "muon_reference", "muon_scale_factor", "SCALE_MODES"]
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
-SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
+_SCALES: dict[str, Callable[[int, int], float]] = {
+    "spectral": lambda rows, cols: math.sqrt(max(rows, cols)),
+    "unit_rms_norm": lambda rows, cols: math.sqrt(rows / cols),
+    "shape_scaling": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
+}
+SCALE_MODES: tuple[str, ...] = tuple(_SCALES)
 _NS_EPS = 1e-7
+# Same-shaped matrices are orthogonalised as one batched matmul chain, in stacks of at most this many elements:
+# big enough to batch many small matrices (one BLAS call instead of dozens), small enough that the stack and
+# Newton-Schulz's three temporaries of its size stay a modest extra memory (~0.5 GB fp32).
+_MAX_STACK_ELEMENTS = 2**25
 
 
 def muon_scale_factor(rows: int, cols: int, mode: ScaleMode) -> float:
@@ -64,13 +63,9 @@ def muon_scale_factor(rows: int, cols: int, mode: ScaleMode) -> float:
     Raises:
         ValueError: unknown ``mode``.
     """
-    if mode == "spectral":
-        return math.sqrt(max(rows, cols))
-    if mode == "unit_rms_norm":
-        return math.sqrt(rows / cols)
-    if mode == "shape_scaling":
-        return math.sqrt(max(1.0, rows / cols))
-    raise ValueError(f"unknown Muon scale_mode {mode!r}; expected one of {list(SCALE_MODES)}")
+    if mode not in _SCALES:
+        raise ValueError(f"unknown Muon scale_mode {mode!r}; expected one of {list(SCALE_MODES)}")
+    return _SCALES[mode](rows, cols)
 
 
 def _qkv_blocks(update: Tensor, shapes: Sequence[int]) -> list[Tensor]:
@@ -84,40 +79,20 @@ def _qkv_blocks(update: Tensor, shapes: Sequence[int]) -> list[Tensor]:
 def _merge_qkv(blocks: Sequence[Tensor], shapes: Sequence[int], shape: torch.Size) -> Tensor:
     """Inverse of ``_qkv_blocks``: interleave the q, k, v matrices back into the fused layout."""
     rows, cols = shape
-    num_groups = rows // sum(shapes)
-    return torch.cat([b.view(num_groups, -1, cols) for b in blocks], dim=1).view(shape)
+    return torch.cat([b.view(rows // sum(shapes), -1, cols) for b in blocks], dim=1).view(shape)
 
 
-def muon_reference(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor,
-    *,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: float,
-    ns_steps: int,
-    coefficients: Coefficients,
-    scale_mode: ScaleMode,
-    extra_scale_factor: float,
-    qkv_split_shapes: Sequence[int] | None = None,
-) -> None:
-    """One Muon step on one ``(rows, cols)`` parameter, in place: the plain formula, the test oracle.
-
-    Updates ``momentum_buffer`` and ``param``; see the module docstring for the formula.
-    """
+def muon_reference(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float,
+                   nesterov: bool, weight_decay: float, ns_steps: int, coefficients: Coefficients,
+                   scale_mode: ScaleMode, extra_scale_factor: float,
+                   qkv_split_shapes: Sequence[int] | None = None) -> None:
+    """One Muon step on one ``(rows, cols)`` parameter, in place (``momentum_buffer`` and ``param``): the plain
+    formula of the module docstring, the test oracle."""
     momentum_buffer.mul_(momentum).add_(grad, alpha=1 - momentum)
-    if nesterov:
-        update = torch.add(grad * (1 - momentum), momentum_buffer, alpha=momentum)
-    else:
-        update = momentum_buffer
+    update = torch.add(grad * (1 - momentum), momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     matrices = [update] if qkv_split_shapes is None else _qkv_blocks(update, qkv_split_shapes)
-    orthogonalised = [
-        newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS)
-        * (extra_scale_factor * muon_scale_factor(m.size(0), m.size(1), scale_mode))
-        for m in matrices
-    ]
+    orthogonalised = [newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS)
+                      * (extra_scale_factor * muon_scale_factor(m.size(0), m.size(1), scale_mode)) for m in matrices]
     if qkv_split_shapes is None:
         step = orthogonalised[0]
     else:
@@ -126,15 +101,9 @@ def muon_reference(
     param.add_(step, alpha=-lr)
 
 
-# Same-shaped matrices are orthogonalised as one batched matmul chain, in stacks of at most this many
-# elements: big enough to batch many small matrices (one BLAS call instead of dozens), small enough that
-# the stack and Newton-Schulz's three temporaries of its size stay a modest extra memory (~0.5 GB fp32).
-_MAX_STACK_ELEMENTS = 2**25
-
-
 def kwargs_from_config(config: Any) -> dict[str, Any]:
-    """``Muon``'s constructor kwargs from an ``OptimizerConfig``'s ``muon`` section (the registry adds ``lr``
-    and ``weight_decay``; ``scalar_algorithm`` is read by the routing rule, not by Muon)."""
+    """``Muon``'s kwargs from an ``OptimizerConfig``'s ``muon`` section (the registry adds the base ones;
+    ``scalar_algorithm`` is read by the routing rule, not by Muon)."""
     m = config.muon
     return {"momentum": m.momentum, "nesterov": m.nesterov, "ns_steps": m.ns_steps,
             "ns_coefficients": m.coefficients, "scale_mode": m.scale_mode,
@@ -144,13 +113,10 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters: momentum, decoupled weight decay, Newton-Schulz-orthogonalised update.
 
-    Defaults follow Megatron Core's ``OptimizerConfig`` (``muon_momentum=0.95``, ``muon_nesterov=False``,
-    ``muon_coefficient_type="quintic"``, ``muon_num_ns_steps=5``, ``muon_scale_mode="spectral"``,
-    ``muon_extra_scale_factor=1.0``) except ``matmul_precision``, which defaults to exact fp32
-    (Megatron: ``"medium"``, bf16 on GPU); on CPU Newton-Schulz always runs in fp32.
-
-    Parameters that are not 2-D (biases, norms) and embedding / output weights belong to a scalar optimizer
-    (AdamW); route them there with a rule. Every argument below is also a per-group key.
+    Defaults are Megatron Core's (``muon_momentum`` etc.) but ``matmul_precision``: exact fp32 (Megatron:
+    ``"medium"``, bf16 on GPU; on CPU Newton-Schulz always runs in fp32). Parameters that are not 2-D and
+    embedding / output weights belong to a scalar optimizer (AdamW): route them there with a rule. Every argument
+    below is also a per-group key. State per parameter: ``"momentum_buffer"`` (the param's shape and dtype).
 
     Args:
         params: parameters or param-group dicts (``param_names`` in a group is used in error messages).
@@ -158,47 +124,25 @@ class Muon(torch.optim.Optimizer):
         momentum: EMA coefficient of the momentum buffer, in [0, 1).
         nesterov: use the Nesterov look-ahead ``(1 - momentum) g + momentum m`` instead of ``m``.
         weight_decay: decoupled weight decay: ``p *= 1 - lr * weight_decay`` each step.
-        ns_coefficients: Newton-Schulz coefficient set (``"quintic"``, ``"simple"``, ``"polar_express"``)
-            or a sequence of ``(a, b, c)`` triples.
+        ns_coefficients: Newton-Schulz coefficient set (``"quintic"``, ``"simple"``, ``"polar_express"``) or a
+            sequence of ``(a, b, c)`` triples.
         ns_steps: Newton-Schulz iterations (>= 1).
         scale_mode: ``"spectral"``, ``"unit_rms_norm"`` or ``"shape_scaling"`` (see the module docstring).
         extra_scale_factor: multiplies the scale (0.2 with ``"spectral"`` matches AdamW's update RMS).
         matmul_precision: fp32 matmul precision of Newton-Schulz on an accelerator: ``"highest"`` (fp32),
             ``"high"`` (TF32 where available) or ``"medium"`` (bf16 matmuls). Ignored on CPU.
-        qkv_split_shapes: ``(q, k, v)`` rows per attention group of a fused QKV weight; each of the q, k
-            and v blocks is orthogonalised separately. Set it only on a group of fused QKV weights.
-
-    State per parameter: ``"momentum_buffer"`` (same shape and dtype as the parameter).
+        qkv_split_shapes: ``(q, k, v)`` rows per attention group; set it only on a group of fused QKV weights.
     """
 
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        *,
-        ns_coefficients: Coefficients = "quintic",
-        ns_steps: int = 5,
-        scale_mode: ScaleMode = "spectral",
-        extra_scale_factor: float = 1.0,
-        matmul_precision: MatmulPrecision = "highest",
-        qkv_split_shapes: tuple[int, int, int] | None = None,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            matmul_precision=matmul_precision,
-            qkv_split_shapes=qkv_split_shapes,
-        )
-        super().__init__(params, defaults)
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = False, weight_decay: float = 0.0, *, ns_coefficients: Coefficients = "quintic",
+                 ns_steps: int = 5, scale_mode: ScaleMode = "spectral", extra_scale_factor: float = 1.0,
+                 matmul_precision: MatmulPrecision = "highest",
+                 qkv_split_shapes: tuple[int, int, int] | None = None) -> None:
+        super().__init__(params, dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_coefficients=ns_coefficients,
+            ns_steps=ns_steps, scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
+            matmul_precision=matmul_precision, qkv_split_shapes=qkv_split_shapes))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (defaults fill missing keys) after checking its settings and parameters.
@@ -216,14 +160,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One Muon step over every parameter that has a gradient.
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
+        """One Muon step over every parameter that has a gradient; returns the closure's loss (or None)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -233,20 +170,14 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        buffers: list[Tensor] = []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            buffers.append(state["momentum_buffer"])
+        params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        grads = [p.grad for p in params]
+        buffers = [self.state[p]["momentum_buffer"] for p in params]
         beta = group["momentum"]
         # The same elementwise formulas as muon_reference, over the whole group at once.
         torch._foreach_mul_(buffers, beta)
@@ -266,13 +197,10 @@ class Muon(torch.optim.Optimizer):
 def _orthogonalise(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
     """Scaled Newton-Schulz of every update (per q/k/v block when split), same-shaped matrices batched."""
     shapes = group["qkv_split_shapes"]
-    matrices: list[Tensor] = []
-    for update in updates:
-        matrices.extend([update] if shapes is None else _qkv_blocks(update, shapes))
+    matrices = [m for u in updates for m in ([u] if shapes is None else _qkv_blocks(u, shapes))]
     by_kind: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
     for i, m in enumerate(matrices):
         by_kind[(m.shape, m.dtype, m.device)].append(i)
-
     precision = group["matmul_precision"]
     matmul_dtype = torch.bfloat16 if precision == "medium" else None
     results: list[Tensor] = [matrices[0]] * len(matrices)
@@ -284,87 +212,54 @@ def _orthogonalise(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]
             # A single matrix stays 2-D so it runs exactly the reference's kernel.
             x = matrices[chunk[0]] if len(chunk) == 1 else torch.stack([matrices[i] for i in chunk])
             with matmul_precision(precision, device):
-                out = newton_schulz(
-                    x,
-                    steps=group["ns_steps"],
-                    coefficients=group["ns_coefficients"],
-                    eps=_NS_EPS,
-                    matmul_dtype=matmul_dtype,
-                )
+                out = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=_NS_EPS,
+                                    matmul_dtype=matmul_dtype)
             out.mul_(scale)  # a fresh tensor: newton_schulz never returns its input
-            if len(chunk) == 1:
-                results[chunk[0]] = out
-            else:
-                for i, o in zip(chunk, out.unbind(0), strict=True):
-                    results[i] = o
-
+            for i, o in zip(chunk, [out] if len(chunk) == 1 else out.unbind(0), strict=True):
+                results[i] = o
     if shapes is None:
         return results
-    per_param = len(shapes)
-    return [
-        _merge_qkv(results[k * per_param : (k + 1) * per_param], shapes, update.shape)
-        for k, update in enumerate(updates)
-    ]
+    n = len(shapes)
+    return [_merge_qkv(results[k * n : (k + 1) * n], shapes, u.shape) for k, u in enumerate(updates)]
 
 
 def _validate_group(group: dict[str, Any], index: int) -> None:
-    """Raise ValueError naming the group, the field and the allowed values for any bad setting."""
+    """Raise a ValueError naming the group, the field and the allowed values for any bad setting."""
     where = f"Muon param group {index}"
     check_min("Muon", index, group, "lr")
     check_min("Muon", index, group, "weight_decay")
-    if not _is_number(group["momentum"]) or not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"{where}: momentum must be in [0, 1), got {group['momentum']!r}")
-    if not isinstance(group["nesterov"], bool):
-        raise ValueError(f"{where}: nesterov must be True or False, got {group['nesterov']!r}")
+    momentum, shapes, extra = group["momentum"], group["qkv_split_shapes"], group["extra_scale_factor"]
+    _require(_is_number(momentum) and 0.0 <= momentum < 1.0, f"{where}: momentum must be in [0, 1), got {momentum!r}")
+    _require(isinstance(group["nesterov"], bool), f"{where}: nesterov must be True or False, got {group['nesterov']!r}")
     try:
         coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    if group["scale_mode"] not in SCALE_MODES:
-        raise ValueError(
-            f"{where}: unknown scale_mode {group['scale_mode']!r}; expected one of {list(SCALE_MODES)}"
-        )
-    if not _is_number(group["extra_scale_factor"]) or not math.isfinite(group["extra_scale_factor"]):
-        raise ValueError(
-            f"{where}: extra_scale_factor must be a finite number, got {group['extra_scale_factor']!r}"
-        )
-    if group["matmul_precision"] not in MATMUL_PRECISIONS:
-        raise ValueError(
-            f"{where}: matmul_precision must be one of {list(MATMUL_PRECISIONS)}, "
-            f"got {group['matmul_precision']!r}"
-        )
-    shapes = group["qkv_split_shapes"]
-    if shapes is not None and (
-        isinstance(shapes, str)
-        or not isinstance(shapes, Sequence)
-        or len(shapes) != 3
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes)
-    ):
-        raise ValueError(
-            f"{where}: qkv_split_shapes must be None or three positive ints (q, k, v), got {shapes!r}"
-        )
-
+    _require(group["scale_mode"] in SCALE_MODES,
+             f"{where}: unknown scale_mode {group['scale_mode']!r}; expected one of {list(SCALE_MODES)}")
+    _require(_is_number(extra) and math.isfinite(extra), f"{where}: extra_scale_factor must be a finite number, "
+             f"got {extra!r}")
+    _require(group["matmul_precision"] in MATMUL_PRECISIONS, f"{where}: matmul_precision must be one of "
+             f"{list(MATMUL_PRECISIONS)}, got {group['matmul_precision']!r}")
+    _require(shapes is None or (not isinstance(shapes, str) and isinstance(shapes, Sequence) and len(shapes) == 3
+                                and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes)),
+             f"{where}: qkv_split_shapes must be None or three positive ints (q, k, v), got {shapes!r}")
     names = group.get("param_names")
     for i, p in enumerate(group["params"]):
         name = names[i] if names is not None and i < len(names) else None
         what = f"param {i}" if name is None else f"param {name!r} (index {i})"
-        if p.ndim != 2:
-            rule = (
-                'Rule(Ndim(lt=2), algorithm="adamw")'
-                if p.ndim < 2
-                else 'Rule(~Ndim(eq=2), algorithm="adamw")'
-            )
-            raise ValueError(
-                f"Muon needs 2-D parameters; {what} in group {index} has shape {tuple(p.shape)}. "
-                f"Route it to AdamW with a rule, e.g. {rule}"
-            )
-        if shapes is not None and p.size(0) % sum(shapes) != 0:
-            raise ValueError(
-                f"{where}: qkv_split_shapes {tuple(shapes)} (q + k + v = {sum(shapes)} rows per attention "
-                f"group) "
-                f"do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight has "
-                f"num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group."
-            )
+        rule = 'Rule(Ndim(lt=2), algorithm="adamw")' if p.ndim < 2 else 'Rule(~Ndim(eq=2), algorithm="adamw")'
+        _require(p.ndim == 2, f"Muon needs 2-D parameters; {what} in group {index} has shape {tuple(p.shape)}. "
+                 f"Route it to AdamW with a rule, e.g. {rule}")
+        _require(shapes is None or p.size(0) % sum(shapes) == 0,
+                 f"{where}: qkv_split_shapes {tuple(shapes or ())} (q + k + v = {sum(shapes or ())} rows per "
+                 f"attention group) do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight "
+                 "has num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group.")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 def _is_number(value: object) -> bool:

@@ -1,26 +1,17 @@
-"""Newton-Schulz orthogonalisation: the matrix kernel inside Muon.
+"""Newton-Schulz orthogonalisation, the matrix kernel inside Muon: the named coefficient sets, their
+per-iteration schedules, the iteration (one matrix or a stack of same-shaped ones) and the scoped matmul precision.
 
-Owns the named coefficient sets, how a set becomes a per-iteration schedule, the iteration itself (single
-matrix or a batch of same-shaped matrices) and the scoped matmul-precision setting it runs under.
+The iteration maps ``X = U S V^T`` to ``U p(S) V^T``, ``p`` the composition of the odd quintics
+``s -> a s + b s^3 + c s^5``, one per step. After normalising by the Frobenius norm the singular values lie in
+``[0, 1]``; the tuned schedules push them towards 1 in a few steps, without an SVD. The result is *near*-orthogonal
+(singular values in a band around 1 that depends on the set), which is all Muon needs.
 
-The iteration maps ``X = U S V^T`` to ``U p(S) V^T`` where ``p`` is the composition of the odd quintics
-``s -> a s + b s^3 + c s^5``, one per step. After normalising by the Frobenius norm every singular value is
-in ``[0, 1]``; the tuned schedules push them towards 1 in a few steps without ever forming an SVD. The
-result is *near*-orthogonal (singular values in a band around 1 that depends on the coefficient set), which
-is all Muon needs.
-
-Coefficient sets (as in NVIDIA Emerging-Optimizers, which Megatron Core's Muon uses):
-    ``simple``: (3.4445, -4.7750, 2.0315) every step (Keller Jordan's original Muon).
-    ``quintic``: the 5-step tuned schedule from modded-nanogpt (You Jiacheng / leloykun).
-    ``polar_express``: the 8-step Polar Express schedule (Amsel et al. 2025, arXiv:2505.16932) with its
-        1.01 safety factor already folded into all but the last polynomial, exactly as Emerging-Optimizers
-        ships it; with the default 5 steps only its first 5 polynomials run (as in Megatron).
-    A custom sequence of ``(a, b, c)`` triples.
-
-Schedules longer than the set (``steps`` > its length) follow Emerging-Optimizers so results match
-Megatron: ``polar_express`` repeats its last polynomial (which converges to 1); ``simple``, ``quintic``
-and custom sets *cycle* from the start again. Cycling ``quintic`` is safe (its first polynomial has no
-positive root, so singular values stay positive) and ends closer to 1 after two full passes.
+Coefficient sets (as NVIDIA Emerging-Optimizers, which Megatron Core's Muon uses): ``simple`` (Keller Jordan's
+original, every step), ``quintic`` (modded-nanogpt's tuned 5 steps), ``polar_express`` (Amsel et al. 2025,
+arXiv:2505.16932, 8 steps, the 1.01 safety factor folded into all but the last, as Emerging-Optimizers ships it),
+or a custom sequence of ``(a, b, c)`` triples. Past its length, ``polar_express`` repeats its last polynomial
+(which converges to 1) and the other sets *cycle* from the start, as in Megatron; cycling ``quintic`` is safe (its
+first polynomial has no positive root) and ends closer to 1 after two passes.
 """
 
 from __future__ import annotations
@@ -33,19 +24,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = [
-    "COEFFICIENT_SETS",
-    "MatmulPrecision",
-    "coefficient_schedule",
-    "matmul_precision",
-    "newton_schulz",
-]
+__all__ = ["COEFFICIENT_SETS", "MatmulPrecision", "coefficient_schedule", "matmul_precision", "newton_schulz"]
 
-Coefficients = str | Sequence[tuple[float, float, float]]
+Triple = tuple[float, float, float]
+Coefficients = str | Sequence[Triple]
 MatmulPrecision = Literal["highest", "high", "medium"]
 MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
 
-COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
+COEFFICIENT_SETS: dict[str, tuple[Triple, ...]] = {
     "simple": ((3.4445, -4.7750, 2.0315),),
     "quintic": (
         (4.0848, -6.8946, 2.9270),
@@ -69,16 +55,10 @@ COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
 _REPEAT_LAST = frozenset({"polar_express"})
 
 
-def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
-    """The ``(a, b, c)`` triple used at each of ``steps`` iterations.
-
-    Args:
-        coefficients: a name from ``COEFFICIENT_SETS`` or a non-empty sequence of ``(a, b, c)`` triples.
-        steps: number of iterations, >= 1.
-
-    Returns:
-        ``steps`` triples: the set in order, then its last triple repeated (``polar_express``) or the set
-        cycled from the start (every other set, custom ones included).
+def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[Triple]:
+    """The ``(a, b, c)`` triple of each of ``steps`` (>= 1) iterations: the set (a name from ``COEFFICIENT_SETS``
+    or a non-empty sequence of triples) in order, then its last triple repeated (``polar_express``) or the set
+    cycled from the start (every other set, custom ones included).
 
     Raises:
         ValueError: unknown set name, malformed custom set, or ``steps`` < 1.
@@ -87,31 +67,20 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[tuple[f
         raise ValueError(f"Newton-Schulz steps must be an integer >= 1, got {steps!r}")
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENT_SETS:
-            raise ValueError(
-                f"unknown Newton-Schulz coefficient set {coefficients!r}; known sets: "
-                f"{sorted(COEFFICIENT_SETS)}, or pass a sequence of (a, b, c) triples"
-            )
+            raise ValueError(f"unknown Newton-Schulz coefficient set {coefficients!r}; known sets: "
+                             f"{sorted(COEFFICIENT_SETS)}, or pass a sequence of (a, b, c) triples")
         triples = COEFFICIENT_SETS[coefficients]
-        repeat_last = coefficients in _REPEAT_LAST
     else:
-        triples = _validate_custom(coefficients)
-        repeat_last = False
-    source: Iterator[tuple[float, float, float]]
-    source = chain(triples, repeat(triples[-1])) if repeat_last else cycle(triples)
+        try:
+            triples = tuple(tuple(float(v) for v in t) for t in coefficients)  # type: ignore[misc]
+        except (TypeError, ValueError):
+            triples = ()
+        if not triples or any(len(t) != 3 for t in triples):
+            raise ValueError(f"custom Newton-Schulz coefficients must be a non-empty sequence of (a, b, c) number "
+                             f"triples, got {coefficients!r}; or use a named set: {sorted(COEFFICIENT_SETS)}")
+    repeat_last = isinstance(coefficients, str) and coefficients in _REPEAT_LAST
+    source: Iterator[Triple] = chain(triples, repeat(triples[-1])) if repeat_last else cycle(triples)
     return list(islice(source, steps))
-
-
-def _validate_custom(coefficients: object) -> tuple[tuple[float, float, float], ...]:
-    try:
-        triples = tuple(tuple(float(v) for v in triple) for triple in coefficients)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        triples = ()
-    if not triples or any(len(triple) != 3 for triple in triples):
-        raise ValueError(
-            f"custom Newton-Schulz coefficients must be a non-empty sequence of (a, b, c) number triples, "
-            f"got {coefficients!r}; or use a named set: {sorted(COEFFICIENT_SETS)}"
-        )
-    return triples  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -135,51 +104,39 @@ def matmul_precision(precision: MatmulPrecision, device: torch.device) -> Iterat
         torch.set_float32_matmul_precision(previous)
 
 
-def newton_schulz(
-    x: Tensor,
-    *,
-    steps: int = 5,
-    coefficients: Coefficients = "quintic",
-    eps: float = 1e-7,
-    matmul_dtype: torch.dtype | None = None,
-) -> Tensor:
-    """Near-orthogonalise ``x`` (the polar factor ``U V^T`` of ``x = U S V^T``, approximately).
+def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: Coefficients = "quintic", eps: float = 1e-7,
+                  matmul_dtype: torch.dtype | None = None) -> Tensor:
+    """Near-orthogonalise ``x`` (approximately the polar factor ``U V^T`` of ``x = U S V^T``).
 
-    Normalises by the Frobenius norm (``max(||x||_F, eps)``), works on the side whose Gram matrix is
-    smaller (transposes when rows > columns), and iterates ``X <- a X + (b A + c A^2) X`` with
-    ``A = X X^T`` for each ``(a, b, c)`` of ``coefficient_schedule(coefficients, steps)``.
+    Normalises by ``max(||x||_F, eps)``, works on the side whose Gram matrix is smaller (transposes when rows >
+    columns), and iterates ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` for each ``(a, b, c)`` of
+    ``coefficient_schedule(coefficients, steps)``.
 
     Args:
         x: ``(m, n)`` matrix or ``(batch, m, n)`` stack of same-shaped matrices, any float dtype.
         steps: number of iterations (>= 1).
         coefficients: named set (``"simple"``, ``"quintic"``, ``"polar_express"``) or ``(a, b, c)`` triples.
         eps: lower bound of the normalising norm, so a zero matrix maps to zero.
-        matmul_dtype: dtype of the iteration's matmuls on an accelerator (e.g. ``torch.bfloat16``);
-            ``None`` means fp32. Ignored on CPU, where the iteration always runs in fp32.
+        matmul_dtype: dtype of the iteration's matmuls on an accelerator (e.g. ``torch.bfloat16``); ``None``:
+            fp32. Ignored on CPU, where the iteration always runs in fp32.
 
     Returns:
-        Tensor of ``x``'s shape and dtype.
+        A tensor of ``x``'s shape and dtype.
 
     Raises:
         ValueError: ``x`` is not 2-D or 3-D, or bad ``steps`` / ``coefficients``.
     """
     if x.ndim not in (2, 3):
-        raise ValueError(
-            f"newton_schulz needs a (m, n) matrix or a (batch, m, n) stack, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"newton_schulz needs a (m, n) matrix or a (batch, m, n) stack, got shape {tuple(x.shape)}")
     schedule = coefficient_schedule(coefficients, steps)
     work_dtype = torch.float32 if x.device.type == "cpu" or matmul_dtype is None else matmul_dtype
     transpose = x.size(-2) > x.size(-1)
-    X = x.mT if transpose else x
-    X = X.to(torch.float32)
-    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(eps)
-    X = X.to(work_dtype)
+    X = (x.mT if transpose else x).to(torch.float32)
+    X = (X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(eps)).to(work_dtype)
     # addmm/baddbmm fuse the scaled sums into the GEMM epilogue (no extra passes over A or X).
     addmm = torch.baddbmm if X.ndim == 3 else torch.addmm
     for a, b, c in schedule:
         A = X @ X.mT
         B = addmm(A, A, A, beta=b, alpha=c)
         X = addmm(X, B, X, beta=a)
-    if transpose:
-        X = X.mT
-    return X.to(x.dtype)
+    return (X.mT if transpose else X).to(x.dtype)

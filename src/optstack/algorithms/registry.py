@@ -1,19 +1,11 @@
 """The algorithm registry: optimizer classes by name, and plug-in of any ``torch.optim.Optimizer`` subclass.
 
-Built-in names: ``adamw`` (decoupled weight decay), ``adam`` (L2 weight decay added to the gradient, as
-``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``. Any other optimizer class is usable by name as
-``"torch.optim.<Class>"`` (e.g. ``"torch.optim.RMSprop"``) or ``"package.module:Class"``.
-
-Each name also says how its constructor kwargs come from an ``optstack.config.OptimizerConfig``: the base
-``lr`` and ``weight_decay`` for every algorithm, plus what the algorithm's own ``kwargs_from_config`` (in its
-module, next to the class) reads from its config section. A plug-in class gets only ``lr`` and
-``weight_decay``. Adding an optimizer is a file and a ``register`` line.
-
-``muon`` (class and kwargs function) is registered by import path and imported on first lookup, so the
-registry (and ``adamw`` etc.) work without importing Muon's Newton-Schulz machinery.
-
-The config is typed ``Any`` here: ``optstack.config`` builds on this registry (its combination check asks
-which algorithms are offloadable), so the registry and the algorithms must not import it back.
+Built-in: ``adamw``, ``adam`` (L2 weight decay, as ``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``; any other
+class as ``"torch.optim.<Class>"`` or ``"package.module:Class"``. Each name also says how its constructor kwargs
+come from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, plus what its module's ``kwargs_from_config``
+reads from its section (a plug-in gets only the two). Adding an optimizer is a file and a ``register`` line.
+``muon`` is registered by import path, imported on first lookup (no Newton-Schulz import before). The config is
+typed ``Any``: ``optstack.config`` builds on this registry, which must not import it back.
 """
 
 from __future__ import annotations
@@ -30,8 +22,7 @@ __all__ = ["AlgorithmSpec", "Family", "KwargsFromConfig", "algorithm_names", "ge
 
 Family = Literal["adam", "sgd", "lion", "muon", "other"]
 _FAMILIES: tuple[str, ...] = ("adam", "sgd", "lion", "muon", "other")
-# Families with a host (CPU) kernel fast enough to run offloaded optimizer state.
-_OFFLOADABLE_FAMILIES: tuple[str, ...] = ("adam", "sgd")
+_OFFLOADABLE_FAMILIES: tuple[str, ...] = ("adam", "sgd")  # with a host kernel fast enough for offloaded state
 
 #: An algorithm's own constructor kwargs from an ``OptimizerConfig`` (read from its section, e.g. ``config.adam``).
 KwargsFromConfig = Callable[[Any], Mapping[str, Any]]
@@ -58,8 +49,8 @@ class AlgorithmSpec:
     kwargs_from_config: KwargsFromConfig | None = None
 
     def kwargs(self, config: Any) -> dict[str, Any]:
-        """Constructor kwargs from an ``optstack.config.OptimizerConfig``: ``lr`` and ``weight_decay``, the
-        algorithm's own (``kwargs_from_config``), then the ``defaults`` fixed by the name."""
+        """Constructor kwargs from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, the algorithm's own
+        (``kwargs_from_config``), then the ``defaults`` fixed by the name."""
         own = self.kwargs_from_config(config) if self.kwargs_from_config is not None else {}
         return {"lr": config.lr, "weight_decay": config.weight_decay} | dict(own) | dict(self.defaults)
 
@@ -76,15 +67,9 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(
-    name: str,
-    cls: type[torch.optim.Optimizer] | str,
-    *,
-    family: Family,
-    defaults: Mapping[str, Any] | None = None,
-    offloadable: bool | None = None,
-    kwargs: KwargsFromConfig | str | None = None,
-) -> None:
+def register(name: str, cls: type[torch.optim.Optimizer] | str, *, family: Family,
+             defaults: Mapping[str, Any] | None = None, offloadable: bool | None = None,
+             kwargs: KwargsFromConfig | str | None = None) -> None:
     """Register an algorithm under ``name``.
 
     Args:
@@ -93,9 +78,8 @@ def register(
         family: "adam", "sgd", "lion", "muon" or "other".
         defaults: constructor kwargs fixed by this name.
         offloadable: has a host kernel; default: True for the adam and sgd families.
-        kwargs: its constructor kwargs from an ``OptimizerConfig`` besides ``lr`` and ``weight_decay``
-            (conventionally the ``kwargs_from_config`` of its module), or ``"package.module:function"`` to
-            import on first lookup; None: only those two.
+        kwargs: its constructor kwargs from an ``OptimizerConfig`` besides ``lr`` and ``weight_decay`` (usually
+            its module's ``kwargs_from_config``), or ``"package.module:function"`` to import on first lookup.
     """
     if not name or ":" in name or name.startswith("torch.optim."):
         raise ValueError(f"register: name must be plain (no ':', no 'torch.optim.' prefix), got {name!r}")
@@ -103,23 +87,16 @@ def register(
         raise ValueError(f"register: algorithm {name!r} is already registered; pick another name")
     if family not in _FAMILIES:
         raise ValueError(f"register: family must be one of {', '.join(_FAMILIES)}, got {family!r}")
-    if isinstance(cls, str):
-        if cls.count(":") != 1:
-            raise ValueError(f"register: a lazy class must be given as 'package.module:Class', got {cls!r}")
-    else:
-        _check_optimizer_class(name, cls)
-    if isinstance(kwargs, str):
-        if kwargs.count(":") != 1:
-            raise ValueError(f"register: lazy kwargs must be given as 'package.module:function', got {kwargs!r}")
-    elif kwargs is not None and not callable(kwargs):
+    if isinstance(cls, str) and cls.count(":") != 1:
+        raise ValueError(f"register: a lazy class must be given as 'package.module:Class', got {cls!r}")
+    if not isinstance(cls, str):
+        _optimizer_class(name, cls)
+    if isinstance(kwargs, str) and kwargs.count(":") != 1:
+        raise ValueError(f"register: lazy kwargs must be given as 'package.module:function', got {kwargs!r}")
+    if not (kwargs is None or isinstance(kwargs, str) or callable(kwargs)):
         raise ValueError(f"register: kwargs must be a function of the config, a lazy path or None, got {kwargs!r}")
-    _REGISTRY[name] = _Entry(
-        target=cls,
-        family=family,
-        defaults=MappingProxyType(dict(defaults or {})),
-        offloadable=family in _OFFLOADABLE_FAMILIES if offloadable is None else offloadable,
-        kwargs=kwargs,
-    )
+    _REGISTRY[name] = _Entry(cls, family, MappingProxyType(dict(defaults or {})),
+                             family in _OFFLOADABLE_FAMILIES if offloadable is None else offloadable, kwargs)
 
 
 def algorithm_names() -> list[str]:
@@ -136,35 +113,29 @@ def get_algorithm(name: str) -> AlgorithmSpec:
     """
     entry = _REGISTRY.get(name)
     if entry is not None:
-        cls = _import_class(name, entry.target) if isinstance(entry.target, str) else entry.target
-        kwargs = _import_kwargs(name, entry.kwargs) if isinstance(entry.kwargs, str) else entry.kwargs
+        cls = _optimizer_class(name, entry.target)
+        kwargs = _load(name, entry.kwargs) if isinstance(entry.kwargs, str) else entry.kwargs
+        if not (kwargs is None or callable(kwargs)):
+            raise ValueError(f"algorithm {name!r}: kwargs {entry.kwargs!r} is not a function of the config")
         return AlgorithmSpec(name, cls, entry.family, entry.defaults, entry.offloadable, kwargs)
     if name.startswith("torch.optim.") and ":" not in name:
-        target = "torch.optim:" + name.removeprefix("torch.optim.")
-        return AlgorithmSpec(name, _import_class(name, target), "other")
+        return AlgorithmSpec(name, _optimizer_class(name, "torch.optim:" + name.removeprefix("torch.optim.")), "other")
     if name.count(":") == 1:
-        return AlgorithmSpec(name, _import_class(name, name), "other")
-    raise ValueError(
-        f"unknown algorithm {name!r}. Known: {', '.join(algorithm_names())}. Or plug in any "
-        "torch.optim.Optimizer subclass as 'torch.optim.<Class>' (e.g. 'torch.optim.RMSprop') or "
-        "'package.module:Class'."
-    )
+        return AlgorithmSpec(name, _optimizer_class(name, name), "other")
+    raise ValueError(f"unknown algorithm {name!r}. Known: {', '.join(algorithm_names())}. Or plug in any "
+                     "torch.optim.Optimizer subclass as 'torch.optim.<Class>' (e.g. 'torch.optim.RMSprop') or "
+                     "'package.module:Class'.")
 
 
-def _import_class(name: str, target: str) -> type[torch.optim.Optimizer]:
-    cls = _import_attribute(name, target)
-    _check_optimizer_class(name, cls)
+def _optimizer_class(name: str, cls: object) -> type[torch.optim.Optimizer]:
+    """``cls`` (imported first when it is a ``"module:Class"`` path), checked to be an Optimizer subclass."""
+    cls = _load(name, cls) if isinstance(cls, str) else cls
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"algorithm {name!r}: {cls!r} is not a torch.optim.Optimizer subclass")
     return cls
 
 
-def _import_kwargs(name: str, target: str) -> KwargsFromConfig:
-    function = _import_attribute(name, target)
-    if not callable(function):
-        raise ValueError(f"algorithm {name!r}: kwargs {target!r} is not a function of the config")
-    return function
-
-
-def _import_attribute(name: str, target: str) -> Any:
+def _load(name: str, target: str) -> Any:
     module_name, _, attribute = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -174,11 +145,6 @@ def _import_attribute(name: str, target: str) -> Any:
     if value is None:
         raise ValueError(f"algorithm {name!r}: module {module_name!r} has no attribute {attribute!r}")
     return value
-
-
-def _check_optimizer_class(name: str, cls: object) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"algorithm {name!r}: {cls!r} is not a torch.optim.Optimizer subclass")
 
 
 def _register_builtins() -> None:

@@ -1,10 +1,8 @@
 """SGD with momentum (heavy-ball or nesterov), dampening and L2 weight decay, equal to ``torch.optim.SGD``.
 
-``sgd_reference`` is the single-tensor kernel (the test oracle). The optimizer's fast paths: ``fused``
-(torch's ``torch._fused_sgd_`` kernel, on CPU and CUDA), ``foreach`` (our ``torch._foreach_*`` version of the
-reference) and ``reference``; ``auto`` picks fused where it exists. Back-to-back tensors (flat shard views)
-are stepped as one flat tensor. State per parameter: ``momentum_buffer`` (only when momentum is non-zero),
-in the parameter's dtype, as torch.optim.
+``sgd_reference`` is the single-tensor kernel (the test oracle). Paths: ``fused`` (``torch._fused_sgd_``, on CPU
+and CUDA), ``foreach`` (``torch._foreach_*``), ``reference``; ``auto`` picks fused where it exists. Back-to-back
+tensors are stepped as one flat tensor. State: ``momentum_buffer`` (only with momentum), in the param's dtype.
 """
 
 from __future__ import annotations
@@ -14,33 +12,15 @@ from typing import Any
 
 import torch
 
-from optstack.algorithms._common import (
-    Impl,
-    PerDeviceOptimizer,
-    check_impl,
-    check_min,
-    coalesce,
-    resolve_impl,
-    zeros_in_runs,
-)
+from optstack.algorithms._common import Impl, PerDeviceOptimizer, coalesce, resolve_impl, zeros_in_runs
 
 __all__ = ["SGD", "kwargs_from_config", "sgd_reference"]
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def sgd_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    momentum_buffer: torch.Tensor | None,
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    first_step: bool,
-) -> None:
+def sgd_reference(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr: float,
+                  momentum: float, dampening: float, weight_decay: float, nesterov: bool, first_step: bool) -> None:
     """One SGD step on single tensors, in place (``grad`` is only read), as ``torch.optim.SGD``.
 
     Args:
@@ -63,8 +43,7 @@ def sgd_reference(
 
 
 def kwargs_from_config(config: Any) -> dict[str, Any]:
-    """``SGD``'s constructor kwargs from an ``OptimizerConfig``'s ``sgd`` section (the registry adds ``lr`` and
-    ``weight_decay``)."""
+    """``SGD``'s kwargs from an ``OptimizerConfig``'s ``sgd`` section (the registry adds the base ones)."""
     return {"momentum": config.sgd.momentum, "nesterov": config.sgd.nesterov}
 
 
@@ -83,52 +62,29 @@ class SGD(PerDeviceOptimizer):
         impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        *,
-        impl: Impl = "auto",
-    ) -> None:
-        check_impl("SGD", impl, ("auto", "fused", "foreach", "reference"))
-        self.impl = impl
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": nesterov,
-        }
-        super().__init__(params, defaults)
+    _name, _checked = "SGD", ("lr", "momentum", "weight_decay")
 
-    @staticmethod
-    def _check_group(index: int, group: dict[str, Any]) -> None:
-        for key in ("lr", "momentum", "weight_decay"):
-            check_min("SGD", index, group, key)
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 impl: Impl = "auto") -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
+                                  "weight_decay": weight_decay, "nesterov": nesterov}, impl)
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        super()._check_group(index, group)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError(
-                f"SGD param group {index}: nesterov needs momentum > 0 and dampening == 0, got "
-                f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
-            )
+            raise ValueError(f"SGD param group {index}: nesterov needs momentum > 0 and dampening == 0, got "
+                             f"momentum={group['momentum']!r}, dampening={group['dampening']!r}")
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)
-        hyper = {
-            "lr": float(group["lr"]),
-            "momentum": float(group["momentum"]),
-            "dampening": float(group["dampening"]),
-            "weight_decay": float(group["weight_decay"]),
-            "nesterov": bool(group["nesterov"]),
-        }
+        hyper: dict[str, Any] = {k: float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
+        hyper["nesterov"] = bool(group["nesterov"])
         grads = [p.grad for p in params]
-        if hyper["momentum"] == 0:
-            buffers: list[torch.Tensor | None] = [None] * len(params)
-            first = [False] * len(params)
-        else:
+        with_momentum = hyper["momentum"] != 0
+        buffers: list[torch.Tensor | None] = [None] * len(params)
+        first = [False] * len(params)
+        if with_momentum:
             states = [self.state[p] for p in params]
             first = ["momentum_buffer" not in state for state in states]
             new = [p for p, is_first in zip(params, first, strict=True) if is_first]
@@ -144,28 +100,24 @@ class SGD(PerDeviceOptimizer):
         for i, p in enumerate(params):
             tensors = [t for t in (p, grads[i], buffers[i]) if t is not None]
             fused = impl == "fused" and p.dtype in _FUSED_DTYPES and all(
-                t.dtype == p.dtype and t.is_contiguous() for t in tensors
-            )
+                t.dtype == p.dtype and t.is_contiguous() for t in tensors)
             batches.setdefault((fused, first[i], p.dtype), []).append(i)
         for (fused, is_first, _), picked in batches.items():
-            lists = [[params[i] for i in picked], [grads[i] for i in picked]]
-            if hyper["momentum"] != 0:
-                lists.append([buffers[i] for i in picked])  # type: ignore[misc]
-            merged, _ = coalesce(lists)
-            merged_buffers = merged[2] if hyper["momentum"] != 0 else []
-            (_fused if fused else _foreach)(merged[0], merged[1], merged_buffers, is_first, hyper)
+            lists = [[ts[i] for i in picked] for ts in ((params, grads, buffers) if with_momentum else (params, grads))]
+            merged, _ = coalesce(lists)  # type: ignore[arg-type]
+            (_fused if fused else _foreach)(merged[0], merged[1], merged[2] if with_momentum else [], is_first, hyper)
 
 
-def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
-           first_step: bool, hyper: dict[str, Any]) -> None:
+def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], first_step: bool,
+           hyper: dict[str, Any]) -> None:
     """torch's fused SGD kernel over tensors of one dtype and device (``buffers`` empty without momentum)."""
     torch._fused_sgd_(params, grads, buffers, weight_decay=hyper["weight_decay"], momentum=hyper["momentum"],
                       lr=hyper["lr"], dampening=hyper["dampening"], nesterov=hyper["nesterov"],
                       maximize=False, is_first_step=first_step)
 
 
-def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
-             first_step: bool, hyper: dict[str, Any]) -> None:
+def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], first_step: bool,
+             hyper: dict[str, Any]) -> None:
     """``sgd_reference`` over lists with ``torch._foreach_*`` ops."""
     momentum, wd = hyper["momentum"], hyper["weight_decay"]
     d_p = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else grads
