@@ -1,7 +1,5 @@
 """Rules and their merge: ``Rule`` (a matcher, settings and a reason), ``resolve`` and ``explain``.
 
-``resolve`` merges every rule that matches a parameter into one ``Resolved`` record and raises when two
-rules give one key different values; ``explain`` shows the result and which rule decided each setting.
 Parameters are named by ``optstack.names.named_parameters`` (modules, model chunks, pairs or tensors).
 """
 
@@ -159,16 +157,12 @@ class Resolved:
 
 
 def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = False) -> dict[str, Resolved]:
-    """Merge every matching rule into each trainable parameter's settings.
+    """Merge every matching rule into each trainable parameter's settings: ``{name: Resolved}`` in model order.
 
     Args:
-        named_params: a module, model chunks, ``(name, tensor)`` pairs or tensors, named by
-            ``optstack.names.named_parameters``. Frozen (``requires_grad=False``) ones are skipped.
+        named_params: a module, model chunks, ``(name, tensor)`` pairs or tensors; frozen ones are skipped.
         rules: the rules; all that match a parameter apply.
         strict: raise when a rule matches no trainable parameter (catches typos in globs).
-
-    Returns:
-        ``{name: Resolved}`` in model order, trainable parameters only.
 
     Raises:
         ValueError: when two rules set one key of one parameter to different values (naming the parameter,
