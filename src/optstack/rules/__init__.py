@@ -40,7 +40,6 @@ from optstack.rules.resolve import (
     LR_KEYS,
     PROTECTED_KEYS,
     Explanation,
-    NamedParams,
     Resolved,
     Rule,
     explain,
@@ -51,8 +50,7 @@ from optstack.rules.resolve import (
 
 __all__ = [
     "Matcher", "Name", "Attr", "Ndim", "Shape", "Predicate", "NamedPredicate", "Always", "Never", "And", "Or", "Not",
-    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of",
-    "NamedParams", "LR_KEYS", "PROTECTED_KEYS",
-    "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily",
-    "EMBEDDING", "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED",
+    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of", "LR_KEYS",
+    "PROTECTED_KEYS", "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily", "EMBEDDING",
+    "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -60,16 +60,20 @@ def _call_repr(kind: str, args: tuple[Any, ...]) -> str:
 
 @dataclass(frozen=True, init=False, repr=False)
 class _Parts(Matcher):
-    """Base of ``And`` and ``Or``: the parts, joined by ``op``."""
+    """Base of ``And`` and ``Or``: ``combine`` (all / any) of the parts' results."""
 
     parts: tuple[Matcher, ...]
     op: ClassVar[str]
     empty: ClassVar[str]  # the repr of no parts
+    combine: ClassVar[Callable[[Iterable[bool]], bool]]
 
     def __init__(self, *parts: Matcher) -> None:
         for p in parts:
             _check_operand(self.op, p)
         object.__setattr__(self, "parts", parts)
+
+    def __call__(self, param: torch.Tensor, name: str) -> bool:
+        return self.combine(p(param, name) for p in self.parts)
 
     def __repr__(self) -> str:
         texts = (f"({p!r})" if isinstance(self, And) and isinstance(p, Or) else repr(p) for p in self.parts)
@@ -79,19 +83,13 @@ class _Parts(Matcher):
 class And(_Parts):
     """All parts match."""
 
-    op, empty = "&", "Always()"
-
-    def __call__(self, param: torch.Tensor, name: str) -> bool:
-        return all(p(param, name) for p in self.parts)
+    op, empty, combine = "&", "Always()", all
 
 
 class Or(_Parts):
     """Any part matches."""
 
-    op, empty = "|", "Never()"
-
-    def __call__(self, param: torch.Tensor, name: str) -> bool:
-        return any(p(param, name) for p in self.parts)
+    op, empty, combine = "|", "Never()", any
 
 
 @dataclass(frozen=True, repr=False)

@@ -1,7 +1,6 @@
 """The stock rule sets, with Megatron Core's semantics: standard (no-decay, decoupled LR), MuP, Muon routing.
 
-Each function returns plain ``Rule`` values, so the result can be printed, extended or filtered like any
-user rule list.
+Plain ``Rule`` values: print, extend or filter them like any user rule list.
 """
 
 from __future__ import annotations
@@ -119,8 +118,7 @@ def mup_rules(
     if width_mult == 1:
         return []
     w = float(width_mult)
-    keeps_decoupled = decoupled_lr is not None
-    tag = f"MuP w={w:g}"
+    keeps_decoupled, tag = decoupled_lr is not None, f"MuP w={w:g}"
 
     def lrs(op: Callable[[float], float]) -> dict[str, float]:
         return _lrs(op(lr), None if min_lr is None else op(min_lr))

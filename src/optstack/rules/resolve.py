@@ -17,8 +17,8 @@ from optstack.names import NamedParams, named_parameters
 from optstack.rules.matchers import Matcher
 
 __all__ = [
-    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of",
-    "NamedParams", "LR_KEYS", "PROTECTED_KEYS",
+    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of", "LR_KEYS",
+    "PROTECTED_KEYS",
 ]
 
 #: Keys that change the learning rate schedule of a group (a group with none of them is "default_config").
