@@ -159,10 +159,8 @@ def build_optimizer(
 
 
 def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
-    if config.precision != "fp32":
-        return
     for name, p in named:
-        if p.dtype in (torch.bfloat16, torch.float16):
+        if config.precision == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"parameter {name!r} is {p.dtype} but config.precision is 'fp32'; set precision="
                 f"'{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}' to train it with fp32 master weights"
@@ -173,13 +171,13 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
     chunks = [source] if isinstance(source, nn.Module) else source
     wrapped = [c for c in chunks if isinstance(c, DataParallel)]
     sharding = config.distributed.sharding
+    if not wrapped and sharding != "replicated":
+        raise ValueError(
+            f"distributed.sharding={sharding!r} needs the model wrapped for data parallelism: "
+            "model = wrap_data_parallel(config, model) after torch.distributed.init_process_group "
+            "(one process works too), then build_optimizer(config, model)"
+        )
     if not wrapped:
-        if sharding != "replicated":
-            raise ValueError(
-                f"distributed.sharding={sharding!r} needs the model wrapped for data parallelism: "
-                "model = wrap_data_parallel(config, model) after torch.distributed.init_process_group "
-                "(one process works too), then build_optimizer(config, model)"
-            )
         return None
     if len(chunks) != 1:
         raise ValueError(

@@ -84,12 +84,11 @@ def build_param_groups(
     """One param-group dict per key, in key order; parameters keep model order within a group.
 
     Args:
-        named_params: the same parameters ``resolved`` came from (module, chunks or pairs).
-        resolved: ``resolve(named_params, rules)``.
-        lr: the base ``max_lr`` for groups that do not override it.
-        min_lr: the base ``min_lr``.
-        keys: the groups to build, in order (e.g. the cross-rank union); groups without local parameters
-            are built empty. Default: ``group_keys(resolved)``.
+        named_params: the same parameters ``resolved`` (``resolve(named_params, rules)``) came from.
+        resolved: the parameters' settings.
+        lr / min_lr: the base ``max_lr`` and ``min_lr`` for groups that do not override them.
+        keys: the groups to build, in order (default ``group_keys(resolved)``; e.g. the cross-rank union);
+            groups without local parameters are built empty.
 
     Returns:
         Dicts with ``params``, ``param_names``, ``is_expert_parallel``, ``default_config``, ``wd_mult=1.0``,
@@ -135,16 +134,13 @@ def build_param_groups(
 
 
 def group_map(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The one parameter -> group map: which group each parameter is in, and what each group sets.
-
-    Works on any list of group dicts with ``param_names`` (``build_param_groups``' groups, an optimizer's
-    ``param_groups``); a group without ``param_names`` names its parameters ``group{g}.param{i}``.
+    """The one parameter -> group map of any group dicts (``build_param_groups``', an optimizer's ``param_groups``).
 
     Returns:
         ``{"groups": [{"index": g, "settings": {...}, "params": [names]}, ...], "param_to_group": {name: g}}``:
-        ``settings`` is every group field but ``params`` and ``param_names``, values as they are in the group
-        (so an optimizer's groups show the ``lr`` and ``weight_decay`` in use); ``param_to_group`` is in group
-        order, then parameter order.
+        ``settings`` is every group field but ``params`` and ``param_names``, as it is in the group (so an
+        optimizer's groups show the ``lr`` and ``weight_decay`` in use); a group without ``param_names`` names
+        its parameters ``group{g}.param{i}``; ``param_to_group`` is in group order, then parameter order.
     """
     out_groups = []
     param_to_group: dict[str, int] = {}

@@ -47,22 +47,15 @@ def _clean(name: str) -> str:
 
 
 def named_parameters(model_chunks: NamedParams, *, trainable_only: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs in model order, under stable names.
+    """``(name, tensor)`` pairs in model order, under stable names; a tied tensor is kept once, under its first name.
 
     Args:
-        model_chunks: one of
-            - an ``nn.Module``: its ``named_parameters()`` after looking through wrappers (``look_through``);
-            - a list of modules (model chunks, e.g. virtual pipeline stages), each looked through: the chunks'
-              own names when those are unique across chunks; when any name occurs in two chunks, every name
-              is prefixed with ``chunk{i}.`` (``i`` the chunk's index) so names stay unique keys;
-            - ``(name, tensor)`` pairs, kept as given (less any ``_orig_mod`` component);
-            - bare tensors (``model.parameters()``), named ``param.{i}`` by their position ``i`` in the
-              iterable (frozen ones included, so freezing a parameter does not rename the others).
-        trainable_only: leave out parameters with ``requires_grad=False`` (after naming: names do not depend
+        model_chunks: a module (looked through, ``look_through``); a list of modules (model chunks), each looked
+            through, every name prefixed with ``chunk{i}.`` only when some name occurs in two chunks;
+            ``(name, tensor)`` pairs, kept as given; or bare tensors (``model.parameters()``), named
+            ``param.{i}`` by position, frozen ones included. ``_orig_mod`` components are dropped everywhere.
+        trainable_only: leave out parameters with ``requires_grad=False`` (after naming, so names do not depend
             on what is frozen).
-
-    Returns:
-        The pairs; a tensor that appears twice (tied weights) is kept once, under its first name.
 
     Raises:
         ValueError: two different tensors under one name, or items that are none of the above.

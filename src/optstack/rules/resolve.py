@@ -124,9 +124,6 @@ class Rule:
         """How the rule is named in tables and errors: its reason, else its matcher."""
         return self.why or repr(self.matcher)
 
-    def __call__(self, param: torch.Tensor, name: str) -> bool:
-        return self.matcher(param, name)
-
     def __repr__(self) -> str:
         parts = [repr(self.matcher)] + [f"{k}={v!r}" for k, v in self._items]
         return f"Rule({', '.join(parts + ([f'why={self.why!r}'] if self.why else []))})"
