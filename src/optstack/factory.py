@@ -23,7 +23,6 @@ from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
-from optstack.protocol import MakeOptimizer
 from optstack.rules import Resolved, Rule, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
@@ -197,7 +196,8 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
 def _build_stages(
     groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None
 ) -> list[Stage]:
-    """One stage per (algorithm, dense/expert), in first-appearance order of the groups."""
+    """One stage per (algorithm, dense/expert), in first-appearance order of the groups; ``ddp`` (the wrapped
+    model) makes them distributed as ``config.distributed.sharding`` says."""
     kinds: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for group in groups:
         name = group.get("algorithm", config.algorithm)
@@ -208,25 +208,21 @@ def _build_stages(
         g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
         kinds.setdefault((name, g["is_expert_parallel"]), []).append(g)
     stages: list[Stage] = []
+    masters, sharding = config.precision != "fp32", config.distributed.sharding
     for (name, expert), kind_groups in kinds.items():
         if ddp is None and not any(g["params"] for g in kind_groups):
             continue
         spec = get_algorithm(name)
         # CPU offload lives inside the inner optimizer.
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
-        stages.append(_stage(kind_groups, make, config, spec.family == "muon", expert, grad_of, ddp))
+        if ddp is None:
+            stage = replicated_stage(kind_groups, make, masters=masters, grad_of=grad_of)
+        elif sharding == "zero1":
+            stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                overlap_param_gather=config.distributed.overlap_param_gather)
+        elif sharding == "layerwise" and spec.family == "muon":
+            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert)
+        else:
+            stage = replicated_stage(kind_groups, make, masters=masters, ddp=ddp, expert=expert)
+        stages.append(stage)
     return stages
-
-
-def _stage(groups: list[dict[str, Any]], make: MakeOptimizer, config: OptimizerConfig, muon: bool, expert: bool,
-           grad_of: GradOf | None, ddp: DataParallel | None) -> Stage:
-    masters = config.precision != "fp32"
-    if ddp is None:
-        return replicated_stage(groups, make, masters=masters, grad_of=grad_of)
-    sharding = config.distributed.sharding
-    if sharding == "zero1":
-        return zero1_stage(groups, make, ddp=ddp, expert=expert,
-                           overlap_param_gather=config.distributed.overlap_param_gather)
-    if sharding == "layerwise" and muon:
-        return layerwise_stage(groups, make, ddp=ddp, expert=expert)
-    return replicated_stage(groups, make, masters=masters, ddp=ddp, expert=expert)
