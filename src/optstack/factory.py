@@ -1,20 +1,20 @@
-"""``build_optimizer``: config + model chunk(s) + rules -> the full optimizer stack, and nothing more.
+"""``build_optimizer``: config + model chunk(s) + rules -> the optimizer stack, and nothing more.
 
-The flow (DESIGN.md): resolve rules for every named parameter -> deterministic param groups -> one inner
-algorithm per (algorithm, dense/expert) kind -> a precision stage around each -> one chained optimizer with
-the single loss scaler, global clipping and the skip decision; plus the scheduler when a schedule is given.
+names -> rules -> deterministic groups -> one stage per (algorithm, dense/expert) -> one chained optimizer
+(the one loss scaler, global clipping, the skip decision); plus the scheduler when a schedule is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from optstack.algorithms import AlgorithmSpec, get_algorithm
+from optstack.algorithms import get_algorithm
 from optstack.config import OptimizerConfig, check_combination, dtype_from_name
 from optstack.distributed.comm import is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
@@ -23,19 +23,11 @@ from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
-from optstack.precision.scaler import LossScaler
 from optstack.rules import Resolved, Rule, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
 
-__all__ = [
-    "BuiltOptimizer",
-    "algorithm_kwargs",
-    "build_optimizer",
-    "default_rules",
-    "scaler_from_config",
-    "wrap_data_parallel",
-]
+__all__ = ["BuiltOptimizer", "algorithm_kwargs", "build_optimizer", "default_rules", "wrap_data_parallel"]
 
 GradOf = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -44,21 +36,13 @@ def default_rules(config: OptimizerConfig) -> list[Rule]:
     """The rules ``build_optimizer`` uses when none are given: standard (no weight decay on biases and
     norms, decoupled embedding/output LR), MuP when ``mup_width_mult != 1``, and Muon's routing of the
     parameters it cannot take to its scalar optimizer. Extend it: ``default_rules(cfg) + [my_rule]``."""
-    rules = standard_rules(
-        decoupled_lr=config.decoupled_lr,
-        decoupled_min_lr=config.decoupled_min_lr,
-        apply_wd_to_qk_layernorm=config.apply_wd_to_qk_layernorm,
-    )
+    decoupled = {"decoupled_lr": config.decoupled_lr, "decoupled_min_lr": config.decoupled_min_lr}
+    rules = standard_rules(**decoupled, apply_wd_to_qk_layernorm=config.apply_wd_to_qk_layernorm)
     family = get_algorithm(config.algorithm).family
     if config.mup_width_mult != 1.0:
         rules += mup_rules(
-            config.mup_width_mult,
-            family=family if family in ("adam", "sgd", "muon", "lion") else "adam",
-            lr=config.lr,
-            min_lr=config.min_lr,
-            eps=config.adam.eps if family == "adam" else None,
-            decoupled_lr=config.decoupled_lr,
-            decoupled_min_lr=config.decoupled_min_lr,
+            config.mup_width_mult, family=family if family in ("adam", "sgd", "muon", "lion") else "adam",
+            lr=config.lr, min_lr=config.min_lr, eps=config.adam.eps if family == "adam" else None, **decoupled,
         )
     if family == "muon":
         rules.append(muon_routing_rule(config.muon.scalar_algorithm))
@@ -157,38 +141,25 @@ def build_optimizer(
         # parallelism where ranks hold different layers.
         keys = union_group_keys(keys, world_comm("group-keys"))
     groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys)
-    stages = _build_stages(groups, config, grad_of, ddp)
-    scaler = scaler_from_config(config)
     optimizer = ChainedOptimizer(
-        stages,
-        scaler=scaler,
+        _build_stages(groups, config, grad_of, ddp),
+        scaler=config.loss_scale.build(config.precision),  # dynamic by default for fp16, else none
         clip_grad=config.clip_grad,
         norm_type=config.norm_type,
         grad_norm_skip_threshold=config.grad_norm_skip_threshold,
         log_num_zeros_in_grad=config.log_num_zeros_in_grad,
         grad_syncs=[ddp] if ddp is not None else [],
     )
-    scheduler = None
-    if lr_schedule is not None:
-        wd = wd_schedule or WDSchedule(
-            start_wd=config.weight_decay, end_wd=config.weight_decay, incr_steps=0, style="constant"
-        )
-        scheduler = Scheduler(optimizer, lr_schedule, wd)
-    elif wd_schedule is not None:
+    if lr_schedule is None and wd_schedule is not None:
         raise ValueError("wd_schedule was given without lr_schedule; pass both (the scheduler sets lr and wd)")
+    scheduler = None if lr_schedule is None else Scheduler(
+        optimizer, lr_schedule, wd_schedule or WDSchedule.constant(config.weight_decay))
     return BuiltOptimizer(optimizer=optimizer, scheduler=scheduler, param_groups=groups)
 
 
-def scaler_from_config(config: OptimizerConfig) -> LossScaler:
-    """The loss scaler ``config`` asks for (``LossScaleConfig.build``: dynamic by default for fp16, else none)."""
-    return config.loss_scale.build(config.precision)
-
-
 def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
-    if config.precision != "fp32":
-        return
     for name, p in named:
-        if p.dtype in (torch.bfloat16, torch.float16):
+        if config.precision == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"parameter {name!r} is {p.dtype} but config.precision is 'fp32'; set precision="
                 f"'{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}' to train it with fp32 master weights"
@@ -199,13 +170,13 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
     chunks = [source] if isinstance(source, nn.Module) else source
     wrapped = [c for c in chunks if isinstance(c, DataParallel)]
     sharding = config.distributed.sharding
+    if not wrapped and sharding != "replicated":
+        raise ValueError(
+            f"distributed.sharding={sharding!r} needs the model wrapped for data parallelism: "
+            "model = wrap_data_parallel(config, model) after torch.distributed.init_process_group "
+            "(one process works too), then build_optimizer(config, model)"
+        )
     if not wrapped:
-        if sharding != "replicated":
-            raise ValueError(
-                f"distributed.sharding={sharding!r} needs the model wrapped for data parallelism: "
-                "model = wrap_data_parallel(config, model) after torch.distributed.init_process_group "
-                "(one process works too), then build_optimizer(config, model)"
-            )
         return None
     if len(chunks) != 1:
         raise ValueError(
@@ -225,55 +196,33 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
 def _build_stages(
     groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None
 ) -> list[Stage]:
-    """One stage per (algorithm, dense/expert), in first-appearance order of the groups."""
+    """One stage per (algorithm, dense/expert), in first-appearance order of the groups; ``ddp`` (the wrapped
+    model) makes them distributed as ``config.distributed.sharding`` says."""
     kinds: dict[tuple[str, bool], list[dict[str, Any]]] = {}
-    for g in groups:
-        name = g.get("algorithm", config.algorithm)
+    for group in groups:
+        name = group.get("algorithm", config.algorithm)
         get_algorithm(name)  # unknown names fail here, listing the known ones
-        kinds.setdefault((name, g["is_expert_parallel"]), []).append(_initial_hparams(g, config))
+        # The inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step.
+        g = dict(group)
+        g.setdefault("lr", g["max_lr"] * g["lr_mult"])
+        g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
+        kinds.setdefault((name, g["is_expert_parallel"]), []).append(g)
     stages: list[Stage] = []
+    masters, sharding = config.precision != "fp32", config.distributed.sharding
     for (name, expert), kind_groups in kinds.items():
         if ddp is None and not any(g["params"] for g in kind_groups):
             continue
         spec = get_algorithm(name)
-        make = _maker(spec.cls, algorithm_kwargs(name, config))
-        stages.append(_stage(kind_groups, make, config, spec, expert, grad_of, ddp))
+        # CPU offload lives inside the inner optimizer.
+        make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
+        if ddp is None:
+            stage = replicated_stage(kind_groups, make, masters=masters, grad_of=grad_of)
+        elif sharding == "zero1":
+            stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                overlap_param_gather=config.distributed.overlap_param_gather)
+        elif sharding == "layerwise" and spec.family == "muon":
+            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert)
+        else:
+            stage = replicated_stage(kind_groups, make, masters=masters, ddp=ddp, expert=expert)
+        stages.append(stage)
     return stages
-
-
-def _stage(
-    groups: list[dict[str, Any]],
-    make: Callable[[list[dict]], Any],
-    config: OptimizerConfig,
-    spec: AlgorithmSpec,
-    expert: bool,
-    grad_of: GradOf | None,
-    ddp: DataParallel | None,
-) -> Stage:
-    make = config.offload.wrap(make, spec)  # CPU offload lives inside the inner optimizer
-    masters = config.precision != "fp32"
-    if ddp is None:
-        return replicated_stage(groups, make, masters=masters, grad_of=grad_of)
-    sharding = config.distributed.sharding
-    if sharding == "zero1":
-        return zero1_stage(groups, make, ddp=ddp, expert=expert,
-                           overlap_param_gather=config.distributed.overlap_param_gather)
-    if sharding == "layerwise" and spec.family == "muon":
-        return layerwise_stage(groups, make, ddp=ddp, expert=expert)
-    return replicated_stage(groups, make, masters=masters, ddp=ddp, expert=expert)
-
-
-def _maker(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Callable[[list[dict]], Any]:
-    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return cls(groups, **kwargs)
-
-    return make
-
-
-def _initial_hparams(group: dict[str, Any], config: OptimizerConfig) -> dict[str, Any]:
-    """The group as the inner optimizer sees it before any scheduler step: lr = max_lr * lr_mult,
-    weight_decay = config.weight_decay * wd_mult (a scheduler overwrites both every step)."""
-    out = dict(group)
-    out.setdefault("lr", group["max_lr"] * group["lr_mult"])
-    out.setdefault("weight_decay", config.weight_decay * group["wd_mult"])
-    return out

@@ -1,15 +1,11 @@
 """Partition resolved parameters into deterministic optimizer param groups. Pure: no collectives, no globals.
 
-Parameters whose merged settings and expert flag are equal share a ``GroupKey``. Keys sort the same way
-on every rank: the key with no settings first, then by the settings' repr, dense before expert. When ranks
-hold different parameters (pipeline stages, experts), ``optstack.distributed.group_keys.union_group_keys``
-unions the keys so every rank builds the same groups, some empty, and passes them here as ``keys``.
+Parameters with equal merged settings and expert flag share a ``GroupKey``; keys sort the same way on every
+rank (no settings first, then by the settings' repr, dense before expert). Ranks holding different parameters
+pass the cross-rank union (``distributed.group_keys.union_group_keys``) as ``keys``, so all build the same
+groups, some empty::
 
-Example::
-
-    resolved = resolve(model, rules)
-    groups = build_param_groups(model, resolved, lr=3e-4, min_lr=3e-5)
-    torch.optim.AdamW(groups)
+    torch.optim.AdamW(build_param_groups(model, resolve(model, rules), lr=3e-4, min_lr=3e-5))
 """
 
 from __future__ import annotations
@@ -21,22 +17,18 @@ from typing import Any
 
 from optstack.names import NamedParams, named_parameters
 from optstack.rules import LR_KEYS, Resolved
-from optstack.rules.resolve import is_number
+from optstack.rules.resolve import nonnegative
 
-__all__ = ["GroupKey", "group_keys", "build_param_groups", "group_map", "param_group_table", "GROUP_FIELDS"]
-
-#: Fields every group carries besides its settings (the settings may override the last four).
-GROUP_FIELDS = ("params", "param_names", "is_expert_parallel", "default_config", "wd_mult", "lr_mult",
-                "max_lr", "min_lr")
+__all__ = ["GroupKey", "group_keys", "build_param_groups", "group_map", "param_group_table"]
 
 
 @total_ordering
 @dataclass(frozen=True)
 class GroupKey:
-    """What makes a param group: merged settings (sorted by key) and the expert flag. Hashable, picklable.
+    """What makes a param group: merged settings and the expert flag. Hashable, picklable.
 
     Attributes:
-        settings: ``((key, value), ...)`` sorted by key; empty for parameters no rule matched.
+        settings: ``((key, value), ...)``, stored sorted by key; empty for parameters no rule matched.
         is_expert: expert-parallel parameters get their own groups (they reduce over another group).
     """
 
@@ -92,12 +84,11 @@ def build_param_groups(
     """One param-group dict per key, in key order; parameters keep model order within a group.
 
     Args:
-        named_params: the same parameters ``resolved`` came from (module, chunks or pairs).
-        resolved: ``resolve(named_params, rules)``.
-        lr: the base ``max_lr`` for groups that do not override it.
-        min_lr: the base ``min_lr``.
-        keys: the groups to build, in order (e.g. the cross-rank union); groups without local parameters
-            are built empty. Default: ``group_keys(resolved)``.
+        named_params: the same parameters ``resolved`` (``resolve(named_params, rules)``) came from.
+        resolved: the parameters' settings.
+        lr / min_lr: the base ``max_lr`` and ``min_lr`` for groups that do not override them.
+        keys: the groups to build, in order (default ``group_keys(resolved)``; e.g. the cross-rank union);
+            groups without local parameters are built empty.
 
     Returns:
         Dicts with ``params``, ``param_names``, ``is_expert_parallel``, ``default_config``, ``wd_mult=1.0``,
@@ -107,16 +98,16 @@ def build_param_groups(
         ValueError: on a bad ``lr``/``min_lr``, duplicate ``keys``, a parameter whose key is not in ``keys``,
             or ``resolved`` not matching ``named_params``.
     """
-    for field, value in (("lr", lr), ("min_lr", min_lr)):
-        if not is_number(value) or value < 0:
-            raise ValueError(f"build_param_groups: {field} must be a finite number >= 0, got {value!r}")
+    nonnegative("lr", lr, "build_param_groups: ")
+    nonnegative("min_lr", min_lr, "build_param_groups: ")
     keys = group_keys(resolved) if keys is None else list(keys)
     if len(set(keys)) != len(keys):
         dupes = sorted({str(k) for k in keys if keys.count(k) > 1})
         raise ValueError(f"build_param_groups: keys must be distinct; repeated: {dupes}")
+    groups = [{"params": [], "param_names": [], "is_expert_parallel": key.is_expert,
+               "default_config": key.default_config, "wd_mult": 1.0, "lr_mult": 1.0, "max_lr": lr,
+               "min_lr": min_lr, **dict(key.settings)} for key in keys]
     index = {k: i for i, k in enumerate(keys)}
-    members: list[list[tuple[str, Any]]] = [[] for _ in keys]
-    seen: set[str] = set()
     for name, param in named_parameters(named_params):  # trainable only: frozen ones belong to no group
         r = resolved.get(name)
         if r is None:
@@ -130,42 +121,26 @@ def build_param_groups(
                 f"parameter {name!r} has group key {key} which is not in `keys`; pass keys that include "
                 "every local key (e.g. union_group_keys(group_keys(resolved), comm))"
             )
-        members[index[key]].append((name, param))
-        seen.add(name)
+        groups[index[key]]["params"].append(param)
+        groups[index[key]]["param_names"].append(name)
+    seen = {n for g in groups for n in g["param_names"]}
     missing = [n for n in resolved if n not in seen]
     if missing:
         raise ValueError(
             f"`resolved` names parameters that are not trainable parameters of named_params: {missing[:5]}; "
             "resolve the same parameters you pass here, after freezing"
         )
-    groups = []
-    for key, group_members in zip(keys, members, strict=True):
-        group: dict[str, Any] = {
-            "params": [p for _, p in group_members],
-            "param_names": [n for n, _ in group_members],
-            "is_expert_parallel": key.is_expert,
-            "default_config": key.default_config,
-            "wd_mult": 1.0,
-            "lr_mult": 1.0,
-            "max_lr": lr,
-            "min_lr": min_lr,
-        }
-        group.update(key.settings)
-        groups.append(group)
     return groups
 
 
 def group_map(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The one parameter -> group map: which group each parameter is in, and what each group sets.
-
-    Works on any list of group dicts with ``param_names`` (``build_param_groups``' groups, an optimizer's
-    ``param_groups``); a group without ``param_names`` names its parameters ``group{g}.param{i}``.
+    """The one parameter -> group map of any group dicts (``build_param_groups``', an optimizer's ``param_groups``).
 
     Returns:
         ``{"groups": [{"index": g, "settings": {...}, "params": [names]}, ...], "param_to_group": {name: g}}``:
-        ``settings`` is every group field but ``params`` and ``param_names``, values as they are in the group
-        (so an optimizer's groups show the ``lr`` and ``weight_decay`` in use); ``param_to_group`` is in group
-        order, then parameter order.
+        ``settings`` is every group field but ``params`` and ``param_names``, as it is in the group (so an
+        optimizer's groups show the ``lr`` and ``weight_decay`` in use); a group without ``param_names`` names
+        its parameters ``group{g}.param{i}``; ``param_to_group`` is in group order, then parameter order.
     """
     out_groups = []
     param_to_group: dict[str, int] = {}
@@ -183,15 +158,9 @@ def param_group_table(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
     The names, indices and ``settings`` are ``group_map(groups)``'s, plus each tensor's shape.
     """
-    rows = []
-    for group, entry in zip(groups, group_map(groups)["groups"], strict=True):
-        for name, p in zip(entry["params"], group["params"], strict=True):
-            rows.append({
-                "name": name,
-                "group": entry["index"],
-                "shape": list(p.shape),
-                "numel": p.numel(),
-                "is_expert_parallel": bool(group.get("is_expert_parallel", False)),
-                "settings": dict(entry["settings"]),
-            })
-    return rows
+    return [
+        {"name": name, "group": entry["index"], "shape": list(p.shape), "numel": p.numel(),
+         "is_expert_parallel": bool(group.get("is_expert_parallel", False)), "settings": dict(entry["settings"])}
+        for group, entry in zip(groups, group_map(groups)["groups"], strict=True)
+        for name, p in zip(entry["params"], group["params"], strict=True)
+    ]

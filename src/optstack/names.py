@@ -1,18 +1,9 @@
 """Stable parameter names: model chunks, modules, ``parameters()`` or ``(name, tensor)`` pairs -> one ordered list.
 
-The one naming function of optstack: the factory, the rules, the checkpoints (parameter and model tensor keys)
-and the Megatron face all name parameters here, so a name means the same tensor everywhere. Names are the
-user's own model's names, whatever it is wrapped in:
-
-- a wrapper that holds nothing but its wrapped model under ``.module`` (optstack's ``DataParallel``, the
-  Megatron face's ``DistributedDataParallel``, ``torch.nn.parallel.DistributedDataParallel``, ...) is looked
-  through, so its ``module.`` prefix does not appear;
-- ``torch.compile``'s ``OptimizedModule`` is looked through and every ``_orig_mod`` component is dropped
-  (also from compiled submodules and from given pairs), so a compiled model has the uncompiled model's names.
-
-Imports nothing else of optstack: rules, groups, checkpoints and faces all stand on it.
-
-Example::
+The one naming function of optstack (factory, rules, checkpoints and the Megatron face), so a name means the
+same tensor everywhere: the user's own model's names, whatever wraps it. A wrapper holding nothing but its
+model under ``.module`` (data-parallel wrappers) is looked through, and so is ``torch.compile``'s
+``OptimizedModule``, whose ``_orig_mod`` components are dropped everywhere. Imports nothing else of optstack::
 
     named_parameters(torch.compile(model)) == named_parameters(model)  # same names, same tensors
     named_parameters([chunk0, chunk1])      # Megatron's virtual pipeline chunks
@@ -33,15 +24,11 @@ __all__ = ["NamedParams", "named_parameters", "model_state", "look_through"]
 NamedParams = nn.Module | Iterable[nn.Module] | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]
 
 _WRAPPER_ATTRS = ("_orig_mod", "module")  # torch.compile's OptimizedModule; data-parallel style wrappers
-_COMPILED = "_orig_mod"
 
 
 def look_through(module: nn.Module) -> nn.Module:
-    """The model inside any stack of wrappers (``torch.compile``, data-parallel ``.module`` wrappers).
-
-    A module counts as a wrapper when its only child is registered as ``_orig_mod`` or ``module`` and it
-    has no parameters or buffers of its own, so a model that merely has a submodule called ``module`` next
-    to other state keeps its names.
+    """The model inside any stack of wrappers: modules whose only child is ``_orig_mod`` or ``module`` and that
+    hold no parameters or buffers of their own (a model with a ``module`` submodule beside other state is none).
     """
     while True:
         children = module._modules
@@ -56,46 +43,33 @@ def look_through(module: nn.Module) -> nn.Module:
 
 def _clean(name: str) -> str:
     # Compiled submodules (model.block = torch.compile(model.block)) put `_orig_mod` inside names too.
-    if _COMPILED not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part != _COMPILED)
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def named_parameters(model_chunks: NamedParams, *, trainable_only: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs in model order, under stable names.
+    """``(name, tensor)`` pairs in model order, under stable names; a tied tensor is kept once, under its first name.
 
     Args:
-        model_chunks: one of
-            - an ``nn.Module``: its ``named_parameters()`` after looking through wrappers (``look_through``);
-            - a list of modules (model chunks, e.g. virtual pipeline stages), each looked through: the chunks'
-              own names when those are unique across chunks; when any name occurs in two chunks, every name
-              is prefixed with ``chunk{i}.`` (``i`` the chunk's index) so names stay unique keys;
-            - ``(name, tensor)`` pairs, kept as given (less any ``_orig_mod`` component);
-            - bare tensors (``model.parameters()``), named ``param.{i}`` by their position ``i`` in the
-              iterable (frozen ones included, so freezing a parameter does not rename the others).
-        trainable_only: leave out parameters with ``requires_grad=False`` (after naming: names do not depend
+        model_chunks: a module (looked through, ``look_through``); a list of modules (model chunks), each looked
+            through, every name prefixed with ``chunk{i}.`` only when some name occurs in two chunks;
+            ``(name, tensor)`` pairs, kept as given; or bare tensors (``model.parameters()``), named
+            ``param.{i}`` by position, frozen ones included. ``_orig_mod`` components are dropped everywhere.
+        trainable_only: leave out parameters with ``requires_grad=False`` (after naming, so names do not depend
             on what is frozen).
-
-    Returns:
-        The pairs; a tensor that appears twice (tied weights) is kept once, under its first name.
 
     Raises:
         ValueError: two different tensors under one name, or items that are none of the above.
     """
-    out: list[tuple[str, torch.Tensor]] = []
-    seen_names: set[str] = set()
-    seen_ids: set[int] = set()
+    named: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for name, p in _pairs(model_chunks):
-        name = _clean(name)
-        if id(p) in seen_ids:
+        if id(p) in seen:
             continue
-        if name in seen_names:
+        if (name := _clean(name)) in named:
             raise ValueError(f"two different tensors are named {name!r}; parameter names must be unique")
-        seen_names.add(name)
-        seen_ids.add(id(p))
-        if p.requires_grad or not trainable_only:
-            out.append((name, p))
-    return out
+        named[name] = p
+        seen.add(id(p))
+    return [(n, p) for n, p in named.items() if p.requires_grad or not trainable_only]
 
 
 def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
@@ -121,11 +95,9 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's ``state_dict`` tensors (parameters, buffers) under the names ``named_parameters`` uses.
-
-    Wrappers are looked through as for ``named_parameters`` and ``_orig_mod`` components dropped, so a
+    """The model's ``state_dict`` tensors (parameters, buffers) under the names ``named_parameters`` uses, so a
     checkpoint of a compiled or wrapped model has the plain model's keys. The tensors are detached and share
-    the model's storage (writing into them writes the model). Non-tensor extra state is left out.
+    the model's storage (writing into them writes the model); non-tensor extra state is left out.
 
     Raises:
         ValueError: ``model`` is not an ``nn.Module``.

@@ -1,18 +1,15 @@
 """Loss scalers: none, constant and dynamic (Megatron's hysteresis semantics).
 
-A loss scaler multiplies the loss before backward so that small fp16 gradients do not flush to zero, and
-hands the optimizer ``inv_scale`` to undo it. The chained optimizer owns the one scaler of a training run and
-calls ``update(found_inf)`` once per step, after every stage has checked its gradients.
-
-The scale is kept as a Python float rounded to fp32, the precision of Megatron's scale tensor, so a run
-reproduces Megatron's scale sequence exactly even for non-power-of-two factors; ``inv_scale`` is the
-reciprocal taken in double and rounded to fp32, as Megatron does.
+The chained optimizer owns the one scaler of a run: it multiplies the loss before backward, hands the stages
+``inv_scale``, and calls ``update(found_inf)`` once per step. The scale is a Python float rounded to fp32, the
+precision of Megatron's scale tensor, so a run reproduces Megatron's scale sequence exactly even for
+non-power-of-two factors; ``inv_scale`` is the reciprocal taken in double and rounded to fp32, as Megatron does.
 """
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -21,24 +18,43 @@ __all__ = ["LossScaler", "NoScaler", "ConstantScaler", "DynamicScaler", "make_sc
 
 
 def _fp32(x: float) -> float:
-    """``x`` rounded to the nearest fp32 value (Megatron keeps its scale in an fp32 tensor)."""
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-def _check_positive_finite(field: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{field} must be a finite number > 0, got {value!r}")
+def _number(field: str, value: Any, lo: float = 0.0, hi: float = math.inf) -> float:
+    """``value`` as a float when it is a finite number in ``(lo, hi)``, else a ``ValueError`` naming ``field``."""
+    if not (isinstance(value, int | float) and math.isfinite(value) and lo < value < hi):
+        bound = f"a finite number > {lo:g}" if hi == math.inf else f"in ({lo:g}, {hi:g})"
+        raise ValueError(f"{field} must be {bound}, got {value!r}")
+    return float(value)
 
 
-class LossScaler(ABC):
-    """What the chained optimizer needs from a loss scaler."""
+def _int(field: str, value: Any, lo: int | None = None) -> int:
+    """``value`` when it is an int (not a bool) ``>= lo``, else a ``ValueError`` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
+        raise ValueError(f"{field} must be an int{'' if lo is None else f' >= {lo}'}, got {value!r}")
+    return value
 
-    kind: str = "abstract"
+
+def _positive_fp32(field: str, value: Any) -> float:
+    return _fp32(_number(field, value))
+
+
+class LossScaler:
+    """What the chained optimizer needs from a loss scaler; on its own, a scale of 1 that never changes.
+
+    A subclass names its ``kind`` and lists in ``_state`` the attributes (``_`` + key) its ``state_dict``
+    holds, each with the check that turns a loaded value into the attribute's.
+    """
+
+    kind: str = "none"
+    _state: dict[str, Callable[[str, Any], Any]] = {}
+    _scale: float = 1.0
 
     @property
-    @abstractmethod
     def scale(self) -> float:
         """The factor the loss is multiplied by before backward."""
+        return self._scale
 
     @property
     def inv_scale(self) -> float:
@@ -47,48 +63,32 @@ class LossScaler(ABC):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` (the loss itself when the scale is 1), to call ``backward()`` on."""
-        scale = self.scale
-        return loss if scale == 1.0 else loss * scale
+        return loss if self.scale == 1.0 else loss * self.scale
 
-    @abstractmethod
     def update(self, found_inf: bool) -> None:
         """Advance by one optimizer step; ``found_inf`` says whether any gradient was non-finite."""
 
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{key: getattr(self, "_" + key) for key in self._state}}
 
-    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raise ``ValueError`` when ``state_dict`` cannot be loaded into this scaler; change nothing."""
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The attribute values ``state_dict`` holds; ``ValueError`` when it cannot be loaded. Changes nothing."""
         if not isinstance(state_dict, dict):
             raise ValueError(f"loss scaler state must be a dict, got {type(state_dict).__name__}")
-        kind = state_dict.get("kind")
-        if kind != self.kind:
+        if state_dict.get("kind") != self.kind:
             raise ValueError(
-                f"loss scaler state is for a {kind!r} scaler but this optimizer has a {self.kind!r} scaler; "
-                "build the optimizer with the same loss-scale mode as the checkpoint"
+                f"loss scaler state is for a {state_dict.get('kind')!r} scaler but this optimizer has a "
+                f"{self.kind!r} scaler; build the optimizer with the same loss-scale mode as the checkpoint"
             )
+        return {key: check(f"loss scaler state {key!r}", state_dict.get(key)) for key, check in self._state.items()}
 
-    @abstractmethod
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key, value in self.validate_state_dict(state_dict).items():
+            setattr(self, "_" + key, value)
 
 
 class NoScaler(LossScaler):
     """No loss scaling (fp32 and bf16 training): the scale is always 1."""
-
-    kind = "none"
-
-    @property
-    def scale(self) -> float:
-        return 1.0
-
-    def update(self, found_inf: bool) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.validate_state_dict(state_dict)
 
 
 class ConstantScaler(LossScaler):
@@ -99,28 +99,10 @@ class ConstantScaler(LossScaler):
     """
 
     kind = "constant"
+    _state = {"scale": _positive_fp32}
 
     def __init__(self, scale: float) -> None:
-        _check_positive_finite("scale", scale)
-        self._scale = _fp32(float(scale))
-
-    @property
-    def scale(self) -> float:
-        return self._scale
-
-    def update(self, found_inf: bool) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "scale": self._scale}
-
-    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().validate_state_dict(state_dict)
-        _check_positive_finite("loss scaler state 'scale'", state_dict.get("scale"))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.validate_state_dict(state_dict)
-        self._scale = _fp32(float(state_dict["scale"]))
+        self._scale = _positive_fp32("scale", scale)
 
 
 class DynamicScaler(LossScaler):
@@ -141,6 +123,7 @@ class DynamicScaler(LossScaler):
     """
 
     kind = "dynamic"
+    _state = {"scale": _positive_fp32, "growth_tracker": lambda f, v: _int(f, v, 0), "hysteresis_tracker": _int}
 
     def __init__(
         self,
@@ -151,37 +134,20 @@ class DynamicScaler(LossScaler):
         growth_interval: int = 1000,
         hysteresis: int = 2,
     ) -> None:
-        _check_positive_finite("initial_scale", initial_scale)
-        _check_positive_finite("min_scale", min_scale)
+        self._scale = _positive_fp32("initial_scale", initial_scale)
+        self.min_scale = _positive_fp32("min_scale", min_scale)
         if min_scale > initial_scale:
             raise ValueError(f"min_scale must be <= initial_scale, got {min_scale} > {initial_scale}")
-        if not (
-            isinstance(growth_factor, (int, float)) and math.isfinite(growth_factor) and growth_factor > 1
-        ):
-            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
-        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        for field, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be an int > 0, got {value!r}")
-        self.min_scale = _fp32(float(min_scale))
-        self.growth_factor = _fp32(float(growth_factor))
-        self.backoff_factor = _fp32(float(backoff_factor))
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self._scale = _fp32(float(initial_scale))
+        self.growth_factor = _fp32(_number("growth_factor", growth_factor, lo=1.0))
+        self.backoff_factor = _fp32(_number("backoff_factor", backoff_factor, hi=1.0))
+        self.growth_interval = _int("growth_interval", growth_interval, 1)
+        self.hysteresis = _int("hysteresis", hysteresis, 1)
         self._growth_tracker = 0
         self._hysteresis_tracker = hysteresis
 
     def __repr__(self) -> str:
-        return (
-            f"DynamicScaler(scale={self._scale}, growth_tracker={self._growth_tracker}, "
-            f"hysteresis_tracker={self._hysteresis_tracker})"
-        )
-
-    @property
-    def scale(self) -> float:
-        return self._scale
+        return (f"DynamicScaler(scale={self._scale}, growth_tracker={self._growth_tracker}, "
+                f"hysteresis_tracker={self._hysteresis_tracker})")
 
     @property
     def growth_tracker(self) -> int:
@@ -206,41 +172,11 @@ class DynamicScaler(LossScaler):
                 self._hysteresis_tracker = self.hysteresis
                 self._scale = _fp32(self._scale * self.growth_factor)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-        }
-
-    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().validate_state_dict(state_dict)
-        _check_positive_finite("loss scaler state 'scale'", state_dict.get("scale"))
-        for key in ("growth_tracker", "hysteresis_tracker"):
-            value = state_dict.get(key)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"loss scaler state {key!r} must be an int, got {value!r}")
-        if state_dict["growth_tracker"] < 0:
-            raise ValueError(
-                f"loss scaler state 'growth_tracker' must be >= 0, got {state_dict['growth_tracker']}"
-            )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.validate_state_dict(state_dict)
-        self._scale = _fp32(float(state_dict["scale"]))
-        self._growth_tracker = state_dict["growth_tracker"]
-        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
-
 
 def make_scaler(mode: Literal["none", "constant", "dynamic"], **kwargs: Any) -> LossScaler:
     """Build a loss scaler by mode: ``"none"`` (no arguments), ``"constant"`` (``scale=``) or ``"dynamic"``
     (the keyword arguments of ``DynamicScaler``)."""
-    classes: dict[str, type[LossScaler]] = {
-        "none": NoScaler,
-        "constant": ConstantScaler,
-        "dynamic": DynamicScaler,
-    }
+    classes: dict[str, type[LossScaler]] = {"none": NoScaler, "constant": ConstantScaler, "dynamic": DynamicScaler}
     if mode not in classes:
         raise ValueError(f"loss scale mode must be one of {sorted(classes)}, got {mode!r}")
     try:

@@ -1,20 +1,15 @@
 """Which settings each parameter gets: matchers, rules, their merge, ``explain``, and the stock rule sets.
 
-A ``Matcher`` answers "does this parameter match?" from the tensor and its ``named_parameters`` name;
-matchers compose with ``&``, ``|`` and ``~``. A ``Rule`` is a matcher, the settings it applies and a short
-reason. ``resolve`` merges every rule matching a parameter and raises when two give one key different
-values; ``explain`` shows the result and who decided it. Grouping the result is ``optstack.groups``.
+A ``Matcher`` tests a tensor and its ``named_parameters`` name and composes with ``&``, ``|``, ``~``; a
+``Rule`` is a matcher, the settings it applies and a reason. ``resolve`` merges every rule matching a
+parameter (two different values for one key raise); ``explain`` shows the result and who decided it::
 
-Example::
-
-    rules = [
-        Rule(Name("*.bias") | Ndim(lt=2), wd_mult=0.0, why="biases and norms"),
-        Rule(~Ndim(eq=2) | Attr("is_embedding_or_output_parameter"), algorithm="adamw"),
-    ]
+    rules = [Rule(Name("*.bias") | Ndim(lt=2), wd_mult=0.0, why="biases and norms"),
+             Rule(~Ndim(eq=2) | Attr("is_embedding_or_output_parameter"), algorithm="adamw")]
     print(format_explain(explain(model, rules)))
 
-Modules: ``matchers`` (the matchers), ``resolve`` (Rule, resolve, explain), ``presets`` (standard_rules,
-mup_rules, muon_routing_rule). Import everything from here.
+Modules: ``matchers``, ``resolve`` (Rule, resolve, explain), ``presets`` (standard, MuP, Muon routing).
+Grouping the result is ``optstack.groups``.
 """
 
 from optstack.rules.matchers import (
@@ -45,7 +40,6 @@ from optstack.rules.resolve import (
     LR_KEYS,
     PROTECTED_KEYS,
     Explanation,
-    NamedParams,
     Resolved,
     Rule,
     explain,
@@ -55,10 +49,8 @@ from optstack.rules.resolve import (
 )
 
 __all__ = [
-    "Matcher", "Name", "Attr", "Ndim", "Shape", "Predicate", "NamedPredicate", "Always", "Never",
-    "And", "Or", "Not",
-    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of",
-    "NamedParams", "LR_KEYS", "PROTECTED_KEYS",
-    "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily",
-    "EMBEDDING", "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED",
+    "Matcher", "Name", "Attr", "Ndim", "Shape", "Predicate", "NamedPredicate", "Always", "Never", "And", "Or", "Not",
+    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of", "LR_KEYS",
+    "PROTECTED_KEYS", "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily", "EMBEDDING",
+    "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED",
 ]

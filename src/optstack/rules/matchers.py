@@ -2,15 +2,15 @@
 
 A matcher is a value: equal matchers compare and hash equal, and ``repr`` reads like the expression that
 built it (``Name('*.bias') | Ndim(lt=2)``), so rules can be printed, compared and deduplicated.
-Re-exported by ``optstack.rules``.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -28,26 +28,24 @@ class Matcher:
     def __call__(self, param: torch.Tensor, name: str) -> bool:
         raise NotImplementedError
 
+    # (a | b) | c is stored as Or(a, b, c): shorter reprs, and equal expressions compare equal.
     def __and__(self, other: Matcher) -> Matcher:
-        _check_operand("&", other)
         return And(*_flatten(And, self), *_flatten(And, other))
 
     def __or__(self, other: Matcher) -> Matcher:
-        _check_operand("|", other)
         return Or(*_flatten(Or, self), *_flatten(Or, other))
 
     def __invert__(self) -> Matcher:
         return Not(self)
 
 
+def _flatten(kind: type, m: Any) -> tuple[Any, ...]:
+    return m.parts if type(m) is kind else (m,)
+
+
 def _check_operand(op: str, other: Any) -> None:
     if not isinstance(other, Matcher):
         raise ValueError(f"cannot combine a Matcher with {other!r} using {op!r}; both sides must be Matchers")
-
-
-def _flatten(kind: type, m: Matcher) -> tuple[Matcher, ...]:
-    # (a | b) | c is stored as Or(a, b, c): shorter reprs, and equal expressions compare equal.
-    return m.parts if type(m) is kind else (m,)  # type: ignore[attr-defined]
 
 
 def _strings(kind: str, values: tuple[Any, ...]) -> tuple[str, ...]:
@@ -56,40 +54,42 @@ def _strings(kind: str, values: tuple[Any, ...]) -> tuple[str, ...]:
     return values
 
 
+def _call_repr(kind: str, args: tuple[Any, ...]) -> str:
+    return f"{kind}({', '.join(map(repr, args))})"
+
+
 @dataclass(frozen=True, init=False, repr=False)
-class And(Matcher):
+class _Parts(Matcher):
+    """Base of ``And`` and ``Or``: ``combine`` (all / any) of the parts' results."""
+
+    parts: tuple[Matcher, ...]
+    op: ClassVar[str]
+    empty: ClassVar[str]  # the repr of no parts
+    combine: ClassVar[Callable[[Iterable[bool]], bool]]
+
+    def __init__(self, *parts: Matcher) -> None:
+        for p in parts:
+            _check_operand(self.op, p)
+        object.__setattr__(self, "parts", parts)
+
+    def __call__(self, param: torch.Tensor, name: str) -> bool:
+        return self.combine(p(param, name) for p in self.parts)
+
+    def __repr__(self) -> str:
+        texts = (f"({p!r})" if isinstance(self, And) and isinstance(p, Or) else repr(p) for p in self.parts)
+        return f" {self.op} ".join(texts) or self.empty
+
+
+class And(_Parts):
     """All parts match."""
 
-    parts: tuple[Matcher, ...]
-
-    def __init__(self, *parts: Matcher) -> None:
-        for p in parts:
-            _check_operand("&", p)
-        object.__setattr__(self, "parts", parts)
-
-    def __call__(self, param: torch.Tensor, name: str) -> bool:
-        return all(p(param, name) for p in self.parts)
-
-    def __repr__(self) -> str:
-        return " & ".join(f"({p!r})" if isinstance(p, Or) else repr(p) for p in self.parts) or "Always()"
+    op, empty, combine = "&", "Always()", all
 
 
-@dataclass(frozen=True, init=False, repr=False)
-class Or(Matcher):
+class Or(_Parts):
     """Any part matches."""
 
-    parts: tuple[Matcher, ...]
-
-    def __init__(self, *parts: Matcher) -> None:
-        for p in parts:
-            _check_operand("|", p)
-        object.__setattr__(self, "parts", parts)
-
-    def __call__(self, param: torch.Tensor, name: str) -> bool:
-        return any(p(param, name) for p in self.parts)
-
-    def __repr__(self) -> str:
-        return " | ".join(repr(p) for p in self.parts) or "Never()"
+    op, empty, combine = "|", "Never()", any
 
 
 @dataclass(frozen=True, repr=False)
@@ -108,7 +108,7 @@ class Not(Matcher):
         return self.inner
 
     def __repr__(self) -> str:
-        return f"~({self.inner!r})" if isinstance(self.inner, And | Or) else f"~{self.inner!r}"
+        return f"~({self.inner!r})" if isinstance(self.inner, _Parts) else f"~{self.inner!r}"
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -127,7 +127,7 @@ class Name(Matcher):
         return any(fnmatch.fnmatchcase(name, g) for g in self.globs)
 
     def __repr__(self) -> str:
-        return f"Name({', '.join(map(repr, self.globs))})"
+        return _call_repr("Name", self.globs)
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -143,15 +143,11 @@ class Attr(Matcher):
         return any(bool(getattr(param, a, False)) for a in self.attrs)
 
     def __repr__(self) -> str:
-        return f"Attr({', '.join(map(repr, self.attrs))})"
+        return _call_repr("Attr", self.attrs)
 
 
 _NDIM_OPS: dict[str, Callable[[int, int], bool]] = {
-    "eq": lambda n, v: n == v,
-    "lt": lambda n, v: n < v,
-    "le": lambda n, v: n <= v,
-    "gt": lambda n, v: n > v,
-    "ge": lambda n, v: n >= v,
+    "eq": operator.eq, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
 }
 
 
@@ -161,17 +157,9 @@ class Ndim(Matcher):
 
     bounds: tuple[tuple[str, int], ...]
 
-    def __init__(
-        self,
-        *,
-        eq: int | None = None,
-        lt: int | None = None,
-        le: int | None = None,
-        gt: int | None = None,
-        ge: int | None = None,
-    ) -> None:
-        given = {"eq": eq, "lt": lt, "le": le, "gt": gt, "ge": ge}
-        bounds = tuple((k, v) for k, v in given.items() if v is not None)
+    def __init__(self, *, eq: int | None = None, lt: int | None = None, le: int | None = None,
+                 gt: int | None = None, ge: int | None = None) -> None:
+        bounds = tuple((k, v) for k, v in zip(_NDIM_OPS, (eq, lt, le, gt, ge), strict=True) if v is not None)
         if not bounds:
             raise ValueError("Ndim() needs at least one of eq, lt, le, gt, ge, e.g. Ndim(eq=2)")
         for k, v in bounds:
@@ -201,67 +189,52 @@ class Shape(Matcher):
         return tuple(param.shape) == self.shape
 
     def __repr__(self) -> str:
-        return f"Shape({', '.join(map(str, self.shape))})"
-
-
-def _check_fn(kind: str, fn: Any, label: Any) -> None:
-    if not callable(fn):
-        raise ValueError(f"{kind} needs a callable, got {fn!r}")
-    if not isinstance(label, str) or not label:
-        raise ValueError(f"{kind} needs a non-empty label string naming what it tests, got {label!r}")
+        return _call_repr("Shape", self.shape)
 
 
 @dataclass(frozen=True, repr=False)
-class Predicate(Matcher):
-    """``fn(param)`` is truthy. ``label`` names the test in reprs and tables."""
+class _Labelled(Matcher):
+    """Base of ``Predicate`` and ``NamedPredicate``: a callable and the label naming it in reprs and tables."""
 
-    fn: Callable[[torch.Tensor], Any]
+    fn: Callable[..., Any]
     label: str
 
     def __post_init__(self) -> None:
-        _check_fn("Predicate", self.fn, self.label)
+        kind = type(self).__name__
+        if not callable(self.fn):
+            raise ValueError(f"{kind} needs a callable, got {self.fn!r}")
+        if not isinstance(self.label, str) or not self.label:
+            raise ValueError(f"{kind} needs a non-empty label string naming what it tests, got {self.label!r}")
+
+    def __repr__(self) -> str:
+        return _call_repr(type(self).__name__, (self.label,))
+
+
+class Predicate(_Labelled):
+    """``fn(param)`` is truthy. ``label`` names the test in reprs and tables."""
 
     def __call__(self, param: torch.Tensor, name: str) -> bool:
         return bool(self.fn(param))
 
-    def __repr__(self) -> str:
-        return f"Predicate({self.label!r})"
 
-
-@dataclass(frozen=True, repr=False)
-class NamedPredicate(Matcher):
+class NamedPredicate(_Labelled):
     """``fn(param, name)`` is truthy. ``label`` names the test in reprs and tables."""
-
-    fn: Callable[[torch.Tensor, str], Any]
-    label: str
-
-    def __post_init__(self) -> None:
-        _check_fn("NamedPredicate", self.fn, self.label)
 
     def __call__(self, param: torch.Tensor, name: str) -> bool:
         return bool(self.fn(param, name))
 
-    def __repr__(self) -> str:
-        return f"NamedPredicate({self.label!r})"
 
-
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True)
 class Always(Matcher):
     """Matches every parameter."""
 
     def __call__(self, param: torch.Tensor, name: str) -> bool:
         return True
 
-    def __repr__(self) -> str:
-        return "Always()"
 
-
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True)
 class Never(Matcher):
     """Matches no parameter."""
 
     def __call__(self, param: torch.Tensor, name: str) -> bool:
         return False
-
-    def __repr__(self) -> str:
-        return "Never()"

@@ -1,7 +1,6 @@
 """The stock rule sets, with Megatron Core's semantics: standard (no-decay, decoupled LR), MuP, Muon routing.
 
-Each function returns plain ``Rule`` values, so the result can be printed, extended or filtered like any
-user rule list.
+Plain ``Rule`` values: print, extend or filter them like any user rule list.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import Literal
 import torch
 
 from optstack.rules.matchers import Attr, Matcher, Name, NamedPredicate, Ndim
-from optstack.rules.resolve import Rule, is_number
+from optstack.rules.resolve import Rule, is_number, nonnegative
 
 __all__ = [
     "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily",
@@ -22,9 +21,10 @@ __all__ = [
 EMBEDDING_OR_OUTPUT = Attr("is_embedding_or_output_parameter")
 
 
-def _check_lr(field: str, value: float | None) -> None:
-    if value is not None and (not is_number(value) or value < 0):
-        raise ValueError(f"{field} must be a finite number >= 0 (or None), got {value!r}")
+def _check_lrs(**values: float | None) -> None:
+    for field, value in values.items():
+        if value is not None:
+            nonnegative(field, value)
 
 
 def standard_rules(
@@ -41,8 +41,7 @@ def standard_rules(
         apply_wd_to_qk_layernorm: keep weight decay on q/k layer-norm parameters (names containing
             ``q_layernorm.`` or ``k_layernorm.``), as Qwen3-Next does.
     """
-    _check_lr("decoupled_lr", decoupled_lr)
-    _check_lr("decoupled_min_lr", decoupled_min_lr)
+    _check_lrs(decoupled_lr=decoupled_lr, decoupled_min_lr=decoupled_min_lr)
     no_wd: Matcher = Name("*.bias") | Ndim(eq=1)
     why = "no weight decay on biases and 1-D params"
     if apply_wd_to_qk_layernorm:
@@ -50,11 +49,13 @@ def standard_rules(
         why += " (except q/k layer norms)"
     rules = [Rule(no_wd, wd_mult=0.0, why=why)]
     if decoupled_lr is not None:
-        lrs = {"max_lr": decoupled_lr}
-        if decoupled_min_lr is not None:
-            lrs["min_lr"] = decoupled_min_lr
-        rules.append(Rule(EMBEDDING_OR_OUTPUT, why="decoupled LR for embedding and output", **lrs))
+        rules.append(Rule(EMBEDDING_OR_OUTPUT, why="decoupled LR for embedding and output",
+                          **_lrs(decoupled_lr, decoupled_min_lr)))
     return rules
+
+
+def _lrs(max_lr: float, min_lr: float | None) -> dict[str, float]:
+    return {"max_lr": max_lr} if min_lr is None else {"max_lr": max_lr, "min_lr": min_lr}
 
 
 def _is_embedding(param: torch.Tensor, name: str) -> bool:
@@ -90,20 +91,17 @@ def mup_rules(
     (``shared_embedding`` / ``is_embedding_parameter`` attribute, else "embedding" in the name):
 
     - ``adam`` / ``adamw``: hidden params get ``max_lr = lr / w``, ``min_lr = min_lr / w`` and, when ``eps``
-      is given, ``eps = eps / w``. Vector-like params (ndim <= 1) and embeddings keep the base values. As in
+      is given, ``eps = eps / w``; vector-like params (ndim <= 1) and embeddings keep the base values. As in
       Megatron, an un-embedding output matrix counts as hidden.
-    - ``lion``: like Adam for the LR (Lion's sign update has Adam's per-entry scale, so the same 1/w fan-in
-      rule applies); Lion has no epsilon, so ``eps`` is ignored.
-    - ``sgd``: vector-like params (ndim <= 1 and embeddings) get ``lr * w``; hidden params keep the base LR;
-      ``eps`` is ignored (as in Megatron: no eps override for non-Adam optimizers).
+    - ``lion``: Adam's LR rule (its sign update has Adam's per-entry scale); no epsilon, ``eps`` is ignored.
+    - ``sgd``: vector-like params (ndim <= 1 and embeddings) get ``lr * w``; ``eps`` is ignored (as in Megatron).
     - ``muon``: 2-D non-embedding/output matrices are Muon's and get nothing (Muon scales its own update);
-      every other hidden param is stepped by the scalar Adam and gets the Adam rules (``eps / w`` when
-      ``eps`` is given; Megatron applies no eps override for Muon, so its face passes ``eps=None``).
+      every other hidden param is stepped by the scalar Adam and gets the Adam rules (Megatron applies no
+      eps override for Muon, so its face passes ``eps=None``).
 
-    When ``decoupled_lr`` is set, parameters flagged ``is_embedding_or_output_parameter`` are left out of
-    every LR rule (they keep the decoupled LR from ``standard_rules``, without conflict); the eps rule still
-    applies to hidden ones. ``decoupled_min_lr`` is accepted for symmetry with ``standard_rules``; only
-    whether ``decoupled_lr`` is set matters here.
+    With ``decoupled_lr`` set, parameters flagged ``is_embedding_or_output_parameter`` are left out of every
+    LR rule (they keep ``standard_rules``' decoupled LR, without conflict); the eps rule still applies to the
+    hidden ones. Only whether ``decoupled_lr`` is set matters here (``decoupled_min_lr`` is only checked).
 
     Returns:
         ``[]`` when ``w == 1``, else the rules.
@@ -115,22 +113,15 @@ def mup_rules(
         raise ValueError(f"width_mult must be a finite number > 0 (hidden / base width), got {width_mult!r}")
     if family not in ("adam", "adamw", "sgd", "muon", "lion"):
         raise ValueError(f"family must be one of 'adam', 'adamw', 'sgd', 'muon', 'lion'; got {family!r}")
-    for field, value in (("lr", lr), ("min_lr", min_lr), ("eps", eps), ("decoupled_lr", decoupled_lr),
-                         ("decoupled_min_lr", decoupled_min_lr)):
-        _check_lr(field, value)
-    if lr is None:
-        raise ValueError("lr must be a finite number >= 0, got None")
+    nonnegative("lr", lr)
+    _check_lrs(min_lr=min_lr, eps=eps, decoupled_lr=decoupled_lr, decoupled_min_lr=decoupled_min_lr)
     if width_mult == 1:
         return []
     w = float(width_mult)
-    keeps_decoupled = decoupled_lr is not None
-    tag = f"MuP w={w:g}"
+    keeps_decoupled, tag = decoupled_lr is not None, f"MuP w={w:g}"
 
     def lrs(op: Callable[[float], float]) -> dict[str, float]:
-        out = {"max_lr": op(lr)}
-        if min_lr is not None:
-            out["min_lr"] = op(min_lr)
-        return out
+        return _lrs(op(lr), None if min_lr is None else op(min_lr))
 
     if family == "sgd":
         vectors: Matcher = VECTOR_LIKE & ~EMBEDDING_OR_OUTPUT if keeps_decoupled else VECTOR_LIKE

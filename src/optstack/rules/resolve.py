@@ -1,7 +1,5 @@
 """Rules and their merge: ``Rule`` (a matcher, settings and a reason), ``resolve`` and ``explain``.
 
-``resolve`` merges every rule that matches a parameter into one ``Resolved`` record and raises when two
-rules give one key different values; ``explain`` shows the result and which rule decided each setting.
 Parameters are named by ``optstack.names.named_parameters`` (modules, model chunks, pairs or tensors).
 """
 
@@ -19,8 +17,8 @@ from optstack.names import NamedParams, named_parameters
 from optstack.rules.matchers import Matcher
 
 __all__ = [
-    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of",
-    "NamedParams", "LR_KEYS", "PROTECTED_KEYS",
+    "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of", "LR_KEYS",
+    "PROTECTED_KEYS",
 ]
 
 #: Keys that change the learning rate schedule of a group (a group with none of them is "default_config").
@@ -44,43 +42,47 @@ def is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
-def _canonical_value(rule_repr: str, key: str, value: Any) -> Any:
+def nonnegative(field: str, value: Any, where: str = "") -> float:
+    """``value`` as a float when it is a finite number >= 0, else a ``ValueError`` naming ``where`` and ``field``."""
+    if not is_number(value) or value < 0:
+        raise ValueError(f"{where}{field} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _canonical_value(where: str, key: str, value: Any) -> Any:
     if isinstance(value, list | tuple):
-        return tuple(_canonical_value(rule_repr, key, v) for v in value)
+        return tuple(_canonical_value(where, key, v) for v in value)
     if not isinstance(value, _PLAIN_TYPES):
         raise ValueError(
-            f"{rule_repr}: setting {key}={value!r} has type {type(value).__name__}; settings must be None, "
+            f"{where}: setting {key}={value!r} has type {type(value).__name__}; settings must be None, "
             "bool, int, float, str, torch.dtype or tuples/lists of those (they are compared, sorted and sent "
             "between ranks)"
         )
     if isinstance(value, float) and math.isnan(value):
-        raise ValueError(f"{rule_repr}: setting {key}=nan is not allowed (nan never equals itself)")
+        raise ValueError(f"{where}: setting {key}=nan is not allowed (nan never equals itself)")
     return value
 
 
-def _validate_setting(rule_repr: str, key: str, value: Any) -> Any:
+def _validate_setting(where: str, key: str, value: Any) -> Any:
     if not isinstance(key, str) or not key.isidentifier():
-        raise ValueError(f"{rule_repr}: setting name {key!r} must be a Python identifier")
+        raise ValueError(f"{where}: setting name {key!r} must be a Python identifier")
     if key in PROTECTED_KEYS:
         raise ValueError(
-            f"{rule_repr}: {key!r} is set by the group builder and cannot be overridden by a rule; "
+            f"{where}: {key!r} is set by the group builder and cannot be overridden by a rule; "
             f"protected keys are {sorted(PROTECTED_KEYS)}"
         )
     if key in _REDIRECTED_KEYS:
-        raise ValueError(f"{rule_repr}: a rule cannot set {key!r}: {_REDIRECTED_KEYS[key]}")
+        raise ValueError(f"{where}: a rule cannot set {key!r}: {_REDIRECTED_KEYS[key]}")
     if key in _NUMERIC_KEYS:
-        if not is_number(value) or value < 0:
-            raise ValueError(f"{rule_repr}: {key} must be a finite number >= 0, got {value!r}")
-        return float(value)
-    if key == "algorithm":
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{rule_repr}: algorithm must be a non-empty optimizer name, got {value!r}")
-        return value
-    return _canonical_value(rule_repr, key, value)
+        return nonnegative(key, value, f"{where}: ")
+    if key == "algorithm" and (not isinstance(value, str) or not value):
+        raise ValueError(f"{where}: algorithm must be a non-empty optimizer name, got {value!r}")
+    return _canonical_value(where, key, value)
 
 
+@dataclass(frozen=True, init=False)
 class Rule:
-    """A matcher, the settings it applies to matching parameters, and why.
+    """A matcher, the settings it applies to matching parameters, and why. Immutable, hashable, picklable.
 
     Args:
         matcher: which parameters the rule applies to.
@@ -94,7 +96,9 @@ class Rule:
         ValueError: on a protected or redirected key, a bad number or an unhashable value.
     """
 
-    __slots__ = ("_matcher", "_items", "_why")
+    matcher: Matcher
+    _items: tuple[tuple[str, Any], ...]
+    why: str
 
     def __init__(self, matcher: Matcher, *, why: str = "", **settings: Any) -> None:
         if not isinstance(matcher, Matcher):
@@ -105,17 +109,10 @@ class Rule:
         if not isinstance(why, str):
             raise ValueError(f"Rule why= must be a string, got {why!r}")
         where = f"Rule({matcher!r}{', why=' + repr(why) if why else ''})"
-        items = tuple(sorted((k, _validate_setting(where, k, v)) for k, v in settings.items()))
-        object.__setattr__(self, "_matcher", matcher)
-        object.__setattr__(self, "_items", items)
-        object.__setattr__(self, "_why", why)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("Rule is immutable; build a new one")
-
-    @property
-    def matcher(self) -> Matcher:
-        return self._matcher
+        object.__setattr__(self, "matcher", matcher)
+        object.__setattr__(self, "_items", tuple(sorted((k, _validate_setting(where, k, v))
+                                                        for k, v in settings.items())))
+        object.__setattr__(self, "why", why)
 
     @property
     def settings(self) -> Mapping[str, Any]:
@@ -123,48 +120,21 @@ class Rule:
         return MappingProxyType(dict(self._items))
 
     @property
-    def why(self) -> str:
-        return self._why
-
-    @property
     def label(self) -> str:
         """How the rule is named in tables and errors: its reason, else its matcher."""
-        return self._why or repr(self._matcher)
-
-    def __call__(self, param: torch.Tensor, name: str) -> bool:
-        return self._matcher(param, name)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Rule):
-            return NotImplemented
-        return (self._matcher, self._items, self._why) == (other._matcher, other._items, other._why)
-
-    def __hash__(self) -> int:
-        return hash((self._matcher, self._items, self._why))
+        return self.why or repr(self.matcher)
 
     def __repr__(self) -> str:
-        parts = [repr(self._matcher)] + [f"{k}={v!r}" for k, v in self._items]
-        if self._why:
-            parts.append(f"why={self._why!r}")
-        return f"Rule({', '.join(parts)})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_make_rule, (self._matcher, self._why, self._items))
+        parts = [repr(self.matcher)] + [f"{k}={v!r}" for k, v in self._items]
+        return f"Rule({', '.join(parts + ([f'why={self.why!r}'] if self.why else []))})"
 
 
-def _make_rule(matcher: Matcher, why: str, items: tuple[tuple[str, Any], ...]) -> Rule:
-    return Rule(matcher, why=why, **dict(items))
-
-
-# -- collecting parameters ---------------------------------------------------------------------------------
 def named_parameters_of(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter of ``source``, frozen ones included, under optstack's names:
-    ``optstack.names.named_parameters(source, trainable_only=False)`` (see there for chunks and wrappers)."""
+    """Every parameter of ``source``, frozen ones included: ``named_parameters(source, trainable_only=False)``."""
     return named_parameters(source, trainable_only=False)
 
 
-# -- resolving ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Resolved:
     """One trainable parameter's merged settings.
 
@@ -172,7 +142,7 @@ class Resolved:
         name: the parameter's name.
         settings: merged settings, sorted by key (empty when no rule matched).
         sources: for each key, the rules that set it (several when they agree), in rule order.
-        is_expert: True for expert-parallel parameters (attribute ``allreduce`` is False).
+        is_expert: an expert-parallel parameter (Megatron's ``allreduce=False``: not reduced over full DP).
         shape: the parameter's shape.
     """
 
@@ -183,22 +153,13 @@ class Resolved:
     shape: tuple[int, ...] = ()
 
 
-def _is_expert(param: torch.Tensor) -> bool:
-    # Megatron marks expert-parallel weights with allreduce=False: their grads are not reduced over full DP.
-    return not getattr(param, "allreduce", True)
-
-
 def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = False) -> dict[str, Resolved]:
-    """Merge every matching rule into each trainable parameter's settings.
+    """Merge every matching rule into each trainable parameter's settings: ``{name: Resolved}`` in model order.
 
     Args:
-        named_params: an ``nn.Module``, a list of model chunks, ``(name, tensor)`` pairs or tensors, named
-            by ``optstack.names.named_parameters``. Frozen (``requires_grad=False``) ones are skipped.
+        named_params: a module, model chunks, ``(name, tensor)`` pairs or tensors; frozen ones are skipped.
         rules: the rules; all that match a parameter apply.
         strict: raise when a rule matches no trainable parameter (catches typos in globs).
-
-    Returns:
-        ``{name: Resolved}`` in model order, trainable parameters only.
 
     Raises:
         ValueError: when two rules set one key of one parameter to different values (naming the parameter,
@@ -208,7 +169,7 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
     for r in rules:
         if not isinstance(r, Rule):
             raise ValueError(f"rules must be Rule objects, got {r!r}; e.g. Rule(Name('*.bias'), wd_mult=0.0)")
-    used = [False] * len(rules)
+    unused = dict.fromkeys(range(len(rules)))
     out: dict[str, Resolved] = {}
     for name, param in named_parameters(named_params):
         settings: dict[str, Any] = {}
@@ -216,12 +177,11 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
         for i, rule in enumerate(rules):
             if not rule.matcher(param, name):
                 continue
-            used[i] = True
+            unused.pop(i, None)
             for key, value in rule._items:
                 if key in settings and settings[key] != value:
-                    first = sources[key][0]
                     raise ValueError(
-                        f"conflicting rules for parameter {name!r}: rule {first.label!r} sets "
+                        f"conflicting rules for parameter {name!r}: rule {sources[key][0].label!r} sets "
                         f"{key}={settings[key]!r} but rule {rule.label!r} sets {key}={value!r}. "
                         "Make their matchers disjoint (e.g. add '& ~...') or give both the same value."
                     )
@@ -231,30 +191,20 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
             name=name,
             settings=MappingProxyType(dict(sorted(settings.items()))),
             sources=MappingProxyType({k: tuple(sources[k]) for k in sorted(sources)}),
-            is_expert=_is_expert(param),
+            is_expert=not getattr(param, "allreduce", True),
             shape=tuple(param.shape),
         )
-    if strict:
-        unused = [r.label for r, u in zip(rules, used, strict=True) if not u]
-        if unused:
-            raise ValueError(
-                f"strict=True: rule(s) {unused} match no trainable parameter; check the globs/attributes "
-                "against the model's named_parameters(), or drop the rule, or pass strict=False"
-            )
+    if strict and unused:
+        raise ValueError(
+            f"strict=True: rule(s) {[rules[i].label for i in unused]} match no trainable parameter; check the "
+            "globs/attributes against the model's named_parameters(), or drop the rule, or pass strict=False"
+        )
     return out
 
 
-# -- explain -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Explanation:
-    """What one parameter gets and why; ``sources`` maps each setting to the labels of the rules that set it.
-
-    Attributes:
-        settings: merged settings, sorted by key.
-        sources: for each key, the labels of the rules that set it.
-        is_expert: expert-parallel parameter (``allreduce`` is False).
-        shape: the parameter's shape.
-    """
+    """What one parameter gets and why: ``Resolved`` with each setting's rules given by their labels."""
 
     settings: Mapping[str, Any]
     sources: Mapping[str, tuple[str, ...]]
@@ -263,20 +213,13 @@ class Explanation:
 
 
 def explain(model_or_named_params: NamedParams, rules: Sequence[Rule], **kw: Any) -> dict[str, Explanation]:
-    """For each trainable parameter, its final settings and the rules that set each one.
+    """For each trainable parameter, its final settings and the rules that set each one (by label).
 
-    Args:
-        model_or_named_params: as for ``resolve``.
-        rules: the rules.
-        **kw: passed to ``resolve`` (``strict``).
+    ``model_or_named_params``, ``rules`` and ``**kw`` (``strict``) are as for ``resolve``.
     """
     return {
-        name: Explanation(
-            settings=r.settings,
-            sources=MappingProxyType({k: tuple(rule.label for rule in rs) for k, rs in r.sources.items()}),
-            is_expert=r.is_expert,
-            shape=r.shape,
-        )
+        name: Explanation(r.settings, MappingProxyType({k: tuple(rule.label for rule in rs)
+                                                        for k, rs in r.sources.items()}), r.is_expert, r.shape)
         for name, r in resolve(model_or_named_params, rules, **kw).items()
     }
 
