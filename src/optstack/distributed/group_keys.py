@@ -13,11 +13,7 @@ __all__ = ["union_group_keys"]
 
 def union_group_keys(local_keys: Sequence[GroupKey], comm: Comm | NullComm) -> list[GroupKey]:
     """Every rank's keys (e.g. ``group_keys(resolve(model, rules))``), unioned, in group order: the same on
-    every rank of ``comm``. Collective: every rank calls it, a rank with no parameters with ``[]``.
-
-    Raises:
-        ValueError: ``local_keys`` holds something other than ``GroupKey``.
-    """
+    every rank of ``comm``. Collective: every rank calls it, a rank with no parameters with ``[]``."""
     local = list(local_keys)
     for k in local:
         if not isinstance(k, GroupKey):
