@@ -5,10 +5,8 @@ torch.distributed.checkpoint directory ``rank_00000/`` ... per rank that wrote s
 (version 1) is keyed by parameter name, never by buffer offset or group position::
 
     format, version, step, world_size, checksum_algorithm
-    params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index,
-                       chunks: [[rank, start, end], ...]}}      # element-wise state, flat ranges
-    groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult},
-                 settings: {lr, weight_decay, betas, ...}}]
+    params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index, chunks: [[rank, start, end]]}}
+    groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult}, settings: {lr, ...}}]
     scaler, scheduler (or null), model: {key: {shape, dtype, rank}} (or null)
     files:     {relative path: {bytes, crc32}}
     seal:      CRC-32 of the canonical JSON of everything above

@@ -95,7 +95,6 @@ def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOpt
 
 def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, Mapping[str, Any]]]:
-    """The state dict's per-parameter state and group, by parameter name."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("a torch.optim state dict is a dict with 'state' and 'param_groups'")
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]

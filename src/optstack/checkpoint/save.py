@@ -86,7 +86,6 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     Args:
         root: the directory of checkpoints (created if needed; shared by every rank).
         optimizer: the chained optimizer (any stages: replicated, ZeRO-1, layer-wise).
-        step: the training step; names the checkpoint.
         scheduler, model: saved too (the model's parameters and buffers).
         comm: the ranks that hold the optimizer's state (default: the world, or this process alone).
         keep_last: keep only this many newest checkpoints in ``root`` (None: all).

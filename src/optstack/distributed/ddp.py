@@ -12,8 +12,7 @@ match whatever order hooks fire in; a bucket with a parameter that got no gradie
 left to ``finish_grad_sync``, so unused parameters never hang it. Zeroing is lazy (no memset per step): a first
 gradient is copied, not added; unwritten views are zeroed at launch or by ``main_grad``. Averaging scales each
 gradient in the hook when that equals scaling the sum (a step from zeroed buffers without ``no_sync``), else the
-bucket at launch. ``shard_grads`` (ZeRO-1) promises only each rank's owned slice: a reduce-scatter, or an
-all-reduce where that is faster (gloo).
+bucket at launch.
 """
 
 from __future__ import annotations
@@ -356,7 +355,6 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
-    """Every rank of ``comm`` must wrap the same parameters (names, shapes, dtypes, in order)."""
     if comm.size == 1:
         return
     everyone = comm.all_gather_object([(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named])

@@ -91,10 +91,9 @@ class ParallelGroups:
     @classmethod
     def from_world(cls, *, tp: int = 1, pp: int = 1, ep: int = 1,
                    timeout: datetime.timedelta | None = None) -> ParallelGroups:
-        """Groups over the initialised torch.distributed world in Megatron's rank order (module docstring).
+        """Groups over the world in Megatron's rank order (module docstring); ``single()`` without torch.distributed.
 
-        With the defaults the whole world is data-parallel (the world group itself is reused); without an
-        initialised torch.distributed this is ``single()``. Collective: every rank calls it alike.
+        Collective: every rank calls it alike. With the defaults the world group itself is the data-parallel one.
 
         Raises:
             ValueError: tp * pp does not divide the world size, or ep does not divide the data-parallel size.

@@ -250,8 +250,7 @@ class _StateView(Mapping[torch.Tensor, dict[str, Any]]):
 
 def offloaded(make_optimizer: MakeOptimizer, *, fraction: float, overlap_transfers: bool = False,
               chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> MakeOptimizer:
-    """``make_optimizer`` with CPU offload (``HybridDeviceOptimizer``'s arguments), for wherever a stage takes
-    one; a bad ``fraction`` raises ValueError at once."""
+    """``make_optimizer`` with CPU offload (``HybridDeviceOptimizer``'s arguments); a bad ``fraction`` fails now."""
     _check_fraction(fraction)
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -263,7 +262,6 @@ def offloaded(make_optimizer: MakeOptimizer, *, fraction: float, overlap_transfe
 
 def _subgroup(settings: Mapping[str, Any], picked: list[int], params: list[Any], names: list[str] | None
               ) -> dict[str, Any]:
-    """A sub-optimizer's group: ``settings`` less its own keys, ``params``, and the ``picked`` of ``names``."""
     sub = {k: v for k, v in settings.items() if k not in _OWN_KEYS}
     sub["params"] = params
     if names is not None:
