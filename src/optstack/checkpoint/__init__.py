@@ -3,9 +3,7 @@
     save_checkpoint(root, optimizer, step=100, scheduler=sched, model=model, keep_last=3)
     load_checkpoint(root, optimizer, scheduler=sched, model=model)   # root/latest, any data-parallel size
 
-A checkpoint holds the fp32 masters, every algorithm's state, the loss scaler, the scheduler and (when
-asked) the model's tensors, keyed by parameter name; each rank writes only what it owns, through
-torch.distributed.checkpoint. See ``format.py`` for the layout and ``load.py`` for the guarantees.
+Each rank writes only what it owns. The layout is in ``format.py``, the guarantees in ``save.py`` and ``load.py``.
 """
 
 from optstack.checkpoint.format import VERSION, migrate

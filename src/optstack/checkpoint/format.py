@@ -1,21 +1,17 @@
 """The checkpoint format: its version, the manifest's shape and seal, and the one ``migrate()``.
 
-A checkpoint is a directory ``step_00000100/`` holding ``manifest.json`` (below), ``group_map.json``
-(parameter -> group, for people; never read back) and ``rank_00000/`` ...: one torch.distributed.checkpoint
-directory per rank that wrote something. The manifest (version 1), keyed by parameter name, never by buffer
-offset or group position::
+``step_00000100/`` holds ``manifest.json``, ``group_map.json`` (for people; never read back) and one
+torch.distributed.checkpoint directory ``rank_00000/`` ... per rank that wrote something. The manifest
+(version 1) is keyed by parameter name, never by buffer offset or group position::
 
     format, version, step, world_size, checksum_algorithm
-    params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index,
-                       chunks: [[rank, start, end], ...]}}      # element-wise state, flat ranges
-    groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult},
-                 settings: {lr, weight_decay, betas, ...}}]
+    params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index, chunks: [[rank, start, end]]}}
+    groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult}, settings: {lr, ...}}]
     scaler, scheduler (or null), model: {key: {shape, dtype, rank}} (or null)
     files:     {relative path: {bytes, crc32}}
     seal:      CRC-32 of the canonical JSON of everything above
 
-Element-wise tensors live in DCP under ``optim/<name>/<key>`` (a 1-D tensor of the parameter's numel, each
-rank's chunk at its flat offset); model tensors under ``model/<key>``.
+DCP keys: ``optim/<name>/<key>`` (1-D, the parameter's numel, each rank's chunk at its offset), ``model/<key>``.
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def encode_scalar(where: str, value: Any) -> dict[str, Any]:
-    """A JSON form of per-parameter state that is not element-wise (a number or 0-d tensor, e.g. a step
-    count) that decodes to the same type, dtype and bits."""
+    """A JSON form of non-element-wise state (a number or 0-d tensor) that decodes to the same type and bits."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(
@@ -90,8 +85,7 @@ def _plain(value: Any) -> Any:
 
 
 def identity_of(shard: ParamShard) -> dict[str, Any]:
-    """The settings that identify ``shard``'s group in any layout: algorithm, expert flag, max_lr, min_lr,
-    wd_mult, lr_mult (numbers as floats, absent ones as None)."""
+    """What identifies ``shard``'s group in any layout: algorithm, expert flag, ``IDENTITY_KEYS`` (float or None)."""
     group = shard.group
     out: dict[str, Any] = {"algorithm": shard.algorithm,
                            "is_expert_parallel": bool(group.get("is_expert_parallel", False))}
@@ -102,8 +96,7 @@ def identity_of(shard: ParamShard) -> dict[str, Any]:
 
 
 def settings_of(group: Mapping[str, Any]) -> dict[str, Any]:
-    """Every setting of a group but its parameters, as JSON values (``lr`` and ``weight_decay`` are restored
-    on load; the rest is for the group map and the torch export)."""
+    """Every setting of a group but its parameters, as JSON values (a load restores ``lr``, ``weight_decay``)."""
     return {k: _plain(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
@@ -112,8 +105,7 @@ def _crc(body: Mapping[str, Any]) -> str:
 
 
 def seal(manifest: Mapping[str, Any]) -> str:
-    """The manifest as JSON text with a ``seal``: the CRC-32 of its canonical form, so a flipped byte in the
-    manifest itself is found too."""
+    """The manifest as JSON with a ``seal``, the CRC-32 of its canonical form (finds damage to the manifest)."""
     body = {k: v for k, v in manifest.items() if k != "seal"}
     return json.dumps({**body, "seal": _crc(body)}, indent=1, sort_keys=True)
 
@@ -141,8 +133,7 @@ def migrate(manifest: dict[str, Any]) -> dict[str, Any]:
     """Bring a manifest of any supported version to the current one (``VERSION``).
 
     Raises:
-        ValueError: not an optstack checkpoint, a version newer than this optstack reads, or one with no
-            upgrade path.
+        ValueError: not an optstack checkpoint, newer than this optstack reads, or with no upgrade path.
     """
     if manifest.get("format") != FORMAT:
         raise ValueError(f"not an optstack checkpoint: format {manifest.get('format')!r}, expected {FORMAT!r}")

@@ -1,9 +1,8 @@
 """Plain ``torch.optim`` state dicts (export a checkpoint as one, import one) and the parameter -> group map.
 
-The torch form: ``{"state": {i: {"step": 0-d tensor, "exp_avg": tensor shaped like the parameter, ...}},
-"param_groups": [{settings..., "params": [i, ...], "param_names": [...]}]}``, ``i`` counting the parameters
-group by group as ``torch.optim.Optimizer.state_dict()`` does; it loads into a torch optimizer over the same
-parameters in the same groups. Parameter values (fp32 masters) are not part of it, as in torch.
+The torch form, ``i`` counting parameters group by group as ``torch.optim.Optimizer.state_dict()`` does, without
+parameter values (fp32 masters): ``{"state": {i: {"step": 0-d tensor, "exp_avg": tensor shaped like the
+parameter, ...}}, "param_groups": [{settings..., "params": [i, ...], "param_names": [...]}]}``.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
             default: the checkpoint's).
 
     Returns:
-        ``{"state", "param_groups"}``: a group per saved group with parameters (its saved settings, ``betas``
-        a tuple), element-wise state shaped like the parameter in its saved dtype, ``step`` as saved.
+        A group per non-empty saved group (``betas`` a tuple); state shaped like the parameter, dtypes as saved.
 
     Raises:
         ValueError: a damaged checkpoint, or ``names`` that are not exactly the checkpoint's parameters.
@@ -68,9 +66,8 @@ def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOpt
                             names: Sequence[str] | None = None, comm: Comm | NullComm | None = None) -> None:
     """Load a ``torch.optim`` state dict for the whole model into an optstack optimizer of any layout.
 
-    Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5), or ``names`` in the order of
-    the parameter ids. Each parameter's state and its group's ``lr`` / ``weight_decay`` are loaded; the
-    masters are kept (a torch state dict has none). Collective over ``comm``; all or nothing.
+    Parameters are matched by name: the groups' ``param_names`` (torch >= 2.5), or ``names`` in parameter-id
+    order. State and group ``lr`` / ``weight_decay`` are loaded, masters kept. Collective; all or nothing.
 
     Raises:
         ValueError: no names, parameters missing or extra, state of the wrong size, non-scalar state that
@@ -98,7 +95,6 @@ def import_torch_state_dict(state_dict: Mapping[str, Any], optimizer: ChainedOpt
 
 def _by_name(state_dict: Mapping[str, Any], names: Sequence[str] | None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, Mapping[str, Any]]]:
-    """The state dict's per-parameter state and group, by parameter name."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("a torch.optim state dict is a dict with 'state' and 'param_groups'")
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -134,8 +130,7 @@ def _cut(name: str, shard: ParamShard, entry: Mapping[str, Any]) -> ParamShard:
 
 def write_group_map(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *,
                     comm: Comm | NullComm | None = None) -> dict[str, Any]:
-    """Write the parameter -> group map of ``optimizer`` as JSON to ``path`` (by rank 0; collective) and
-    return it: each group's identifying settings, settings and parameter names, and ``param_to_group``."""
+    """Write ``optimizer``'s parameter -> group map as JSON to ``path`` (rank 0; collective) and return it."""
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
     error, held = None, {}

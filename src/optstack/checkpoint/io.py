@@ -1,9 +1,8 @@
 """Files and directories of checkpoints: atomic commits, the ``latest`` pointer, keep-last-K, checksums.
 
-A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes it to disk,
-renames it into place (atomic on POSIX) and atomically replaces the ``latest`` pointer file, so a process
-killed at any point leaves the previous checkpoints and ``latest`` as they were. Hidden ``.tmp-`` entries are
-ignored by loads and removed by the next save; old checkpoints are renamed away before they are deleted.
+A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes it, renames
+it into place and atomically replaces ``latest``: a process killed at any point leaves the previous checkpoints
+and ``latest`` as they were. Loads ignore hidden ``.tmp-`` entries; the next save removes them.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def _hidden(path: Path, tag: str = "") -> Path:
 
 
 def make_temp(target: Path) -> Path:
-    """A new empty directory beside ``target`` (``ValueError`` if ``target`` exists), after clearing what
-    killed saves left in its parent."""
+    """A new empty directory beside ``target`` (ValueError if that exists), after clearing killed saves' leftovers."""
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
     for entry in root.iterdir():
@@ -100,8 +98,7 @@ def write_latest(root: Path, name: str) -> None:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory ``path`` names: itself when it holds a manifest, else the one its ``latest``
-    pointer names; ``ValueError`` when neither exists."""
+    """``path`` when it holds a manifest, else the checkpoint its ``latest`` names; ValueError when neither exists."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path

@@ -1,12 +1,10 @@
 """``load_checkpoint``: any checkpoint into any layout, all or nothing.
 
-Every rank takes the same steps, agreeing after each, so a problem anywhere is the same ``ValueError``
-everywhere and nothing has been changed yet::
+All ranks agree after each step: a problem anywhere is the same ``ValueError`` everywhere, nothing changed yet::
 
     manifest  resolve ``latest``, check the manifest's seal, ``migrate()`` it to the current version
     verify    the files, split over the ranks: each exists, has its size and its CRC-32
-    match     names, shapes, dtypes and groups of every rank's parameters, the model's tensors; the
-              scaler's and the scheduler's state on a dry run
+    match     every rank's parameters (names, shapes, dtypes, groups), the model; scaler, scheduler on a dry run
     read      each rank the ranges it holds (from whichever ranks wrote them), into new tensors
     apply     only now: stages, group lr / weight decay, scaler, scheduler, model
 """
@@ -56,8 +54,7 @@ def read_manifest(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
 
 
 def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: int = 0, size: int = 1) -> None:
-    """Check this rank's share of the checkpoint's files (every ``size``-th from ``rank``) and that no file is
-    missing or unexpected in any rank directory; ``ValueError`` naming the file otherwise."""
+    """Check this rank's share of ``files`` (every ``size``-th from ``rank``); on rank 0, that no file is unlisted."""
     names = sorted(files)
     for name in names[rank::size]:
         path, want = directory / name, files[name]
@@ -80,8 +77,7 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
 
 def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
                 keys: Mapping[str, list[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Read elements ``[start, end)`` of each wanted parameter's element-wise state (all its saved keys, or
-    ``keys[name]``) from the ranks that wrote them: ``{name: {key: 1-D tensor}}`` in the saved dtypes."""
+    """Elements ``[start, end)`` of each wanted parameter's saved state (``keys[name]`` or all): {name: {key: 1-D}}."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     by_rank: dict[int, list[Chunk]] = {}
     for name, (start, end) in wanted.items():
@@ -115,20 +111,14 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
                     model: nn.Module | None = None, comm: Comm | NullComm | None = None) -> CheckpointInfo:
     """Load a checkpoint saved at any data-parallel size and layout into ``optimizer`` (collective).
 
-    Parameters are matched by name, groups by their identifying settings (algorithm, expert flag, max_lr,
-    min_lr, wd_mult, lr_mult); each group's ``lr`` and ``weight_decay`` are restored, missing optimizer state
-    is created. The stages publish the loaded fp32 masters to the model's trainable parameters on every rank,
-    so ``model`` is needed only to restore its other saved state-dict tensors (buffers).
+    Parameters are matched by name, groups by ``format.identity_of``; groups' ``lr`` and ``weight_decay`` are
+    restored, missing state is created. The stages publish the loaded masters to the model's trainable
+    parameters, so ``model`` is needed only for its other state-dict tensors (buffers).
 
     Args:
         path: a checkpoint directory, or a root whose ``latest`` pointer names one.
-        optimizer: the chained optimizer to load into.
-        scheduler: restored too (the checkpoint must hold its state).
-        model: its state-dict tensors are restored (the checkpoint must hold them).
+        scheduler, model: restored too (the checkpoint must hold their state).
         comm: the ranks that hold the optimizer's state (default: the world).
-
-    Returns:
-        ``CheckpointInfo`` of the checkpoint loaded.
 
     Raises:
         ValueError: on every rank alike, for a missing, truncated or corrupted checkpoint, or one that does not
@@ -140,8 +130,7 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path))
     where = f"cannot load checkpoint {directory}"
     together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size))
-    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
-                                            f"rank {comm.rank}: ")
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
     for theirs in comm.all_gather_object(held):
         everyone |= {n: h for n, h in theirs.items() if n not in everyone}

@@ -1,6 +1,6 @@
 """``save_checkpoint``: every rank writes the slices it owns, rank 0 commits the whole atomically.
 
-The steps, after each of which all ranks agree (one rank's failure is every rank's error, never a hang)::
+All ranks agree after each step (one rank's failure is every rank's error, never a hang)::
 
     collect   each rank's name-keyed ParamShards (and the model's tensors, when asked)
     plan      the same pure plan on every rank: replicated state written once, writes balanced by bytes
@@ -45,8 +45,7 @@ def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
 
 def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str = "",
              catch: tuple[type[Exception], ...] = (ValueError,)) -> T:
-    """``fn()`` on this rank; when it raises (one of ``catch``) on any rank, the same ``ValueError`` on every
-    rank, saying ``what`` failed and each rank's error after ``prefix`` (collective)."""
+    """``fn()`` on this rank; a ``catch`` error on any rank becomes one ``ValueError`` on every rank (collective)."""
     try:
         result, error = fn(), None
     except catch as exc:
@@ -57,8 +56,7 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
 
 def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
         dict[str, ParamShard], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
-    """This rank's ``ParamShard``s of all stages and their table, the model's tensors and theirs (None: no
-    model); ``ValueError`` for state that cannot be checkpointed by name."""
+    """This rank's shards of all stages and their table, the model's tensors and theirs (None: no model)."""
     shards = {name: shard for per_stage in collect(optimizer.stages) for name, shard in per_stage.items()}
     tensors = model_tensors(model) if model is not None else {}
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
@@ -73,31 +71,24 @@ def check_optimizer(optimizer: Any) -> ChainedOptimizer:
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict tensors under the names parameters have everywhere (``optstack.names.model_state``:
-    wrappers and ``torch.compile`` looked through); detached views sharing the model's storage."""
+    """The model's state-dict tensors as detached views, named as by ``optstack.names.model_state``."""
     return model_state(model)
 
 
 def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
                     scheduler: Scheduler | None = None, model: nn.Module | None = None,
                     comm: Comm | NullComm | None = None, keep_last: int | None = None) -> Path:
-    """Save the whole optimizer as ``root/step_<step>`` and point ``root/latest`` at it (collective).
+    """Save the whole optimizer as ``root/step_<step>`` (returned), then point ``root/latest`` at it (collective).
 
-    Saves the fp32 masters, every algorithm's state and the loss scaler, keyed by parameter name (see
-    ``format.py``), and the scheduler's state and the model's state-dict tensors when given. Atomic: a crash
-    at any point leaves the previous checkpoints loadable.
+    Saves the fp32 masters, every algorithm's state and the loss scaler by parameter name, and the scheduler and
+    model when given. Atomic: a crash at any point leaves the previous checkpoints loadable.
 
     Args:
         root: the directory of checkpoints (created if needed; shared by every rank).
         optimizer: the chained optimizer (any stages: replicated, ZeRO-1, layer-wise).
-        step: the training step; names the checkpoint.
-        scheduler: saved too.
-        model: its parameters and buffers are saved too.
+        scheduler, model: saved too (the model's parameters and buffers).
         comm: the ranks that hold the optimizer's state (default: the world, or this process alone).
         keep_last: keep only this many newest checkpoints in ``root`` (None: all).
-
-    Returns:
-        The checkpoint directory.
 
     Raises:
         ValueError: on every rank alike, for bad arguments, an existing checkpoint of ``step``, state that
@@ -112,8 +103,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     where = f"cannot save checkpoint {target}"
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
-    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model),
-                                               f"rank {comm.rank}: ")
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
     gathered = comm.all_gather_object((held, table))
     plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
     temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,

@@ -1,7 +1,5 @@
-"""Name-keyed optimizer state (``ParamShard``s from ``Stage.param_shards``): plan who writes what and check a
-checkpoint against an optimizer. All but ``collect`` is pure: functions of tables every rank has (gathered
-by the caller over ``Comm``), so every rank reaches the same plan and verdict without talking.
-"""
+"""Name-keyed optimizer state (``Stage.param_shards``): plan who writes what, check a checkpoint against an
+optimizer. All but ``collect`` is pure over tables every rank has, so all reach one plan and verdict."""
 
 from __future__ import annotations
 
@@ -88,8 +86,7 @@ def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
 
 
 def _fingerprint(values: torch.Tensor) -> str:
-    """CRC-32 of the bits of ~1024 evenly spaced elements: cheap, exact, the same on every rank for the same
-    numbers (a sum would depend on the thread count); two experts under one name differ almost everywhere."""
+    """CRC-32 of the bits of ~1024 evenly spaced elements: cheap, exact, thread-count independent (unlike a sum)."""
     return f"{zlib.crc32(tensor_bytes(values[:: max(1, values.numel() // 1024)])):08x}"
 
 
@@ -105,9 +102,8 @@ class SavePlan:
 
 
 def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[ModelTable] | None) -> SavePlan:
-    """Deduplicate what ranks hold in common (replicated state and the model are written once), balance the
-    writes by bytes, and check that the ranks' ranges tile every parameter exactly; ``ValueError`` when ranks
-    disagree on a parameter's shape, dtypes or group or on the model, or when ranges overlap or leave a gap."""
+    """Write replicated state and the model once, balance writes by bytes, check the ranges tile each parameter;
+    ValueError when ranks disagree (shape, dtypes, group, model) or ranges overlap or leave a gap."""
     first: dict[str, HeldParam] = {}
     holders: dict[tuple[str, int, int], list[int]] = {}
     for rank, table in enumerate(tables):
@@ -174,8 +170,7 @@ def _only(these: Mapping[str, Any], others: Mapping[str, Any], line: str) -> lis
 
 
 def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model: ModelTable | None) -> list[str]:
-    """Every difference between a checkpoint and the optimizer (``held``: every rank's parameters) and,
-    when given, the model's tensors; empty when they fit."""
+    """Every difference between a checkpoint and ``held`` (every rank's parameters) and ``model``; empty: a fit."""
     saved = manifest["params"]
     errors = _only(saved, held, "the checkpoint has {n} parameters this optimizer does not: {names}")
     errors += _only(held, saved, "this optimizer has {n} parameters the checkpoint does not: {names}")
@@ -213,8 +208,7 @@ def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model
 
 
 def group_map(params: Mapping[str, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The parameter -> group map for people, from a manifest's ``params`` and ``groups``: ``groups.group_map``
-    of the saved groups, each group entry also showing its identity, ``param_to_group`` in manifest order."""
+    """``groups.group_map`` of a manifest's ``params`` and ``groups``, each group also showing its identity."""
     members: list[list[str]] = [[] for _ in groups]
     for name, entry in params.items():
         members[entry["group"]].append(name)

@@ -1,9 +1,7 @@
-"""torch.distributed.checkpoint (DCP) as the storage engine: flat 1-D chunks at offsets.
+"""torch.distributed.checkpoint (DCP) as the storage engine: per rank a DCP directory of 1-D chunks at offsets.
 
-Each rank writes its own DCP directory (``rank_00000/``): per key, a 1-D chunk that DCP's metadata places at
-``[start, end)`` of a flat tensor of the parameter's numel; a read asks for a range and DCP reads only the
-overlapping items. DCP runs without a process group (``no_dist``): who writes what, the manifest and the
-commit are coordinated over ``Comm``, so collectives stay in ``distributed/comm.py``.
+A read of a range reads only the overlapping stored items. DCP runs without a process group (``no_dist``): the
+coordination goes over ``Comm``, so collectives stay in ``distributed/comm.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""optstack.distributed: communication (``Comm``; ``comm.py`` is the only module that calls
-torch.distributed), process groups, and the data-parallel wrapper, which owns all parameter and gradient
-communication (buffers, reductions, the parameter gather and its hooks). Each module owns one concept."""
+"""optstack.distributed: communication (``comm.py``, the only caller of torch.distributed), process groups, and
+the data-parallel wrapper, which owns all parameter and gradient communication (buffers, reductions, gathers)."""
 
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.distributed.ddp import DataParallel

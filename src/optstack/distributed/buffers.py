@@ -1,12 +1,10 @@
-"""Contiguous parameter and gradient buffers, their buckets, and the range plan that shards them.
+"""Contiguous parameter and gradient buffers, their buckets, and the range plan that shards them (no collectives).
 
-One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (as in Megatron) so
-the first bucket fills first. ``BufferLayout.plan`` (pure): each parameter starts at a multiple of
-``param_align`` elements; buckets are cut at parameter boundaries while they fit in ``bucket_size`` elements
-(a larger parameter gets its own; None: one bucket) and zero-padded to a multiple of ``dp_size *
-shard_align``, so they split into ``dp_size`` equal, aligned shards: rank ``r`` owns ``[r * shard, (r + 1) *
-shard)``, cutting across parameters. ``ParamAndGradBuffer`` allocates a layout's two flat tensors and makes
-every parameter a view into the first. No collectives here.
+One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (as in Megatron) so the
+first bucket fills first. ``BufferLayout.plan``: each parameter starts at a multiple of ``param_align``; buckets
+are cut at parameter boundaries while they fit in ``bucket_size`` elements (a larger parameter gets its own) and
+zero-padded to a multiple of ``dp_size * shard_align``, so they split into ``dp_size`` equal, aligned shards:
+rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across parameters.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class BucketSlot:
-    """One bucket: buffer elements ``[offset, offset + numel)``, padding included (``numel`` is
-    ``dp_size * shard_numel``); ``param_names`` in buffer (backward) order."""
+    """One bucket: buffer elements ``[offset, offset + numel)``, padding included; ``param_names`` in buffer order."""
 
     index: int
     offset: int
@@ -86,11 +83,7 @@ class BufferLayout:
     @classmethod
     def plan(cls, params: Sequence[tuple[str, Sequence[int]]], *, dp_size: int, bucket_size: int | None,
              shard_align: int = 128, param_align: int = 64) -> BufferLayout:
-        """Lay out ``params`` (name, shape), given in backward order.
-
-        Raises:
-            ValueError: a size or alignment is not positive, or a name repeats.
-        """
+        """Lay out ``params`` (name, shape), given in backward order; ValueError for a size < 1 or a repeated name."""
         sizes = {"dp_size": dp_size, "shard_align": shard_align, "param_align": param_align,
                  "bucket_size": 1 if bucket_size is None else bucket_size}
         for field_name, value in sizes.items():
@@ -174,16 +167,13 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
-    """The flat parameter and gradient storage of one buffer layout: afterwards every parameter's ``.data``
-    is a view into ``param_data`` (values kept); ``grad_data`` starts at zero.
+    """One layout's flat storage: every parameter's ``.data`` becomes a view of ``param_data`` (values kept).
 
     Args:
         named_params: (name, parameter) in backward order; one dtype and one device.
-        dp_size: the ranks the buckets are split across (data-parallel; expert data-parallel for experts).
+        dp_size: the ranks the buckets are split across (expert data-parallel for experts).
         bucket_size: elements per bucket (None = one bucket).
-        grad_dtype: gradient buffer dtype (None = the parameters' dtype; fp32 to accumulate bf16 grads).
-        is_expert: whether these are expert (MoE) parameters, reduced over the expert data-parallel group.
-        shard_align, param_align: see the module docstring.
+        grad_dtype: gradient buffer dtype (None = the parameters' dtype).
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
@@ -259,9 +249,8 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
                   shard_align: int = 128, param_align: int = 64) -> list[ParamAndGradBuffer]:
-    """One ``ParamAndGradBuffer`` per (param dtype, grad dtype, dense/expert) of ``named_params`` (backward
-    order), in order of first appearance; dense buckets split across ``dp_size`` ranks, ``is_expert`` ones
-    across ``expert_dp_size``."""
+    """One ``ParamAndGradBuffer`` per ``BufferKey`` of ``named_params`` (backward order), in order of first use;
+    ``is_expert`` ones split across ``expert_dp_size`` ranks."""
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))

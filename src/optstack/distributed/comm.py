@@ -1,10 +1,8 @@
 """Every collective optstack uses, behind one small object; the only module that calls torch.distributed.
 
-A ``Comm`` wraps one process group; ``NullComm`` (world size 1) makes every collective a no-op, so one
-process runs the same code. A method ending in ``_async`` returns a ``Handle``. Every wait is bounded by the
-Comm's ``timeout`` (gloo per call; NCCL through the group's own timeout, which ``new_group`` sets alike) and
-fails with a ``CommError`` naming the operation and group, so a dead peer gives a message, not a hang.
-PyTorch 2.13 renamed the flat collectives (``reduce_scatter_single``, ``all_gather_single``; the old names
+Every wait is bounded by the Comm's ``timeout`` (gloo per call; NCCL through the group's own, which ``new_group``
+sets alike) and fails with a ``CommError`` naming the operation and group: a dead peer gives a message, not a
+hang. PyTorch 2.13 renamed the flat collectives (``reduce_scatter_single``, ``all_gather_single``; the old names
 warn); a backend without a native reduce-scatter gets an all-reduce.
 """
 
@@ -50,8 +48,7 @@ def world_size() -> int:
 
 
 class Handle:
-    """An in-flight collective. ``wait()`` blocks (within the Comm's timeout), then runs the finishing step
-    (e.g. the division of an average); it raises ``CommError`` naming the operation and group on failure."""
+    """An in-flight collective; ``wait()`` blocks (within the timeout), then runs ``then`` (e.g. divides an average)."""
 
     def __init__(self, op: str, comm: Comm | NullComm, works: Sequence[Any] = (),
                  then: Callable[[], None] | None = None) -> None:
@@ -98,14 +95,12 @@ class _Blocking:
         return tensor
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``inp`` (shape ``(size * n,)``, same on every rank) and keep this rank's equal slice
-        ``[rank * n, (rank + 1) * n)`` in ``out`` (``n`` elements). ``out`` may be that slice of ``inp``."""
+        """Reduce ``inp`` (``size * n`` elements) into ``out``: this rank's slice, rank-major (``out`` may alias it)."""
         self.reduce_scatter_async(out, inp, op).wait()  # type: ignore[attr-defined]
         return out
 
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        """Gather every rank's ``inp`` (same shape everywhere) into ``out`` (``size * inp.numel()``
-        elements, rank-major); ``inp`` may be this rank's slice of ``out``."""
+        """Gather every rank's ``inp`` (one shape) into ``out`` (rank-major); ``inp`` may be this rank's slice of it."""
         self.all_gather_into_async(out, inp).wait()  # type: ignore[attr-defined]
         return out
 
@@ -153,8 +148,7 @@ class Comm(_Blocking):
                              f"{part.dtype}")
 
     def _object_device(self) -> torch.device:
-        # Object collectives have no tensor to take the device from: gloo works on host memory, every
-        # other backend (NCCL, XCCL) on the current accelerator.
+        # No tensor to take the device from: gloo works on host memory, other backends on the current accelerator.
         acc = None if "gloo" in self.backend else torch.accelerator.current_accelerator()
         return torch.device("cpu") if acc is None else torch.device(acc.type, torch.accelerator.current_device_index())
 
@@ -199,15 +193,11 @@ class Comm(_Blocking):
         if not 0 <= src < self.size:
             raise ValueError(f"broadcast on {self.name!r}: src must be a group rank in [0, {self.size}), "
                              f"got {src}")
-        return Handle("broadcast", self, [self._start("broadcast", dist.broadcast, tensor,
-                                                        src=self.global_ranks[src])])
+        return Handle("broadcast", self, [self._start("broadcast", dist.broadcast, tensor, src=self.global_ranks[src])])
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` in group-rank order; shapes may differ between ranks, dtypes may not.
-
-        gloo has no uneven all-gather: shapes are exchanged first, then each rank's data is padded to the
-        largest and trimmed again. The results are views into one gathered buffer.
-        """
+        """Every rank's ``tensor`` in group-rank order; shapes may differ, dtypes may not. gloo has no uneven
+        all-gather: shapes go first, then data padded to the largest; the results are views of one buffer."""
         if tensor.ndim > _MAX_NDIM or tensor.dtype not in _DTYPES:
             raise ValueError(f"all_gather_uneven supports up to {_MAX_NDIM} dims of dtypes {_DTYPES}; got "
                              f"{tensor.ndim} dims of {tensor.dtype}")
@@ -305,11 +295,9 @@ def world_comm(name: str = "world", timeout: datetime.timedelta | None = None) -
     return NullComm(name)
 
 
-def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | None = None
-              ) -> Comm | NullComm | None:
-    """A Comm over the given global ranks. Collective: every rank of the world calls it with the same
-    ``ranks``, in the same order relative to other group creations. Members get the Comm (a NullComm for one
-    rank; the world group itself when ``ranks`` is the whole world); others get None."""
+def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | None = None) -> Comm | NullComm | None:
+    """A Comm over global ``ranks`` for its members (NullComm for one rank, the world group for all), else None.
+    Collective: every rank calls it with the same ``ranks``, in one order relative to other group creations."""
     ranks = sorted(int(r) for r in ranks)
     size, me = world_size(), world_rank()
     if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= size:
@@ -327,8 +315,7 @@ def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | 
 
 def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,
                   timeout: datetime.timedelta | None = None) -> Comm | NullComm:
-    """Partition the world into groups (every rank in exactly one list) and return this rank's Comm.
-    Collective: every rank calls it with the same ``rank_lists``."""
+    """This rank's Comm of a partition of the world (each rank in one list). Collective: all pass the same lists."""
     flat = sorted(int(r) for ranks in rank_lists for r in ranks)
     if flat != list(range(world_size())):
         raise ValueError(f"new_subgroups({name!r}): the rank lists must cover every rank of the world "
@@ -339,10 +326,9 @@ def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,
 
 def init_process_group(rank: int, size: int, *, store_path: str | os.PathLike[str], device: torch.device | None = None,
                        timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> Comm | NullComm:
-    """Join a world of ``size`` processes on one machine that meet through a file (no port to pick) and
-    return it as a ``Comm`` (``NullComm`` for one). Every rank passes the same ``store_path`` (a file all can
-    write, absent before the first rank calls). NCCL for a CUDA ``device`` (bound to it), gloo otherwise;
-    ``timeout`` bounds the rendezvous and every collective of the world group.
+    """Join a world of ``size`` processes on one machine through the file ``store_path`` (no port to pick; the
+    same on every rank, absent before the first calls) and return its Comm. NCCL for a CUDA ``device`` (bound
+    to it), else gloo; ``timeout`` bounds the rendezvous and every collective of the world group.
 
     Raises:
         ValueError: ``rank`` / ``size`` out of range or a world already initialised.

@@ -7,14 +7,12 @@ bucket's reduction starts as soon as its last gradient arrives, overlapping the 
     ddp(xn).loss.backward()          # hooks launch each bucket's reduction when it is complete
     ddp.finish_grad_sync()           # wait for all; ddp.main_grad(p) now holds the reduced gradient
 
-A post-accumulate-grad hook adds each ``.grad`` into its buffer view and frees it. Buckets launch in one
-fixed order on every rank (backward order of their first parameter), so collectives match whatever order
-hooks fire in; a bucket with a parameter that got no gradient, and those after it, are left to
-``finish_grad_sync``, so unused parameters never hang it. Zeroing is lazy: no memset per step; a first
-gradient is copied instead of added, views never written are zeroed at launch or by ``main_grad``. Averaging
-scales each gradient as the hook writes it when that equals scaling the sum (a step from zeroed buffers
-without ``no_sync``), else the bucket at launch. ``shard_grads`` promises only each rank's owned slice
-(ZeRO-1): a reduce-scatter, or an all-reduce where that is faster (gloo); the numbers are the same.
+Buckets launch in one fixed order on every rank (backward order of their first parameter), so collectives
+match whatever order hooks fire in; a bucket with a parameter that got no gradient, and those after it, are
+left to ``finish_grad_sync``, so unused parameters never hang it. Zeroing is lazy (no memset per step): a first
+gradient is copied, not added; unwritten views are zeroed at launch or by ``main_grad``. Averaging scales each
+gradient in the hook when that equals scaling the sum (a step from zeroed buffers without ``no_sync``), else the
+bucket at launch.
 """
 
 from __future__ import annotations
@@ -34,9 +32,7 @@ from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather
 
 __all__ = ["DataParallel", "is_expert_param"]
 
-# On gloo (loopback, 2 ranks) reduce-scatter + all-gather costs several times one all-reduce and a
-# reduce-scatter alone more than an all-reduce (benchmarks/bench_collectives.py): there the sharded
-# reduction is an all-reduce. Backends not listed use a real reduce-scatter.
+# gloo (loopback, 2 ranks): a reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py).
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
 
 
@@ -55,17 +51,13 @@ class DataParallel(nn.Module):
         grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
-        average: average (True: scale by 1 / data-parallel size before the sum, expert buckets too, as in
-            Megatron) or sum (False) gradients over data-parallel ranks.
-        check_for_nan: check local gradients before each bucket's reduction; a rank with non-finite ones
-            raises in ``finish_grad_sync``, naming the parameters.
-        sharded_reduction: how ``shard_grads`` reduces: "auto" (the backend's fastest), "reduce_scatter"
-            or "all_reduce".
+        average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
+        check_for_nan: check local gradients before each reduction; ``finish_grad_sync`` raises, naming them.
+        sharded_reduction: how ``shard_grads`` reduces ("auto": the backend's fastest).
         shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
 
     Raises:
-        ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first
-            differing one and the ranks).
+        ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
     """
 
     def __init__(self, module: nn.Module, *, groups: ParallelGroups | None = None,
@@ -95,7 +87,6 @@ class DataParallel(nn.Module):
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
             shard_align=shard_align, param_align=param_align)
         self._data_ptrs = [p.data_ptr() for _, p in named]
-        # The launch order: every bucket of every buffer, by backward position of its first parameter.
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
             ((buf, b) for buf in self.param_and_grad_buffers for b in buf.buckets),
@@ -129,8 +120,7 @@ class DataParallel(nn.Module):
                                "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step")
         if self._synced:  # the first gradient of a step (nn.Module.__setattr__ is slow: write only here)
             self._synced = False
-            # Scaling as written equals scaling the sum only when each gradient is the whole sum: a step from
-            # zeroed buffers with no no_sync micro-batches (unusual orders stay correct via alpha below).
+            # Scaling as written equals scaling the sum only from zeroed buffers without no_sync (module docstring).
             self._hook_scale = self._average_scale() if self._cleared and self._sync_enabled else None
         self._write_grad(param, param.grad)
         param.grad = None
@@ -158,7 +148,6 @@ class DataParallel(nn.Module):
                 view.add_(grad, alpha=scale)
 
     def _zero_unwritten(self, params: Sequence[nn.Parameter]) -> None:
-        """Zero the stale views of ``params`` that got no gradient since ``zero_grad_buffer``."""
         for p in params:
             if id(p) not in self._written:
                 self._written.add(id(p))
@@ -208,13 +197,12 @@ class DataParallel(nn.Module):
                 handle.wait()
 
     def finish_grad_sync(self) -> None:
-        """Launch the buckets not launched yet (all of them without overlap; those held back by unused
-        parameters), wait for every reduction, and reset for the next step. A second call with no backward in
-        between does nothing, so the optimizer can call it whether or not the training loop did.
+        """Launch the buckets not launched yet, wait for every reduction, reset for the next step; a no-op when
+        called again with no backward in between (so the optimizer can call it whether or not the loop did).
 
         Raises:
-            RuntimeError: the wrapped module's parameters changed after wrapping, or (with
-                ``check_for_nan``) this rank had non-finite local gradients; CommError: a collective failed.
+            RuntimeError: the module's parameters changed after wrapping, or (``check_for_nan``) non-finite
+                local gradients on this rank; CommError: a collective failed.
         """
         self._check_params_unchanged()
         if self._synced:
@@ -236,8 +224,7 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Within this context backward only accumulates into the grad buffers (gradient accumulation);
-        the reduction happens in the first backward after it."""
+        """Backward only accumulates into the grad buffers here; the first backward after it reduces."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -245,8 +232,7 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions, zero every gradient (lazily: ``main_grad`` reads zero, ``grad_data``
-        is stale until written) and forget ready gradients."""
+        """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written)."""
         self._wait_all()
         self._stale, self._written, self._cleared = True, set(), True
         for _, p in self._named:
@@ -255,8 +241,7 @@ class DataParallel(nn.Module):
 
     @property
     def launched_buckets(self) -> int:
-        """How many buckets' reductions have started since the last ``finish_grad_sync`` (with overlap, all
-        of them once backward ends, unless unused parameters held some back)."""
+        """How many buckets' reductions have started since the last ``finish_grad_sync``."""
         return self._next
 
     @property
@@ -265,8 +250,7 @@ class DataParallel(nn.Module):
         return _device_of(self.param_and_grad_buffers)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """``param``'s gradient in the grad buffer (its shape, the grad dtype); reduced after
-        ``finish_grad_sync`` (with ``shard_grads``, only the owned slices are)."""
+        """``param``'s gradient buffer view; reduced after ``finish_grad_sync`` (only owned slices: ``shard_grads``)."""
         entry = self._slot_of_param.get(id(param))
         if entry is None:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
@@ -278,18 +262,16 @@ class DataParallel(nn.Module):
     def sharded_layout(self, params: Sequence[torch.Tensor], *, expert: bool = False,
                        overlap_param_gather: bool = False,
                        param_gather: Literal["auto", "all_gather", "broadcast"] = "auto") -> ShardedLayout:
-        """The views a ZeRO-1 placement steps ``params`` through: this rank's owned part of each (in the
-        data-parallel group, or expert data-parallel for ``expert``), and the gather that publishes them after
-        a step (see ``param_gather.py``). With ``overlap_param_gather`` a forward pre-hook of each module using
-        a bucket waits for its gather, so the gathers overlap the next forward.
+        """The views a ZeRO-1 placement steps ``params`` through: this rank's owned part of each (over expert
+        data-parallel for ``expert``) and the gather publishing them after a step. With ``overlap_param_gather``
+        each module's forward pre-hook waits for its buckets' gathers, overlapping the next forward.
 
         Args:
-            param_gather: ``"all_gather"`` (one per bucket), ``"broadcast"`` (one per rank and bucket, in
-                place), or ``"auto"``: the fastest for the backend (broadcast on gloo).
+            param_gather: "all_gather" (per bucket), "broadcast" (per rank and bucket, in place) or "auto".
 
         Raises:
-            ValueError: a parameter is not a trainable parameter of the wrapped module, is of the other kind
-                (dense vs expert), or appears twice; an unknown ``param_gather``.
+            ValueError: a parameter not trainable in the wrapped module, of the other kind (dense vs expert),
+                or given twice; an unknown ``param_gather``.
         """
         comm = self.groups.expert_dp if expert else self.groups.dp
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
@@ -348,8 +330,7 @@ class DataParallel(nn.Module):
 
 
 def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
-    """Forward pre-hooks on every submodule with parameters in ``gather``'s buckets, each waiting for the
-    buckets it uses (finer than waiting for all: the first layer starts while later buckets travel)."""
+    """A forward pre-hook per submodule waiting for just its buckets (the first layer starts while others travel)."""
     spans = [(g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g) for g in gather.gathers]
     hooks = []
     for sub in module.modules():
@@ -374,7 +355,6 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
-    """Every rank of ``comm`` must wrap the same parameters (names, shapes, dtypes, in order)."""
     if comm.size == 1:
         return
     everyone = comm.all_gather_object([(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named])

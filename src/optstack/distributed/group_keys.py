@@ -1,5 +1,4 @@
-"""The cross-rank union of param-group keys, so every rank builds the same groups (some of them empty):
-ranks can hold different parameters (pipeline stages, expert shards), hence different local keys."""
+"""The cross-rank union of param-group keys: ranks holding different parameters still build the same groups."""
 
 from __future__ import annotations
 
@@ -12,12 +11,7 @@ __all__ = ["union_group_keys"]
 
 
 def union_group_keys(local_keys: Sequence[GroupKey], comm: Comm | NullComm) -> list[GroupKey]:
-    """Every rank's keys (e.g. ``group_keys(resolve(model, rules))``), unioned, in group order: the same on
-    every rank of ``comm``. Collective: every rank calls it, a rank with no parameters with ``[]``.
-
-    Raises:
-        ValueError: ``local_keys`` holds something other than ``GroupKey``.
-    """
+    """Every rank's ``group_keys(...)``, unioned, in group order. Collective: a rank with no parameters passes []."""
     local = list(local_keys)
     for k in local:
         if not isinstance(k, GroupKey):

@@ -4,8 +4,7 @@ Megatron's rank order, tensor-parallel fastest; expert parallelism splits the da
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)     dp_rank = ep_rank + ep * expert_dp_rank
 
-The model-parallel group (tensor x pipeline) is all ranks with one data-parallel rank. ``RankLayout`` is the
-pure arithmetic, ``ParallelGroups`` one ``Comm`` per kind, ``ComposedComm`` an all-reduce over several.
+The model-parallel group (tensor x pipeline) is all ranks with one data-parallel rank.
 """
 
 from __future__ import annotations
@@ -75,11 +74,7 @@ def _null(kind: str) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelGroups:
-    """One communicator per parallel dimension; a dimension of size 1 is a ``NullComm``.
-
-    Build it with ``from_world`` (Megatron rank order), ``from_process_groups`` (your own torch groups),
-    ``from_device_mesh``, ``single()`` (one process), or directly from ``Comm`` objects.
-    """
+    """One communicator per parallel dimension (``NullComm`` for size 1); build with a ``from_*``, or from Comms."""
 
     dp: Comm | NullComm = _null("dp")
     tp: Comm | NullComm = _null("tp")
@@ -96,10 +91,9 @@ class ParallelGroups:
     @classmethod
     def from_world(cls, *, tp: int = 1, pp: int = 1, ep: int = 1,
                    timeout: datetime.timedelta | None = None) -> ParallelGroups:
-        """Groups over the initialised torch.distributed world in Megatron's rank order (module docstring).
+        """Groups over the world in Megatron's rank order (module docstring); ``single()`` without torch.distributed.
 
-        With the defaults the whole world is data-parallel (the world group itself is reused); without an
-        initialised torch.distributed this is ``single()``. Collective: every rank calls it alike.
+        Collective: every rank calls it alike. With the defaults the world group itself is the data-parallel one.
 
         Raises:
             ValueError: tp * pp does not divide the world size, or ep does not divide the data-parallel size.
@@ -118,8 +112,7 @@ class ParallelGroups:
                             pp: ProcessGroup | None = None, ep: ProcessGroup | None = None,
                             expert_dp: ProcessGroup | None = None, mp: ProcessGroup | None = None,
                             timeout: datetime.timedelta | None = None) -> ParallelGroups:
-        """Wrap torch process groups you created; a group left out (None) has size 1. ``expert_dp`` defaults
-        to ``dp`` when no expert-parallel group is given."""
+        """Wrap your torch process groups (None: size 1); ``expert_dp`` defaults to ``dp`` when ``ep`` is None."""
         if expert_dp is None and ep is None:
             expert_dp = dp
         given = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "expert_dp": expert_dp, "mp": mp}
@@ -128,9 +121,8 @@ class ParallelGroups:
 
     @classmethod
     def from_device_mesh(cls, mesh: Any, *, timeout: datetime.timedelta | None = None) -> ParallelGroups:
-        """Groups from a ``torch.distributed.device_mesh.DeviceMesh`` whose dimensions are named from
-        {"dp", "tp", "pp"}; missing dimensions have size 1, expert groups are ep = 1, expert_dp = dp.
-        Collective when the mesh has both "tp" and "pp" (the model-parallel group is created)."""
+        """Groups from a ``DeviceMesh`` with dimensions named from {"dp", "tp", "pp"} (missing: size 1; ep = 1,
+        expert_dp = dp). Collective when the mesh has both "tp" and "pp" (the model-parallel group is created)."""
         names = tuple(mesh.mesh_dim_names or ())
         if not names or set(names) - {"dp", "tp", "pp"}:
             raise ValueError(f"from_device_mesh needs mesh_dim_names from ('dp', 'tp', 'pp'); got {names}. "
@@ -149,8 +141,7 @@ class ParallelGroups:
 
 
 class ComposedComm:
-    """All-reduce over several orthogonal groups in turn (e.g. data-, then model-parallel): the reduction over
-    their product, what norms and non-finite checks need."""
+    """All-reduce over several orthogonal groups in turn: the reduction over their product (norms, finite checks)."""
 
     def __init__(self, comms: Sequence[Comm | NullComm]) -> None:
         self.comms = [c for c in comms if c.size > 1]

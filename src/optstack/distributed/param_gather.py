@@ -1,10 +1,9 @@
-"""The parameter gathers after a step: every rank's updated range of a bucket to every rank (ZeRO-1), and
-whole parameters from their owners (layer-wise).
+"""The parameter gathers after a step: each bucket's updated ranges to every rank (ZeRO-1), and whole parameters
+from their owners (layer-wise).
 
-A ZeRO-1 stage's gather is planned once, one per bucket: whole and in place when the bucket holds only this
-stage's parameters, else only this stage's pieces, packed per rank, so two stages sharing a bucket (e.g.
-Muon matrices stepped layer-wise, biases by ZeRO-1) never write the same elements. The transport is one
-all-gather per bucket or one in-place broadcast per rank and bucket, both asynchronous.
+A ZeRO-1 gather is planned once per bucket: whole and in place when the bucket holds only this stage's
+parameters, else this stage's pieces packed per rank, so two stages sharing a bucket (e.g. Muon matrices
+layer-wise, biases by ZeRO-1) never write the same elements.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ __all__ = ["BucketGather", "GatherVia", "OwnerBroadcast", "ParamGather", "Sharde
 
 GatherVia = Literal["all_gather", "broadcast"]
 
-# On gloo one broadcast per rank (of its range, in place) measured 2-5x faster than one all-gather of the
-# bucket (2 ranks: 5M-element shards 16 ms vs 60 ms, a 75 MB buffer ~50 ms vs 243-258 ms; 3 ranks 47 ms vs
-# 149 ms), overlapped or not.
+# gloo: a broadcast per rank in place is 2-5x faster than an all-gather (2 ranks, 5M-element shards: 16 vs 60 ms).
 _GATHER_BY_BACKEND: dict[str, GatherVia] = {"gloo": "broadcast"}
 
 
@@ -83,8 +80,7 @@ class BucketGather:
 
 
 def gather_via(choice: Literal["auto", "all_gather", "broadcast"], backend: str, *, overlap: bool) -> GatherVia:
-    """The transport: ``choice``, or for ``"auto"`` the fastest on ``backend`` (both are asynchronous, so
-    ``overlap`` does not change it today; callers state it so a backend could). ValueError for another."""
+    """``choice``, or for "auto" the fastest on ``backend`` (``overlap`` changes nothing today: both are async)."""
     if choice not in ("auto", "all_gather", "broadcast"):
         raise ValueError(f"param_gather must be 'auto', 'all_gather' or 'broadcast', got {choice!r}")
     return _GATHER_BY_BACKEND.get(backend, "all_gather") if choice == "auto" else choice
@@ -92,10 +88,8 @@ def gather_via(choice: Literal["auto", "all_gather", "broadcast"], backend: str,
 
 def plan_bucket_gathers(buckets: Sequence[tuple[ParamAndGradBuffer, int, set[str]]], comm: Comm | NullComm,
                         via: GatherVia, module: nn.Module) -> list[BucketGather]:
-    """One gather per (buffer, bucket index, names of the stage's parameters in it), the same list on every
-    rank (collectives must match), in forward order: by the bucket's first parameter in ``module``'s
-    registration order, so what the next forward needs first is sent first. Empty when ``comm`` has one
-    rank (it owns everything)."""
+    """One gather per (buffer, bucket index, the stage's parameter names in it), the same list on every rank, in
+    forward order (by the bucket's first parameter in ``module``): what the next forward needs goes first."""
     if comm.size == 1:
         return []
     position = {id(p): i for i, p in enumerate(module.parameters())}
@@ -120,8 +114,7 @@ def plan_bucket_gathers(buckets: Sequence[tuple[ParamAndGradBuffer, int, set[str
 
 @dataclass(eq=False)
 class ParamGather:
-    """The parameter gathers of one stage after its step, in forward order (every rank the same list).
-    ``wait`` is a no-op when nothing is in flight, so forward pre-hooks may call it every forward."""
+    """One stage's bucket gathers, in forward order; ``wait`` is a no-op with nothing in flight (for pre-hooks)."""
 
     gathers: list[BucketGather]
     overlap: bool = False  # the step leaves the gathers in flight; forward pre-hooks wait for them
@@ -147,7 +140,6 @@ class ShardedLayout:
         slices: ``id(param)`` -> (start, end, parameter-buffer view, gradient-buffer view), 1-D, for the
             parameters this rank owns ``[start, end)`` of (flattened).
         reduce_over: the shard group first, then the groups holding other gradients.
-        tp_rank, device: this rank's tensor-parallel rank; the buffers' device.
         gather: the stage's parameter gather (its forward pre-hooks, with overlap, are the wrapper's).
     """
 
@@ -161,16 +153,13 @@ class ShardedLayout:
         return self.slices.get(id(param))
 
 
-# Parameters with at least this many elements are broadcast in place; smaller ones are packed per owner and
-# dtype (one broadcast instead of a latency per tensor). Measured on gloo (2 ranks, 11.4M parameters in 24
-# matrices): ~30-35 ms, against ~35 ms for one broadcast per parameter and 95-195 ms for one padded
-# all-gather; for 24 small matrices (0.3M) packing wins (~1.1 ms against ~5 ms).
+# Parameters of at least this many elements are broadcast in place, smaller ones packed per owner and dtype.
+# gloo, 2 ranks, 24 matrices: 11.4M elements 30-35 ms (per-parameter 35, all-gather 95-195); 0.3M packed 1.1 vs 5.
 BROADCAST_IN_PLACE = 1 << 16
 
 
 class OwnerBroadcast:
-    """Whole parameters from their owner ranks to every rank (the layer-wise placement's publish): per
-    owner, its large parameters broadcast in place and its small ones packed per dtype. Planned once."""
+    """Whole parameters from their owner ranks to every rank (the layer-wise publish), planned once."""
 
     def __init__(self, comm: Comm | NullComm, params: Sequence[torch.Tensor], owners: Sequence[int]) -> None:
         self.comm = comm

@@ -1,5 +1,4 @@
-"""CPU offload: a fraction of an optimizer's tensors stepped on the host (``hybrid.py``), the copies between
-device and host memory and their ordering (``transfers.py``)."""
+"""CPU offload: part of an optimizer stepped on the host (``hybrid``), the copies and their order (``transfers``)."""
 
 from optstack.offload.hybrid import DEFAULT_CHUNK_NUMEL, HybridDeviceOptimizer, offloaded, plan_offload
 

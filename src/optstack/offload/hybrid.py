@@ -1,9 +1,8 @@
 """CPU offload: ``HybridDeviceOptimizer`` steps a fraction of an inner optimizer's tensors on the host.
 
-It stands where the inner ``torch.optim`` optimizer stands (``offloaded`` wraps a stage's ``make_optimizer``;
-``OffloadConfig.wrap`` decides whether to), so stages know nothing of offload. The device keeps the tensors
-(the truth: stages publish them, loads write them) and their gradients; the host holds the offloaded ones'
-optimizer state and does their update. ``transfers.py`` issues and orders the copies.
+It stands where the inner ``torch.optim`` optimizer stands (``offloaded`` wraps a stage's ``make_optimizer``),
+so stages know nothing of offload. The device tensors and gradients stay the truth (stages publish them, loads
+write them); the host holds the offloaded ones' optimizer state and does their update.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offloaded", "plan_offload"]
 
-#: Elements per host chunk (64 MiB of fp32): large enough that per-chunk costs vanish, small enough that the
-#: copy back of one chunk overlaps the host step of the next.
+#: Elements per host chunk (64 MiB of fp32): per-chunk costs vanish, yet a chunk's copy back overlaps the next step.
 DEFAULT_CHUNK_NUMEL = 1 << 24
 
 _OWN_KEYS = ("params", "param_names")  # group keys each sub-optimizer keeps its own of; the rest is synced
@@ -35,12 +33,8 @@ def _check_fraction(fraction: float) -> None:
 
 
 def plan_offload(numels: Sequence[int], fraction: float) -> int:
-    """How many leading tensors go to the host: the longest prefix of ``numels`` (element counts in group
-    order) holding at most ``fraction`` of all elements; 0 for ``fraction=0``, all for ``fraction=1``.
-
-    Raises:
-        ValueError: ``fraction`` is not a number in [0, 1].
-    """
+    """How many leading tensors go to the host: the longest prefix of ``numels`` (group order) holding at most
+    ``fraction`` (in [0, 1], else ValueError) of all elements; 0 for ``fraction=0``."""
     _check_fraction(fraction)
     budget = fraction * sum(numels)
     return 0 if fraction == 0 else sum(1 for taken in accumulate(numels) if taken <= budget)
@@ -60,25 +54,22 @@ class _Chunk:
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """Steps the first ``fraction`` of an inner optimizer's elements on the host, the rest on the device.
 
-    One code path for every fraction in [0, 1]: the leading tensors in group order (``plan_offload``) get host
-    copies (pinned on CUDA) stepped in chunks by host optimizers of the same algorithm; the rest are stepped on
-    the device as without offload. ``state`` maps each device tensor to its state, wherever that lives, so
-    ``state_dict`` (torch's, over ``state``) has exactly the inner optimizer's form; with ``algorithm_name``
-    the inner's, checkpoints move between offloaded and plain. Groups are fixed at construction.
+    The leading tensors in group order (``plan_offload``) get host copies (pinned on CUDA) stepped in chunks by
+    host optimizers of the same algorithm. ``state`` maps each device tensor to its state wherever that lives, so
+    ``state_dict`` has the inner optimizer's form and, with its ``algorithm_name``, checkpoints move between
+    offloaded and plain. Groups are fixed at construction.
 
     Args:
-        inner: the optimizer to offload part of, over the device tensors (the fp32 masters, fp32 parameters
-            or ZeRO-1 pieces a stage steps). Its groups, defaults filled in, become this optimizer's; state
-            it already holds is carried over.
-        make_optimizer: builds an optimizer of the same algorithm over exactly the groups given: called once
-            for the device part and once per host chunk.
-        fraction: share of the elements, in [0, 1], stepped on the host (see ``plan_offload``).
+        inner: the optimizer over the device tensors (masters, fp32 parameters or ZeRO-1 pieces); its groups
+            (defaults filled in) and state are carried over.
+        make_optimizer: builds an optimizer of the same algorithm over exactly the groups given (once for the
+            device part, once per host chunk).
+        fraction: share of the elements stepped on the host.
         overlap_transfers: on CUDA, run the copies on side streams overlapping the device step.
         chunk_numel: elements per host chunk (a tensor is never split; a chunk closes once it reaches this).
 
     Raises:
-        ValueError: a bad ``fraction`` or ``chunk_numel``; ``inner`` not an optimizer; ``make_optimizer``
-            not building over the groups given.
+        ValueError: a bad argument, or ``make_optimizer`` not building over exactly the groups given.
     """
 
     algorithm_name: str
@@ -106,9 +97,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._copies = Transfers(device, overlap=overlap_transfers)
         self.state = _StateView(self._owners, params)  # type: ignore[assignment]
         self._fixed = True
-        # The host copies are read afresh from the device tensors on the first step and on the first step
-        # after a load (model weights and masters are typically loaded around the optimizer's load, possibly
-        # through aliases with their own version counters: a DDP-held fp32 parameter under ZeRO-1).
+        # Host copies are re-read on the first step and after a load: weights and masters are loaded around the
+        # optimizer's load, possibly via aliases with their own version counters (DDP's fp32 params under ZeRO-1).
         self._reread = True
         if inner.state:
             self.load_state_dict(inner.state_dict())
@@ -161,9 +151,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step of every tensor with a gradient; returns the closure's loss. The outer groups' settings
-        (where schedulers write) go to every sub-optimizer; device -> host copies are queued; the device step
-        is launched; per chunk: wait for its copies, host step, copy back; the current stream waits for that."""
+        """One step of every tensor with a gradient; the outer groups' settings (schedulers write there) go to all."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -191,8 +179,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return loss
 
     def _to_host(self, chunk: _Chunk) -> Pairs:
-        """A chunk's device -> host copies (gradients; values written since our last write, or all on the first
-        step and after a load); points the host copies' ``.grad`` at the buffers."""
+        """A chunk's device -> host copies (gradients; values changed since our write or re-read); sets host grads."""
         pairs = []
         for device, host, grad, version in zip(chunk.device, chunk.host, chunk.grads, chunk.versions, strict=True):
             if self._reread or device._version != version:
@@ -226,8 +213,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._reread = True
 
     def _part(self, state_dict: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The share of a plain state dict that ``optimizer`` (a sub-optimizer) loads: every group's saved
-        settings, with the tensors it steps and their state."""
+        """The share of a plain state dict ``optimizer`` loads: every group's settings, its tensors and their state."""
         groups, state = [], {}
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             picked = [j for j, p in enumerate(group["params"]) if self._owners[id(p)][0] is optimizer]
@@ -238,8 +224,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
 
 class _StateView(Mapping[torch.Tensor, dict[str, Any]]):
-    """Device tensor -> its state dict in whichever sub-optimizer steps it (live, never copied); iterates in
-    group order (``params``)."""
+    """Device tensor -> its live state in whichever sub-optimizer steps it; iterates in group order."""
 
     def __init__(self, owners: Mapping[int, _Owner], params: Sequence[torch.Tensor]) -> None:
         self._owners, self._params = owners, list(params)
@@ -265,12 +250,7 @@ class _StateView(Mapping[torch.Tensor, dict[str, Any]]):
 
 def offloaded(make_optimizer: MakeOptimizer, *, fraction: float, overlap_transfers: bool = False,
               chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> MakeOptimizer:
-    """``make_optimizer`` with CPU offload: builds ``HybridDeviceOptimizer(make_optimizer(groups), ...)``, to
-    plug in wherever a stage takes ``make_optimizer``; the arguments are ``HybridDeviceOptimizer``'s.
-
-    Raises:
-        ValueError: a bad ``fraction``, at once.
-    """
+    """``make_optimizer`` with CPU offload (``HybridDeviceOptimizer``'s arguments); a bad ``fraction`` fails now."""
     _check_fraction(fraction)
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -282,7 +262,6 @@ def offloaded(make_optimizer: MakeOptimizer, *, fraction: float, overlap_transfe
 
 def _subgroup(settings: Mapping[str, Any], picked: list[int], params: list[Any], names: list[str] | None
               ) -> dict[str, Any]:
-    """A sub-optimizer's group: ``settings`` less its own keys, ``params``, and the ``picked`` of ``names``."""
     sub = {k: v for k, v in settings.items() if k not in _OWN_KEYS}
     sub["params"] = params
     if names is not None:
@@ -302,8 +281,7 @@ def _chunk_slices(numels: Sequence[int], chunk_numel: int) -> list[slice]:
 
 
 def _back_to_back(like: Sequence[torch.Tensor], pin: bool) -> list[torch.Tensor]:
-    """Host tensors shaped and typed like ``like``, those of one dtype back to back in one allocation (the
-    fused kernels then step a run as one flat tensor); pinned when ``pin`` (asynchronous copies)."""
+    """Host tensors like ``like``, each dtype's back to back in one allocation (fused kernels step it flat)."""
     out: list[torch.Tensor] = [None] * len(like)  # type: ignore[list-item]
     for dtype in dict.fromkeys(t.dtype for t in like):
         indices = [i for i, t in enumerate(like) if t.dtype == dtype]

@@ -1,13 +1,11 @@
 """The device <-> host copies of an offloaded step (gradients out, updated values back) and their ordering.
 
-On CUDA: asynchronous copies from/into pinned host memory, on two side streams (one per direction) with
-``overlap``, else on the current stream (behind the device step). Elsewhere the "device" is host memory too:
-synchronous copies, no-op waits. Why each wait on CUDA: ``start`` makes the side streams wait for the current
-stream so far (it produced the gradients, and the last backward may still read the parameters about to be
-overwritten), not for the device step launched after it. ``wait(event)`` blocks the host until a device ->
-host batch is done. ``finish`` makes the current stream (not the host) wait for the host -> device copies, so
-what follows the step sees the new values. Side-stream memory is never freed early: every device -> host
-batch is waited for before the step returns; host -> device destinations are parameters that live on.
+Why each wait on CUDA (copies from/into pinned host memory, asynchronous): ``start`` makes the side streams wait
+for the current stream so far (it produced the gradients, and the last backward may still read the parameters
+about to be overwritten), not for the device step launched after it; ``wait(event)`` blocks the host until a
+device -> host batch is done; ``finish`` makes the current stream (not the host) wait for the host -> device
+copies, so what follows the step sees the new values. Side-stream memory is never freed early: every device ->
+host batch is waited for before the step returns; host -> device destinations are parameters that live on.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) per
 
 
 class Transfers:
-    """One step's copies for parameters on ``device``: asynchronous on CUDA (on side streams with
-    ``overlap``), synchronous anywhere else (where ``overlap`` has nothing to overlap and is ignored)."""
+    """One step's copies for parameters on ``device``: async on CUDA (one side stream per direction with
+    ``overlap``, else the current stream), synchronous elsewhere (``overlap`` ignored, waits no-ops)."""
 
     def __init__(self, device: torch.device, *, overlap: bool) -> None:
         self.device = device
@@ -57,8 +55,7 @@ class Transfers:
         self._main = None
 
     def _copy(self, pairs: Pairs, side: torch.cuda.Stream | None, *, record: bool) -> torch.cuda.Event | None:
-        # One copy per tensor: a cross-device foreach copy falls back to this loop anyway, and offloaded
-        # tensors are few and large (the per-copy launch cost is noise next to the bytes moved).
+        # One copy per tensor: a cross-device foreach copy loops anyway, and offloaded tensors are few and large.
         if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src)
