@@ -154,3 +154,22 @@ def test_state_dict_round_trip(impl: str) -> None:
     expected = train(model, opt, data[5:])[-1]
     got = train(fresh_model, fresh, data[5:])[-1]
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "reference"])
+def test_grad_scale_multiplies_the_gradients_as_they_are_read(impl: str) -> None:
+    # The stages fold 1 / loss scale and the clip factor into step(grad_scale=...): the same update as
+    # torch.optim.SGD on the scaled-down gradients, without a separate multiply pass on the fused path.
+    torch.manual_seed(0)
+    ours = [torch.randn(50, requires_grad=True) for _ in range(3)]
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = SGD(ours, lr=0.1, momentum=0.9, weight_decay=0.01, impl=impl)
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=0.01)
+    for _ in range(3):
+        for a, b in zip(ours, ref, strict=True):
+            grad = torch.randn(50)
+            a.grad, b.grad = grad * 4, grad.clone()
+        opt.step(grad_scale=0.25)
+        ref_opt.step()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

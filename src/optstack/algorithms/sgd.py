@@ -76,7 +76,10 @@ class SGD(PerDeviceOptimizer):
             raise ValueError(f"SGD param group {index}: nesterov needs momentum > 0 and dampening == 0, got "
                              f"momentum={group['momentum']!r}, dampening={group['dampening']!r}")
 
-    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device) -> None:
+    _folds_grad_scale = True
+
+    def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
+                     grad_scale: float = 1.0) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)
         hyper: dict[str, Any] = {k: float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
         hyper["nesterov"] = bool(group["nesterov"])
@@ -92,6 +95,8 @@ class SGD(PerDeviceOptimizer):
                 self.state[p]["momentum_buffer"] = buffer
             buffers = [state["momentum_buffer"] for state in states]
         if impl == "reference":
+            if grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)  # type: ignore[arg-type]
             for p, g, buffer, is_first in zip(params, grads, buffers, first, strict=True):
                 sgd_reference(p, g, buffer, first_step=is_first, **hyper)
             return
@@ -105,6 +110,10 @@ class SGD(PerDeviceOptimizer):
         for (fused, is_first, _), picked in batches.items():
             lists = [[ts[i] for i in picked] for ts in ((params, grads, buffers) if with_momentum else (params, grads))]
             merged, _ = coalesce(lists)  # type: ignore[arg-type]
+            if fused:  # torch's kernel divides the gradients by its grad_scale (and writes them back)
+                hyper["grad_scale"] = torch.tensor(1.0 / grad_scale, device=device) if grad_scale != 1.0 else None
+            elif grad_scale != 1.0:
+                torch._foreach_mul_(merged[1], grad_scale)
             (_fused if fused else _foreach)(merged[0], merged[1], merged[2] if with_momentum else [], is_first, hyper)
 
 
@@ -113,7 +122,7 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[
     """torch's fused SGD kernel over tensors of one dtype and device (``buffers`` empty without momentum)."""
     torch._fused_sgd_(params, grads, buffers, weight_decay=hyper["weight_decay"], momentum=hyper["momentum"],
                       lr=hyper["lr"], dampening=hyper["dampening"], nesterov=hyper["nesterov"],
-                      maximize=False, is_first_step=first_step)
+                      maximize=False, is_first_step=first_step, grad_scale=hyper.get("grad_scale"))
 
 
 def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], first_step: bool,
