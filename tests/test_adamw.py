@@ -325,3 +325,22 @@ def test_load_rejects_a_wrong_shape_and_changes_nothing() -> None:
         opt.load_state_dict(saved)
     after = opt.state_dict()
     assert all(torch.equal(after["state"][0][k], v) for k, v in before["state"][0].items())
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "reference"])
+def test_grad_scale_multiplies_the_gradients_as_they_are_read(impl: str) -> None:
+    # The stages fold 1 / loss scale and the clip factor into step(grad_scale=...); on the fused path it is
+    # the kernel's own grad_scale (no separate pass). Same update as torch on the scaled-down gradients.
+    torch.manual_seed(0)
+    ours = [torch.randn(50, requires_grad=True) for _ in range(3)]
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = AdamW(ours, lr=0.1, weight_decay=0.01, impl=impl)
+    ref_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.01)
+    for _ in range(3):
+        for a, b in zip(ours, ref, strict=True):
+            grad = torch.randn(50)
+            a.grad, b.grad = grad * 8, grad.clone()
+        opt.step(grad_scale=0.125)
+        ref_opt.step()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,7 @@ are accumulated and reduced in fp32).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any
@@ -536,3 +537,33 @@ def test_gather_transport_per_backend() -> None:
     assert gather_via("auto", "nccl", overlap=True) == "all_gather"
     assert gather_via("all_gather", "gloo", overlap=True) == "all_gather"
     assert gather_via("broadcast", "nccl", overlap=True) == "broadcast"
+
+
+def test_a_0_1_sharded_state_dict_is_migrated() -> None:
+    """optstack 0.1's ZeRO-1 state dict ({"kind": "sharded", "shard", "optimizer" over the pieces,
+    "fp32_masters" per group}) loads into this rank's stage and gives the same state."""
+    def trained(steps: int) -> tuple[nn.Module, Any]:
+        model = _mlp(torch.bfloat16)
+        ddp = DataParallel(model, shard_grads=True, grad_dtype=torch.float32, bucket_size=150, shard_align=4,
+                           param_align=4)
+        stage = zero1_stage(_groups(model), _make("adamw"), ddp=ddp)
+        chain = ChainedOptimizer([stage])
+        for step in range(steps):
+            x, y = _batch(step, 1, 1)
+            ddp.zero_grad_buffer()
+            _loss(ddp, x[0, 0], y[0, 0], 1).backward()
+            chain.step()
+        return model, stage
+
+    model, stage = trained(3)
+    masters = {id(m) for m in stage.master_params}
+    by_group = [[p for p in g["params"] if id(p) in masters] for g in stage.optimizer.param_groups]
+    old = copy.deepcopy({"kind": "sharded", "shard": (0, 1), "optimizer": stage.optimizer.state_dict(),
+                         "fp32_masters": by_group})
+    _, fresh = trained(0)
+    fresh.load_state_dict(old)
+    for name, entry in stage.state_dict()["params"].items():
+        got = fresh.state_dict()["params"][name]
+        assert (got["start"], got["end"]) == (entry["start"], entry["end"])
+        for key, tensor in entry["tensors"].items():
+            assert torch.equal(got["tensors"][key], tensor), (name, key)

@@ -299,7 +299,7 @@ class DataParallel(nn.Module):
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather)
         if overlap_param_gather:
-            self._gather_hooks += _register_wait_hooks(self.module, gather)
+            gather.attach = lambda: self._gather_hooks.extend(_register_wait_hooks(self.module, gather))
         g = self.groups
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather)

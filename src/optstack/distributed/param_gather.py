@@ -8,7 +8,7 @@ layer-wise, biases by ZeRO-1) never write the same elements.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -119,8 +119,13 @@ class ParamGather:
     gathers: list[BucketGather]
     overlap: bool = False  # the step leaves the gathers in flight; forward pre-hooks wait for them
     pending: bool = False
+    # installs the forward pre-hooks; run at the first launch, so building a stage attaches nothing to the model
+    attach: Callable[[], None] | None = None
 
     def launch(self) -> None:
+        if self.attach is not None:
+            self.attach()
+            self.attach = None
         for gather in self.gathers:
             gather.launch()
         self.pending = bool(self.gathers)

@@ -88,10 +88,13 @@ class Placement:
         """The current model gradient of each piece (shaped like ``piece.value``), None where absent."""
         return [p.grad if p.grad is not None else self.grad_of(p.param) for p in pieces]
 
-    def norm_terms(self, pieces: Sequence[Piece], ready: Sequence[torch.Tensor | None]
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """(parameters, gradients) whose norms make this rank's part of the global norm."""
-        return [p.param for p in pieces], list(ready)
+    def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+        """The parameters whose gradients make this rank's part of the global norm (fixed at construction)."""
+        return [p.param for p in pieces]
+
+    def norm_grads(self, ready: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Their gradients, given the pieces' ready ones, in ``norm_params`` order."""
+        return list(ready)
 
     def publish(self) -> None:
         """Bring every rank's stepped values to every rank (collective); nothing to do for whole params."""
@@ -208,12 +211,13 @@ class LayerWise(Placement):
         return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True) if next(owner) == self.dp.rank]
                 for gn, gp in zip(names, params, strict=True)]
 
-    def norm_terms(self, pieces: Sequence[Piece], ready: Sequence[torch.Tensor | None]
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+        return list(self._all)
+
+    def norm_grads(self, ready: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         mine = iter(ready)
-        grads = [next(mine) if owner == self.dp.rank else self.grad_of(p)
-                 for p, owner in zip(self._all, self.owners, strict=True)]
-        return list(self._all), grads
+        return [next(mine) if owner == self.dp.rank else self.grad_of(p)
+                for p, owner in zip(self._all, self.owners, strict=True)]
 
     def publish(self) -> None:
         if self._broadcast is not None:

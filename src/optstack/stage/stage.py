@@ -100,9 +100,10 @@ class Stage:
                              f"{len(built)} of sizes {[len(g) for g in built]})")
         self.optimizer = optimizer
         self._stepped = [t for group in stepped for t in group]
-        self._masters = {id(m) for m in self.precision.masters}
         self._ready: list[torch.Tensor | None] = []
-        self._counted: torch.Tensor | None = None
+        tp = self.placement.tp_rank  # which norm terms count is fixed with the parameters
+        self._counts = [counts_toward_norm(p, tp) for p in self.placement.norm_params(self.pieces)]
+        self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
 
     def __repr__(self) -> str:
@@ -130,12 +131,7 @@ class Stage:
         2-element fp32 tensor, the same on every rank. Collective."""
         self.placement.finish()
         self._ready = self.precision.ready(self.placement.grads(self.pieces))
-        params, grads = self.placement.norm_terms(self.pieces, self._ready)
-        pows = norm_pows(grads, norm_type, self.device)
-        if self._counted is None:  # fixed with the parameters; where grads are absent the norm is 0
-            tp = self.placement.tp_rank
-            self._counted = torch.tensor([counts_toward_norm(p, tp) for p in params], dtype=torch.bool,
-                                         device=self.device)
+        pows = norm_pows(self.placement.norm_grads(self._ready), norm_type, self.device)
         inf = math.isinf(norm_type)
         counted = pows[self._counted]
         local = (counted.max() if counted.numel() else pows.new_zeros(())) if inf else counted.sum()
@@ -144,10 +140,8 @@ class Stage:
 
     def count_zeros(self) -> torch.Tensor:
         """Zero elements of the counted ready gradients, summed over the placement's groups (0-d int64)."""
-        params, grads = self.placement.norm_terms(self.pieces, self._ready)
-        tp = self.placement.tp_rank
-        counted = [g for p, g in zip(params, grads, strict=True) if g is not None and counts_toward_norm(p, tp)]
-        total = zero_count(counted, self.device)
+        grads = self.placement.norm_grads(self._ready)
+        total = zero_count([g for g, c in zip(grads, self._counts, strict=True) if c and g is not None], self.device)
         return self.placement.comm.all_reduce(total, op="sum")[0]
 
     def step(self, grad_scale: float = 1.0) -> None:
@@ -217,16 +211,10 @@ class Stage:
         """The shards and group settings of ``state_dict`` after checking they fit (``ValueError`` naming
         what differs); changes nothing."""
         if isinstance(state_dict, dict) and "kind" in state_dict:
-            masters = [id(t) in self._masters for t in self._stepped]
+            ids = {id(m) for m in self.precision.masters}
+            masters = [id(t) in ids for t in self._stepped]
             state_dict = migrate(state_dict, self.pieces, self._stepped, masters)
         shards = from_plain(self.name, state_dict, self.optimizer.param_groups)
-        missing = [p.name for p in self.pieces if p.name not in shards]
-        if missing:
-            ours = {p.name for p in self.pieces}
-            unknown = [n for n in shards if n not in ours]
-            raise ValueError(f"{self.name}: the state dict has no state for {missing[:8]}"
-                             + (f" but state for {unknown[:8]}" if unknown else "")
-                             + "; it is from another model, grouping or rank")
         load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
         settings = state_dict["groups"]
         if any(not isinstance(s, dict) for s in settings):

@@ -61,7 +61,11 @@ def load_into(owner: str, optimizer: torch.optim.Optimizer, pieces: Sequence[Pie
         shard = shards.get(piece.name)
         shape = tuple(piece.param.shape)
         if shard is None or "param" not in shard.tensors:
-            raise ValueError(f"{owner}: no state for parameter {piece.name!r} (needs at least its 'param')")
+            held = {p.name for p in pieces}
+            unknown = [n for n in shards if n not in held][:8]
+            raise ValueError(f"{owner}: no state for parameter {piece.name!r} (needs at least its 'param')"
+                             + (f"; the state has parameters this rank does not step: {unknown}" if unknown else "")
+                             + "; is it from another model, grouping or rank?")
         if tuple(shard.shape) != shape or not shard.start <= piece.start <= piece.end <= shard.end:
             raise ValueError(
                 f"{owner}: the state of {piece.name!r} covers elements [{shard.start}, {shard.end}) of shape "
