@@ -35,8 +35,8 @@ def counts_toward_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-# A BLAS dot per tensor beats ``_foreach_norm`` on CPU from about this size (one thread: 16% on 1M-element
-# tensors); below it the per-call cost of a view and a dot loses to the multi-tensor norm.
+# A BLAS dot per tensor beats ``_foreach_norm`` on CPU from about this size (benchmarks/bench_norm.py, one
+# thread); below it the per-call cost of a view and a dot loses to the multi-tensor norm.
 _DOT_FROM = 1 << 16
 
 
@@ -46,13 +46,13 @@ def norm_pows(grads: Sequence[torch.Tensor | None], norm_type: float, device: to
     tensors one BLAS dot each (no square root to undo)."""
     out = torch.zeros(len(grads), dtype=torch.float32, device=device)
     buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
-    for i, grad in enumerate(grads):
+    for i, grad in enumerate(grads):  # few attribute reads per tensor: this loop runs over every gradient
         if grad is not None:
-            dot = (norm_type == 2.0 and grad.dtype == torch.float32 and grad.device.type == "cpu"
-                   and grad.numel() >= _DOT_FROM and grad.is_contiguous())
-            buckets.setdefault((grad.device, grad.dtype, dot), []).append(i)
-    for (_, dtype, dot), indices in buckets.items():
+            buckets.setdefault((grad.device, grad.dtype, grad.numel() >= _DOT_FROM), []).append(i)
+    for (where, dtype, large), indices in buckets.items():
         bucket: list[torch.Tensor] = [grads[i] for i in indices]  # type: ignore[misc]
+        dot = (large and norm_type == 2.0 and dtype == torch.float32 and where.type == "cpu"
+               and all(g.is_contiguous() for g in bucket))
         if dot:
             pows = torch.stack([torch.dot(v, v) for v in (g.view(-1) for g in bucket)]).to(device)
         else:
