@@ -153,7 +153,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         if not self._stages:
             raise ValueError("add_param_group: this optimizer has no stages (no parameters on this rank)")
         wanted = param_group.get("algorithm")
-        stages = [s for s in self._stages if wanted is None or algorithm_name(s.optimizer).lower() == str(wanted).lower()
+        stages = [s for s in self._stages
+                  if wanted is None or algorithm_name(s.optimizer).lower() == str(wanted).lower()
                   or any(g.get("algorithm") == wanted for g in s.param_groups)]
         if not stages:
             have = sorted({str(g.get("algorithm")) for g in self.param_groups})
