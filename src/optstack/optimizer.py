@@ -25,6 +25,7 @@ from optstack.clip import check_norm_type, clip_coefficient
 from optstack.precision.scaler import LossScaler, NoScaler
 from optstack.protocol import StepResult, algorithm_name, phase
 from optstack.stage import Stage
+from optstack.stage.sharded import is_sharded, local_part
 
 __all__ = ["ChainedOptimizer", "GradSync"]
 
@@ -108,6 +109,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
         self._grad_syncs = list(grad_syncs)
         self.last_result: StepResult | None = None
+        self._has_state = False  # the same on every rank (steps and loads are collective), unlike len(state)
 
     def __repr__(self) -> str:
         kinds = ", ".join(repr(s) for s in self._stages)
@@ -132,7 +134,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         tensors, shaped like the parameter when this rank steps it whole, else this rank's flat range of it
         (ZeRO-1), and ``"master"`` (the fp32 master) for bf16/fp16 parameters. Parameters this rank does not
         step, or not yet stepped, are absent. The mapping is read afresh on each access."""
-        return _State(self._stages)
+        return _State(self._stages, self._has_state)
 
     @property
     def loss_scale(self) -> float:
@@ -193,6 +195,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         grad_norm = (total if inf else total ** (1.0 / self.norm_type)) * inv_scale
         if self.grad_norm_skip_threshold is not None and grad_norm > self.grad_norm_skip_threshold:
             return StepResult(applied=False, grad_norm=grad_norm, num_zeros=None, loss_scale=self._scaler.scale)
+        self._has_state = True
         coeff = clip_coefficient(grad_norm, self.clip_grad) if self.clip_grad > 0 else 1.0
         num_zeros = None
         if self.log_num_zeros_in_grad:
@@ -230,13 +233,14 @@ class ChainedOptimizer(torch.optim.Optimizer):
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's format, for this rank: ``{"state": {i: {key: value}}, "param_groups": [{settings...,
-        "params": [i, ...], "param_names": [...]}], "optstack": {"version": 2, "scaler": {...}}}``, ``i``
+        "params": [i, ...], "param_names": [...]}], "optstack": {"version": 2, "scaler": {...}, "has_state": bool}}``,
+        ``i``
         counting the parameters of ``param_groups`` in order. State is as ``state`` shows it (references to
         the live tensors: ``torch.save`` or copy to snapshot). Only this rank's part of a sharded placement:
         for a checkpoint that loads at any data-parallel size use ``optstack.checkpoint`` or DCP."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        held = _held(self._stages)
+        held = {k: e for stage in self._stages for k, e in stage.sharded_torch_state().items()}
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
@@ -249,7 +253,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 index += 1
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": ids})
         out = {"state": state, "param_groups": groups,
-               "optstack": {"version": _STATE_VERSION, "scaler": self._scaler.state_dict()}}
+               "optstack": {"version": _STATE_VERSION, "scaler": self._scaler.state_dict(), "has_state": self._has_state}}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, out) or out
         return out
@@ -292,12 +296,19 @@ class ChainedOptimizer(torch.optim.Optimizer):
             for key, param in zip(ids, ours["params"], strict=True):
                 if key in state_dict["state"]:
                     entries[id(param)] = _local(state_dict["state"][key])
+        meta = state_dict.get("optstack", {})
+        if meta.get("has_state") and not entries and not state_dict["state"]:
+            raise ValueError(
+                "the state dict was saved with optimizer state but holds none: a dcp.load into an optimizer that "
+                "has no state yet has no tensors to read it into. Load through "
+                "optstack.checkpoint.OptimizerState(model, optimizer) (or get/set_optimizer_state_dict)")
         loaded = [stage.shards_from_torch(entries) for stage in self._stages]
-        scaler = state_dict.get("optstack", {}).get("scaler")
+        scaler = meta.get("scaler")
         if scaler is not None:
             self._scaler.validate_state_dict(scaler)
         for stage, shards in zip(self._stages, loaded, strict=True):
             stage.load_param_shards(shards)
+        self._has_state = self._has_state or bool(entries)
         for theirs, ours in zip(saved, self.param_groups, strict=True):
             ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
         for stage in self._stages:
@@ -325,22 +336,29 @@ class ChainedOptimizer(torch.optim.Optimizer):
 _STATE_VERSION = 2
 
 
-def _held(stages: Sequence[Stage]) -> dict[int, dict[str, Any]]:
-    return {key: entry for stage in stages for key, entry in stage.torch_state().items()}
-
-
 def _local(entry: Any) -> dict[str, Any]:
+    """A parameter's state with ``ShardedTensor``s (``Stage.sharded_torch_state``) cut to this rank's part."""
     if not isinstance(entry, Mapping):
         raise ValueError(f"a parameter's state must be a dict of state values, got {type(entry).__name__}")
-    return dict(entry)
+    out = {}
+    for key, value in entry.items():
+        if is_sharded(value):
+            if (value := local_part(value)) is None:
+                continue
+        out[key] = value
+    return out
 
 
 class _State(Mapping[torch.Tensor, dict[str, Any]]):
     """``ChainedOptimizer.state``: model parameter -> its state on this rank (read-only mapping)."""
 
-    def __init__(self, stages: Sequence[Stage]) -> None:
+    def __init__(self, stages: Sequence[Stage], started: bool) -> None:
         self._params = {id(p): p for stage in stages for g in stage.param_groups for p in g["params"]}
-        self._held = _held(stages)
+        self._held = {key: entry for stage in stages for key, entry in stage.torch_state().items()}
+        self._started = started
+
+    def __bool__(self) -> bool:
+        return self._started or bool(self._held)
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         if id(param) in self._held:

@@ -76,6 +76,8 @@ class Placement:
             raise ValueError(f"tp_rank must be an int >= 0, got {tp_rank!r}")
         self.grad_of: GradOf = grad_of if grad_of is not None else _grad_attr
         self.comm = ComposedComm(list(reduce_over))
+        #: the group whose ranks hold different parts of one parameter's state (None: every rank holds it all)
+        self.shard_comm: Comm | NullComm | None = None
         self.tp_rank = tp_rank
         self.device = device
 
@@ -127,6 +129,7 @@ class Zero1(Placement):
         super().__init__(reduce_over=layout.reduce_over, tp_rank=layout.tp_rank, device=layout.device)
         self.layout = layout
         self.gather: ParamGather = layout.gather
+        self.shard_comm = layout.reduce_over[0]
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         out = []
@@ -203,7 +206,7 @@ class LayerWise(Placement):
                  tp_rank: int = 0, device: torch.device | None = None,
                  cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
         super().__init__(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
-        self.dp = comm
+        self.dp = self.shard_comm = comm
         self.cost = cost
         self.owners: list[int] = []
         self._all: list[torch.Tensor] = []

@@ -27,6 +27,7 @@ from optstack.clip import counts_toward_norm, norm_pows, zero_count
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
+from optstack.stage.sharded import to_sharded
 from optstack.stage.state import from_plain, load_into, migrate, shards_of, to_plain
 
 __all__ = ["Stage"]
@@ -234,6 +235,18 @@ class Stage:
             if entry:
                 out[id(piece.param)] = {**entry, "master": inner.detach()} if id(inner) in masters else entry
         return out
+
+    def sharded_torch_state(self) -> dict[int, dict[str, Any]]:
+        """``torch_state``, for a placement that spreads parameters' state over ranks with element-wise
+        tensors as ``ShardedTensor``s of the flattened parameter, for every parameter some rank holds
+        (``stage/sharded.py``; what DCP needs to reshard). Collective over that group."""
+        comm = self.placement.shard_comm
+        entries = self.torch_state()
+        if comm is None or comm.size == 1:
+            return entries
+        params = [p for g in self.param_groups for p in g["params"]]
+        ranges = {id(p.param): (p.start, p.end, str(p.value.device)) for p in self.pieces}
+        return to_sharded(entries, params, ranges, comm)
 
     def shards_from_torch(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, ParamShard]:
         """The ``ParamShard``s of this rank's pieces from ``torch_state``-like entries (keyed by ``id`` of the

@@ -1,0 +1,68 @@
+"""A sharded stage's torch-format state as ``ShardedTensor``s, so DCP writes each range once and reads it back
+at another data-parallel size.
+
+Under ZeRO-1 (ranges of flattened parameters) and layer-wise (whole parameters on their owner) each rank holds
+a different part of a parameter's state under the same key; as plain tensors DCP would keep one rank's and
+drop the rest. Here each element-wise state tensor becomes a ``ShardedTensor`` of the flattened parameter,
+``(numel,)``, whose local shard is a view of the live state (``dcp.load`` writes straight into it), on every
+rank of the shard group, holding a part or not. Scalars (``step``) stay plain, on the ranks holding a part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from optstack.distributed.comm import Comm
+
+__all__ = ["is_sharded", "local_part", "to_sharded"]
+
+
+def _element_wise(key: str, value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.dim() > 0 or key == "master")
+
+
+def to_sharded(entries: Mapping[int, Mapping[str, Any]], params: Sequence[torch.Tensor],
+               ranges: Mapping[int, tuple[int, int]], comm: Comm) -> dict[int, dict[str, Any]]:
+    """``entries`` (``id(param)`` -> this rank's state, as ``Stage.torch_state``) for every one of ``params``,
+    element-wise tensors as ``ShardedTensor``s over ``comm``. ``ranges``: ``id(param)`` -> the flat range this
+    rank holds. Collective over ``comm`` (one exchange of the ranks' tables)."""
+    mine = {i: (*ranges[id(p)], {k: str(v.dtype) for k, v in entries[id(p)].items() if _element_wise(k, v)})
+            for i, p in enumerate(params) if id(p) in entries}
+    tables = comm.all_gather_object(mine)
+    me = comm.global_ranks[comm.rank]
+    out: dict[int, dict[str, Any]] = {}
+    for i, param in enumerate(params):
+        holders = [(comm.global_ranks[r], table[i]) for r, table in enumerate(tables) if i in table]
+        if not holders:
+            continue
+        local = entries.get(id(param), {})
+        entry = {k: v for k, v in local.items() if not _element_wise(k, v)}
+        keys = {k: d for _, (*_, dtypes) in holders for k, d in dtypes.items()}
+        metas = {rank: ShardMetadata([start], [end - start], f"rank:{rank}/{device}")
+                 for rank, (start, end, device, _) in holders if end > start}
+        for key, dtype in keys.items():
+            shards = [Shard(local[key].detach().reshape(-1), metas[me])] if me in metas and key in local else []
+            properties = TensorProperties(dtype=getattr(torch, dtype.removeprefix("torch.")), requires_grad=False)
+            metadata = ShardedTensorMetadata(list(metas.values()), torch.Size([param.numel()]), properties)
+            entry[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, metadata, process_group=comm.group)
+        out[id(param)] = entry
+    return out
+
+
+def is_sharded(value: Any) -> bool:
+    return isinstance(value, ShardedTensor)
+
+
+def local_part(value: ShardedTensor) -> torch.Tensor | None:
+    """This rank's elements of a flat ``ShardedTensor`` (its local shards in offset order), None if none."""
+    shards = sorted(value.local_shards(), key=lambda s: s.metadata.shard_offsets[0])
+    if not shards:
+        return None
+    return torch.cat([s.tensor.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].tensor.reshape(-1)
