@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the demo GPT. Settings: defaults, then --config FILE.toml, then "
                        "--set section.key=value (repeatable; sections model, data, train, schedule, "
                        "optimizer), then the shortcut flags below. Without an explicit lr, each optimizer "
-                       "gets its own default (optimizer.lr), min_lr = lr / 10 and weight_decay 0.1.")
+                       "gets its own default (optimizer.lr), min_lr = lr / 10, weight_decay 0.1 and "
+                       "clip_grad 1.0.")
     _add_run_flags(t)
     t.add_argument("--out", help="run directory (default runs/<optimizer>-<date>-<time>)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
