@@ -64,7 +64,8 @@ def test_model_factory_spec(capsys: pytest.CaptureFixture[str]) -> None:
     report = groups_json(capsys, "--model", "optstack.demo.gpt:build_demo_model")
     assert report["parameters"][0]["name"] == "tok_emb.weight"
     bad = [("nocolon", "package.module:factory"), ("no_such_module_x:f", "cannot import"),
-           ("optstack.demo.gpt:nothing", "no callable"), ("optstack.demo.gpt:GPTConfig", "nn.Module")]
+           ("optstack.demo.gpt:nothing", "no callable"), ("optstack.demo.gpt:GPTConfig", "nn.Module"),
+           (".relative:build", "package.module:factory"), ("optstack.demo.gpt:a.b", "package.module:factory")]
     for spec, message in bad:
         assert main(["groups", "--model", spec]) == 2
         err = capsys.readouterr().err
@@ -82,6 +83,24 @@ def test_user_errors_exit_2_without_traceback(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_info:
         main(["groups", "--no-such-flag"])
     assert exit_info.value.code == 2
+
+
+def test_factory_that_needs_arguments_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["groups", "--model", "torch.nn:Linear"]) == 2
+    err = capsys.readouterr().err
+    assert "'torch.nn:Linear'" in err and "callable with no arguments" in err
+    assert "in_features, out_features" in err and "wrap it in a function" in err
+    assert "Traceback" not in err and "TypeError" not in err
+
+
+@pytest.mark.parametrize("command", ["train", "groups", "compare"])
+def test_unknown_option_prints_the_subcommands_usage(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--stepz", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: optstack {command} ")
+    assert f"optstack {command}: error: unrecognized arguments: --stepz 3" in err
 
 
 def test_lr_plot_has_one_line_per_param_group() -> None:
