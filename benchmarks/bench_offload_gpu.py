@@ -140,7 +140,8 @@ def run_variant(name: str, offload: OffloadConfig, args: argparse.Namespace, dev
         timer.seconds.clear()
         set_phase_hook(timer)
         try:
-            result = built.optimizer.step()
+            built.optimizer.step()
+            result = built.optimizer.last_result
         finally:
             set_phase_hook(None)
         _sync(device)

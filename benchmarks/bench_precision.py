@@ -78,7 +78,8 @@ def measure(
             for current, chain in chains.items():
                 _sync(device)
                 t0 = time.perf_counter()
-                result = chain.step()
+                chain.step()
+                result = chain.last_result
                 _sync(device)
                 step_times[current].append(time.perf_counter() - t0)
                 assert result.applied

@@ -42,7 +42,8 @@ def _train(model: nn.Module, built: BuiltOptimizer, steps: range) -> list[float]
         dtype = next(model.parameters()).dtype
         loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
         built.optimizer.scale_loss(loss).backward()
-        scales.append(built.optimizer.step().loss_scale)
+        built.optimizer.step()
+        scales.append(built.optimizer.last_result.loss_scale)
         built.optimizer.zero_grad()
         assert built.scheduler is not None
         built.scheduler.step()

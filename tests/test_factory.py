@@ -101,7 +101,8 @@ def test_bf16_masters_track_fp32():
         for model, opt, dt in ((m32, o32, torch.float32), (m16, o16, torch.bfloat16)):
             opt.zero_grad()
             _loss(model, x.to(dt)).backward()
-            assert opt.step().applied
+            opt.step()
+            assert opt.last_result.applied
     for p, q in zip(m32.parameters(), m16.parameters(), strict=True):
         assert q.dtype == torch.bfloat16
         torch.testing.assert_close(q.float(), p, rtol=0.05, atol=0.02)
@@ -114,12 +115,14 @@ def test_fp16_default_dynamic_scaler_skips_overflow_then_recovers():
     before = [p.clone() for p in m.parameters()]
     opt.zero_grad()
     opt.scale_loss(_loss(m, _batches(1, torch.float16)[0]) * 1e10).backward()  # overflows fp16 grads
-    r = opt.step()
+    opt.step()
+    r = opt.last_result
     assert not r.applied and r.loss_scale == 2.0**7
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
     opt.zero_grad()
     opt.scale_loss(_loss(m, _batches(1, torch.float16)[0])).backward()
-    assert opt.step().applied
+    opt.step()
+    assert opt.last_result.applied
 
 
 def test_explicit_empty_rules_means_one_group_and_user_rules_extend_defaults():

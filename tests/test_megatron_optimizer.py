@@ -65,7 +65,7 @@ def test_step_is_megatrons_tuple_and_matches_torch_adamw() -> None:
     opt = get_megatron_optimizer(cfg, [model])
     ref_groups = [{**g, "lr": g["max_lr"], "weight_decay": 0.1 * g["wd_mult"]}
                   for g in get_param_groups([ref_model], cfg, None)]
-    ref = torch.optim.AdamW(ref_groups, lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    ref = torch.optim.AdamW(ref_groups, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, fused=True)
     for result in train(opt, model, 5):
         ref.zero_grad()
         loss_of(ref_model).backward()

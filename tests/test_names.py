@@ -105,7 +105,8 @@ def test_build_optimizer_takes_parameters_and_pairs():
     built = build_optimizer(OptimizerConfig(lr=1e-2), model.parameters())  # a generator: read once
     assert sorted(built.group_of()) == [f"param.{i}" for i in range(6)]
     model(torch.randn(5, 4)).square().mean().backward()
-    assert built.optimizer.step().applied
+    built.optimizer.step()
+    assert built.optimizer.last_result.applied
     pairs = build_optimizer(OptimizerConfig(lr=1e-2), model.named_parameters())
     assert sorted(pairs.group_of()) == sorted(PLAIN)
     with pytest.raises(ValueError, match="no trainable parameters"):

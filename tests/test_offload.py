@@ -56,7 +56,8 @@ def _train(model: nn.Module, built, batches: list[torch.Tensor]) -> None:
     for x in batches:
         built.optimizer.zero_grad()
         model(x).float().pow(2).mean().backward()
-        assert built.optimizer.step().applied
+        built.optimizer.step()
+        assert built.optimizer.last_result.applied
         built.scheduler.step()
 
 
@@ -120,7 +121,8 @@ def test_fp16_loss_scaling_and_a_skipped_step_match_plain() -> None:
             built.optimizer.zero_grad()
             loss = model(x).float().pow(2).mean() * (float("inf") if i == 1 else 1.0)
             built.optimizer.scale_loss(loss).backward()
-            applied.append(built.optimizer.step().applied)
+            built.optimizer.step()
+            applied.append(built.optimizer.last_result.applied)
             built.scheduler.step()
         return _flat(model), applied
 

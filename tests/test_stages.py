@@ -82,7 +82,8 @@ def test_fp32_stage_equals_torch_adamw_bitwise() -> None:
     for x, y in zip(xs, ys, strict=True):
         _backward(ours, x, y)
         _backward(ref, x, y)
-        assert chain.step().applied
+        chain.step()
+        assert chain.last_result.applied
         ref_opt.step()
         chain.zero_grad()
         ref_opt.zero_grad()
@@ -124,7 +125,9 @@ def test_bf16_with_fp32_masters_tracks_fp32_run() -> None:
     for x, y in zip(xs, ys, strict=True):
         ref_loss, low_loss = _backward(ref, x, y), _backward(low, x, y)
         assert abs(low_loss - ref_loss) <= 2e-3 * ref_loss
-        assert ref_chain.step().applied and chain.step().applied
+        ref_chain.step()
+        chain.step()
+        assert ref_chain.last_result.applied and chain.last_result.applied
         ref_chain.zero_grad()
         chain.zero_grad()
     for p, master in zip(ref.parameters(), stage.master_params, strict=True):
@@ -145,7 +148,8 @@ def test_fp16_dynamic_scaling_recovers_from_injected_infs() -> None:
         losses.append(_backward(model, x, y, scale=chain.loss_scale))
         if step in inject:
             next(model.parameters()).grad[0, 0] = float("inf")
-        result = chain.step()
+        chain.step()
+        result = chain.last_result
         chain.zero_grad()
         scales.append(result.loss_scale)
         applied.append(result.applied)
@@ -167,7 +171,8 @@ def test_fp16_real_overflow_backs_off_until_finite() -> None:
     xs, ys = _batches(14)
     for x, y in zip(xs, ys, strict=True):
         _backward(model, x, y, scale=chain.loss_scale)
-        results.append(chain.step())
+        chain.step()
+        results.append(chain.last_result)
         chain.zero_grad()
     # 2**24 overflows fp16 gradients: with hysteresis 1 every overflow halves the scale at once, every
     # clean step keeps it (the growth window is 1000), until the scaled gradients fit and training proceeds.
@@ -192,7 +197,8 @@ def test_skipped_step_changes_nothing(stage_cls: type) -> None:
     before = _snapshot(model, stage)
     _backward(model, xs[2], ys[2], scale=chain.loss_scale)
     list(model.parameters())[-1].grad[0] = float("nan")
-    result = chain.step()
+    chain.step()
+    result = chain.last_result
     assert not result.applied and result.grad_norm is None and result.loss_scale == 2.0
     _assert_bitwise_equal(_snapshot(model, stage), before)  # params, masters, moments, step counts
 
@@ -239,15 +245,17 @@ def test_mixed_steps_fp32_params_directly() -> None:
     torch.manual_seed(0)
     model = _GainHead()
     stage = replicated_stage(_groups(model), _adamw)
-    inner = stage.param_groups[0]["params"]
-    names = stage.param_groups[0]["param_names"]
+    inner = stage.optimizer.param_groups[0]["params"]
+    names = stage.optimizer.param_groups[0]["param_names"]
     assert names == ["gain", "body.weight", "body.bias"]  # module's own params come first
     assert inner[0] is model.gain and inner[1] is not model.body.weight and inner[2] is not model.body.bias
     assert [m.dtype for m in stage.master_params] == [torch.float32] * 2
     x, y = (b[0] for b in _batches(1))
     ((model(x) - y) ** 2).mean().backward()
     gain_before = model.gain.detach().clone()
-    assert ChainedOptimizer([stage]).step().applied
+    chain = ChainedOptimizer([stage])
+    chain.step()
+    assert chain.last_result.applied
     assert not torch.equal(model.gain, gain_before) and stage.optimizer.state[model.gain]["step"] == 1
     assert torch.equal(model.body.weight, stage.master_params[0].to(torch.bfloat16))
 

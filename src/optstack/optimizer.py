@@ -1,23 +1,29 @@
-"""Several stages stepped as one optimizer: one loss scaler, one global grad norm, one clip factor, one skip
-decision, one state dict.
+"""Several stages stepped as one ``torch.optim.Optimizer``: one loss scaler, one global grad norm, one clip
+factor, one skip decision, one state dict.
 
 Dense and expert parameters, or Muon and its scalar optimizer, live in separate stages; a plain optimizer
-is a chain of one stage; a rank with nothing to optimize holds a chain of none (it still returns a
-``StepResult``). The step reads every gradient once before the update (``Stage.grad_stats``) and syncs
-with the host once for the norm and the finite check of all stages together.
+is a chain of one stage; a rank with nothing to optimize holds a chain of none (it still steps, as a null
+optimizer). The step reads every gradient once before the update (``Stage.grad_stats``) and syncs with the
+host once for the norm and the finite check of all stages together.
+
+torch's contract holds: ``param_groups`` are the model-side groups (every parameter of the group, on every
+rank; live: a torch LR scheduler or optstack's ``Scheduler`` writes ``lr`` there and the next step uses it),
+``state`` maps each model parameter to its state, ``step(closure)`` returns the closure's loss, ``state_dict``
+is torch's format, and torch's step and state-dict hooks run. What a step did is ``last_result``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from optstack.clip import check_norm_type, clip_coefficient
 from optstack.precision.scaler import LossScaler, NoScaler
-from optstack.protocol import StepResult, phase
+from optstack.protocol import StepResult, algorithm_name, phase
 from optstack.stage import Stage
 
 __all__ = ["ChainedOptimizer", "GradSync"]
@@ -31,7 +37,7 @@ class GradSync(Protocol):
     def zero_grad_buffer(self) -> None: ...
 
 
-class ChainedOptimizer:
+class ChainedOptimizer(torch.optim.Optimizer):
     """Steps a sequence of stages as one optimizer.
 
     Args:
@@ -44,6 +50,12 @@ class ChainedOptimizer:
         grad_syncs: objects owning the model's gradients (data-parallel wrappers): ``step`` first calls
             their ``finish_grad_sync()`` (a no-op when the training loop already did) and ``zero_grad``
             their ``zero_grad_buffer()``.
+        defaults: torch's ``defaults`` (the settings a group added without them gets); default: the first
+            stage's inner optimizer's.
+
+    Attributes:
+        param_groups: every stage's model-side groups, in stage order (live dicts, one list).
+        last_result: the ``StepResult`` of the latest ``step()`` (None before the first).
     """
 
     def __init__(
@@ -56,17 +68,19 @@ class ChainedOptimizer:
         grad_norm_skip_threshold: float | None = None,
         log_num_zeros_in_grad: bool = False,
         grad_syncs: Sequence[GradSync] = (),
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
         stages = list(stages)
         seen: dict[int, int] = {}
         for index, stage in enumerate(stages):
             if not isinstance(stage, Stage):
                 raise ValueError(f"stages[{index}] must be an optstack Stage, got {type(stage).__name__}")
-            for piece in stage.pieces:
-                if seen.setdefault(id(piece.param), index) != index:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(piece.param.shape)} is in stages[{seen[id(piece.param)]}] "
-                        f"and stages[{index}]; every parameter must belong to exactly one stage")
+            for group in stage.param_groups:
+                for param in group["params"]:
+                    if seen.setdefault(id(param), index) != index:
+                        raise ValueError(
+                            f"a parameter of shape {tuple(param.shape)} is in stages[{seen[id(param)]}] and "
+                            f"stages[{index}]; every parameter must belong to exactly one stage")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise ValueError(f"scaler must be a LossScaler (NoScaler, ConstantScaler, DynamicScaler), got {scaler!r}")
         if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or not clip_grad >= 0:
@@ -75,17 +89,33 @@ class ChainedOptimizer:
             isinstance(grad_norm_skip_threshold, (int, float)) and grad_norm_skip_threshold > 0
         ):
             raise ValueError(f"grad_norm_skip_threshold must be None or a number > 0, got {grad_norm_skip_threshold!r}")
+        # torch.optim.Optimizer.__init__ would add the groups through add_param_group; the stages hold them
+        # already, so set what it sets (hooks, the patched step that runs them) and nothing else.
+        self.defaults = dict(defaults if defaults is not None else stages[0].optimizer.defaults if stages else {})
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
         self._stages = stages
+        self.param_groups: list[dict[str, Any]] = [g for stage in stages for g in stage.param_groups]
         self._scaler: LossScaler = scaler if scaler is not None else NoScaler()
         self.clip_grad = float(clip_grad)
         self.norm_type = check_norm_type(norm_type)
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
         self._grad_syncs = list(grad_syncs)
+        self.last_result: StepResult | None = None
 
     def __repr__(self) -> str:
         kinds = ", ".join(repr(s) for s in self._stages)
         return f"ChainedOptimizer([{kinds}], scaler={type(self._scaler).__name__}, clip_grad={self.clip_grad})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("an optstack optimizer cannot be pickled or deep-copied (it holds views of the model and "
+                        "process groups); save optimizer.state_dict() instead")
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -97,9 +127,12 @@ class ChainedOptimizer:
         return self._scaler
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """Every stage's param groups, in stage order (live dicts: a scheduler may write ``lr`` into them)."""
-        return [group for stage in self._stages for group in stage.param_groups]
+    def state(self) -> _State:  # type: ignore[override]
+        """Model parameter -> its optimizer state on this rank (torch's ``optimizer.state``): the live state
+        tensors, shaped like the parameter when this rank steps it whole, else this rank's flat range of it
+        (ZeRO-1), and ``"master"`` (the fp32 master) for bf16/fp16 parameters. Parameters this rank does not
+        step, or not yet stepped, are absent. The mapping is read afresh on each access."""
+        return _State(self._stages)
 
     @property
     def loss_scale(self) -> float:
@@ -109,17 +142,43 @@ class ChainedOptimizer:
         """The loss multiplied by the current loss scale; call ``backward()`` on this."""
         return self._scaler.scale_loss(loss)
 
-    # -- the step ------------------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> StepResult:
-        """One step of every stage, or of none.
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of new parameters (torch's semantics), to the stage of its ``"algorithm"`` (default: the
+        first stage). Only where parameters are stepped whole from their own ``.grad``; elsewhere (ZeRO-1,
+        layer-wise, a data-parallel wrapper) a ``ValueError`` says why and nothing changes."""
+        if not isinstance(param_group, dict):
+            raise ValueError(f"add_param_group needs a dict with 'params', got {type(param_group).__name__}")
+        if isinstance(param_group.get("params"), torch.Tensor):
+            param_group = {**param_group, "params": [param_group["params"]]}
+        if not self._stages:
+            raise ValueError("add_param_group: this optimizer has no stages (no parameters on this rank)")
+        wanted = param_group.get("algorithm")
+        stages = [s for s in self._stages
+                  if wanted is None or algorithm_name(s.optimizer).lower() == str(wanted).lower()
+                  or any(g.get("algorithm") == wanted for g in s.param_groups)]
+        if not stages:
+            have = sorted({str(g.get("algorithm")) for g in self.param_groups})
+            raise ValueError(f"add_param_group: no stage steps algorithm {wanted!r} (this optimizer has {have}); "
+                             "build the optimizer with a rule routing some parameters to it")
+        stages[0].add_param_group(param_group)
+        self.param_groups[:] = [g for stage in self._stages for g in stage.param_groups]
 
-        A non-finite gradient in any stage skips the step (no parameter, optimizer state or step count
-        changes) and reports ``grad_norm=None``; a global norm above ``grad_norm_skip_threshold`` skips it
-        too, reporting the norm. ``closure``, if given, is called first with grad enabled.
+    # -- the step ------------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step of every stage, or of none; returns the closure's loss (None without one), as torch.
+
+        ``closure``, if given, is called first with grad enabled. A non-finite gradient in any stage skips
+        the step (no parameter, optimizer state or step count changes; ``last_result.grad_norm`` is None);
+        a global norm above ``grad_norm_skip_threshold`` skips it too. ``last_result`` says what happened.
         """
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
+        self.last_result = self._step()
+        return loss
+
+    def _step(self) -> StepResult:
         if self._grad_syncs:
             with phase("finish_grad_sync"):
                 for sync in self._grad_syncs:
@@ -162,6 +221,7 @@ class ChainedOptimizer:
             stage.finish_param_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every gradient: the data-parallel wrappers' buffers, and each parameter's ``.grad``."""
         for sync in self._grad_syncs:
             sync.zero_grad_buffer()
         for stage in self._stages:
@@ -169,14 +229,83 @@ class ChainedOptimizer:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``{"stages": [each stage's name-keyed state dict], "scaler": the scaler's}``."""
-        return {"stages": [stage.state_dict() for stage in self._stages], "scaler": self._scaler.state_dict()}
+        """torch's format, for this rank: ``{"state": {i: {key: value}}, "param_groups": [{settings...,
+        "params": [i, ...], "param_names": [...]}], "optstack": {"version": 2, "scaler": {...}}}``, ``i``
+        counting the parameters of ``param_groups`` in order. State is as ``state`` shows it (references to
+        the live tensors: ``torch.save`` or copy to snapshot). Only this rank's part of a sharded placement:
+        for a checkpoint that loads at any data-parallel size use ``optstack.checkpoint`` or DCP."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        held = _held(self._stages)
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            ids = []
+            for param in group["params"]:
+                if (entry := held.get(id(param))) is not None:
+                    state[index] = dict(sorted(entry.items()))  # one key order, however the state was made
+                ids.append(index)
+                index += 1
+            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": ids})
+        out = {"state": state, "param_groups": groups,
+               "optstack": {"version": _STATE_VERSION, "scaler": self._scaler.state_dict()}}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            out = post_hook(self, out) or out
+        return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """All or nothing: every stage's part and the scaler's are validated before any is applied; on a
-        mismatch a ``ValueError`` names it and the optimizer is unchanged."""
-        if not isinstance(state_dict, dict) or not {"stages", "scaler"} <= state_dict.keys():
-            raise ValueError("chained optimizer state dict must be a dict with 'stages' and 'scaler'")
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a ``state_dict()`` of an optimizer over the same groups (torch's rule: parameters are matched by
+        position in ``param_groups``, whatever ids the dict uses), all or nothing: everything is checked
+        before anything changes, and a mismatch is a ``ValueError`` naming it. Group settings are taken from
+        the dict; the loss scaler's state too when it has an ``"optstack"`` entry. A state dict of optstack
+        0.2 (``{"stages": [...], "scaler": ...}``) loads as well."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        if isinstance(state_dict, Mapping) and {"stages", "scaler"} <= state_dict.keys():
+            self._load_stages(state_dict)
+        else:
+            self._load_torch(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_torch(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+            got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"an optimizer state dict needs 'state' and 'param_groups' (from state_dict()); got {got}")
+        saved = state_dict["param_groups"]
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.param_groups):
+            got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            raise ValueError(f"the state dict has {got} param groups, this optimizer has {len(self.param_groups)}; "
+                             "it was saved from an optimizer built over other parameters or rules")
+        entries: dict[int, Any] = {}
+        for index, (theirs, ours) in enumerate(zip(saved, self.param_groups, strict=True)):
+            ids = theirs.get("params") if isinstance(theirs, Mapping) else None
+            if not isinstance(ids, (list, tuple)) or len(ids) != len(ours["params"]):
+                got = len(ids) if isinstance(ids, (list, tuple)) else repr(ids)
+                raise ValueError(f"param group {index} holds {got} parameters in the state dict, "
+                                 f"{len(ours['params'])} here")
+            names = theirs.get("param_names")
+            if names is not None and list(names) != list(ours["param_names"]):
+                differ = [f"{a!r} vs {b!r}" for a, b in zip(names, ours["param_names"], strict=False) if a != b]
+                raise ValueError(f"param group {index} names other parameters in the state dict: {differ[:4]}")
+            for key, param in zip(ids, ours["params"], strict=True):
+                if key in state_dict["state"]:
+                    entries[id(param)] = _local(state_dict["state"][key])
+        loaded = [stage.shards_from_torch(entries) for stage in self._stages]
+        scaler = state_dict.get("optstack", {}).get("scaler")
+        if scaler is not None:
+            self._scaler.validate_state_dict(scaler)
+        for stage, shards in zip(self._stages, loaded, strict=True):
+            stage.load_param_shards(shards)
+        for theirs, ours in zip(saved, self.param_groups, strict=True):
+            ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+        for stage in self._stages:
+            stage.sync_settings()
+        if scaler is not None:
+            self._scaler.load_state_dict(scaler)
+
+    def _load_stages(self, state_dict: Mapping[str, Any]) -> None:
         parts = state_dict["stages"]
         if not isinstance(parts, (list, tuple)) or len(parts) != len(self._stages):
             got = len(parts) if isinstance(parts, (list, tuple)) else type(parts).__name__
@@ -191,3 +320,40 @@ class ChainedOptimizer:
         for stage, part in zip(self._stages, parts, strict=True):
             stage.load_state_dict(part)
         self._scaler.load_state_dict(state_dict["scaler"])
+
+
+_STATE_VERSION = 2
+
+
+def _held(stages: Sequence[Stage]) -> dict[int, dict[str, Any]]:
+    return {key: entry for stage in stages for key, entry in stage.torch_state().items()}
+
+
+def _local(entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"a parameter's state must be a dict of state values, got {type(entry).__name__}")
+    return dict(entry)
+
+
+class _State(Mapping[torch.Tensor, dict[str, Any]]):
+    """``ChainedOptimizer.state``: model parameter -> its state on this rank (read-only mapping)."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        self._params = {id(p): p for stage in stages for g in stage.param_groups for p in g["params"]}
+        self._held = _held(stages)
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        if id(param) in self._held:
+            return self._held[id(param)]
+        if id(param) in self._params:  # as torch's defaultdict, without inserting
+            return {}
+        raise KeyError(f"not a parameter of this optimizer (shape {tuple(getattr(param, 'shape', ()))})")
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self._params[key] for key in self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, param: object) -> bool:
+        return id(param) in self._held

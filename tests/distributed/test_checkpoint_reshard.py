@@ -82,7 +82,8 @@ def _train(wrapped: nn.Module, built: Any, steps: range) -> None:
         dtype = next(wrapped.parameters()).dtype
         loss = ((wrapped(x.to(dtype)).float() - y) ** 2).mean()
         built.optimizer.scale_loss(loss).backward()
-        assert built.optimizer.step().applied
+        built.optimizer.step()
+        assert built.optimizer.last_result.applied
         built.optimizer.zero_grad()
         built.scheduler.step()
 

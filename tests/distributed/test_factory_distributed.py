@@ -45,7 +45,8 @@ def _train(config_kwargs: dict, steps: int, distributed: bool) -> list[list[floa
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         opt.zero_grad()
         torch.nn.functional.mse_loss(wrapped(x), y).backward()
-        result = opt.step()  # finishes the gradient sync itself
+        opt.step()
+        result = opt.last_result  # finishes the gradient sync itself
         assert result.applied
         opt.finish_param_sync()  # with overlapped gathers the params are current only after this
         history.append(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist())

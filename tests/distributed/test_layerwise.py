@@ -91,7 +91,8 @@ def _reference(cfg: dict[str, Any], dp: int) -> dict[str, Any]:
             _loss(model, xs[rank], ys[rank]).backward()
             for p in model.parameters():
                 acc[p].add_(p.grad.float().mul_(1.0 / dp if cfg.get("average", True) else 1.0))
-        norms.append(chain.step().grad_norm)
+        chain.step()
+        norms.append(chain.last_result.grad_norm)
         params.append(_flat(model))
     return {"params": params, "norms": norms}
 
@@ -127,7 +128,8 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
         ddp.zero_grad_buffer()
         _loss(ddp, xs[world.rank], ys[world.rank]).backward()
         ddp.finish_grad_sync()
-        result = chain.step()
+        chain.step()
+        result = chain.last_result
         norms.append(result.grad_norm)
         clipped += result.grad_norm > cfg["clip"]
         chain.finish_param_sync()  # with overlap_param_gather the gathers are still in flight

@@ -56,7 +56,8 @@ def _train(model, wrapped, built, batches) -> None:
     for x, y in batches:
         built.optimizer.zero_grad()
         torch.nn.functional.mse_loss(wrapped(x).float(), y).backward()
-        assert built.optimizer.step().applied
+        built.optimizer.step()
+        assert built.optimizer.last_result.applied
         built.scheduler.step()
 
 

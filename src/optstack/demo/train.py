@@ -3,9 +3,10 @@
 ``train(cfg, out)`` is the whole run on one rank: load the corpus, build the model, wrap it for data
 parallelism (``wrap_data_parallel``; a world of one process is a world too), build the optimizer and
 scheduler through ``make_optimizer`` (the one place the optimizer comes from), then loop: micro-batches with
-gradient accumulation, ``optimizer.step() -> StepResult``, the scheduler stepped only when the update was
-applied (as Megatron does), validation every ``train.eval_every`` steps, a metrics row per step and a
-checkpoint every ``train.checkpoint_every`` steps. At the end: plots, a generated text sample, a summary.
+gradient accumulation, ``optimizer.step()`` (its ``last_result`` a ``StepResult``), the scheduler stepped
+only when the update was applied (as Megatron does), validation every ``train.eval_every`` steps, a metrics
+row per step and a checkpoint every ``train.checkpoint_every`` steps. At the end: plots, a generated
+text sample, a summary.
 
 Several processes (``optstack.demo.launch``) run the same function, one per rank: every rank draws the same
 global batch from the same sampler and keeps its slice of ``batch_size / world size`` rows; the wrapper
@@ -295,7 +296,8 @@ def train(
                 loss_sum += loss.detach().double()
             lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
             group_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-            result = optimizer.step()  # with overlap_param_gather, the next forward waits for the params
+            optimizer.step()  # with overlap_param_gather, the next forward waits for the params
+            result = optimizer.last_result
             if result.applied:
                 scheduler.step()
             else:

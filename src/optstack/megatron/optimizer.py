@@ -65,7 +65,8 @@ class MegatronOptimizer:
             ``(False, None, None)``; a norm above ``grad_norm_skip_threshold`` gives ``(False, norm, None)``;
             ``num_zeros_in_grad`` is None unless ``log_num_zeros_in_grad``.
         """
-        result = self.built.optimizer.step()
+        self.built.optimizer.step()
+        result = self.built.optimizer.last_result
         return result.applied, result.grad_norm, result.num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -96,14 +96,17 @@ class Placement:
         """Their gradients, given the pieces' ready ones, in ``norm_params`` order."""
         return list(ready)
 
+    def cannot_add(self) -> str | None:
+        """Why parameters cannot be added after construction, or None when they can."""
+        if self.grad_of is not _grad_attr:
+            return "its gradients are read from a data-parallel wrapper's buffers, laid out when the model was wrapped"
+        return None
+
     def publish(self) -> None:
         """Bring every rank's stepped values to every rank (collective); nothing to do for whole params."""
 
     def finish(self) -> None:
         """Wait for a publish still in flight."""
-
-    def clear_other_grads(self, set_to_none: bool) -> None:
-        """Clear gradients this rank holds of parameters it does not step."""
 
 
 class Whole(Placement):
@@ -136,6 +139,9 @@ class Zero1(Placement):
                     group.append(Piece(name, param, start, end, value, grad))
             out.append(group)
         return out
+
+    def cannot_add(self) -> str | None:
+        return "ZeRO-1 shards the data-parallel wrapper's buffers, laid out when the model was wrapped"
 
     def publish(self) -> None:
         with phase("param_gather"):
@@ -211,6 +217,9 @@ class LayerWise(Placement):
         return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True) if next(owner) == self.dp.rank]
                 for gn, gp in zip(names, params, strict=True)]
 
+    def cannot_add(self) -> str | None:
+        return "the layer-wise placement assigns owner ranks to all parameters at construction"
+
     def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
         return list(self._all)
 
@@ -223,11 +232,3 @@ class LayerWise(Placement):
         if self._broadcast is not None:
             with phase("param_gather"):
                 self._broadcast.run()
-
-    def clear_other_grads(self, set_to_none: bool) -> None:
-        for p, owner in zip(self._all, self.owners, strict=True):
-            if owner != self.dp.rank and p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()

@@ -41,7 +41,7 @@ class Precision:
         return False
 
     def inner(self, pieces: Sequence[Sequence[Piece]], device: torch.device) -> list[list[torch.Tensor]]:
-        """Per group, the tensors the algorithm steps, one per piece (called once)."""
+        """Per group, the tensors the algorithm steps, one per piece (appended to those of earlier calls)."""
         out = []
         for group in pieces:
             low = [p for p in group if self._wants_master(p)]
@@ -58,7 +58,8 @@ class Precision:
                     else:
                         stepped.append(p.value)
             out.append(stepped)
-        self._inner = [t for group in out for t in group]
+        self._inner += [t for group in out for t in group]
+        self._dtypes = None  # plan the gradient copies again
         return out
 
     @property

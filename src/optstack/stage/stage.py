@@ -57,6 +57,13 @@ def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
     return copies
 
 
+_NOT_SETTINGS = ("params", "param_names")
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
+
+
 class Stage:
     """An inner optimizer over this rank's pieces of ``param_groups``.
 
@@ -99,6 +106,11 @@ class Stage:
                              f"order (given {len(given)} groups of sizes {[len(g) for g in given]}, built "
                              f"{len(built)} of sizes {[len(g) for g in built]})")
         self.optimizer = optimizer
+        # The model-side groups, what users and schedulers see and write: every parameter of the group (on
+        # every rank, whatever this rank steps) and the inner group's settings, copied in at each step.
+        self.param_groups: list[dict[str, Any]] = [
+            {"params": list(g["params"]), **_settings(inner), "param_names": n}
+            for g, inner, n in zip(groups, optimizer.param_groups, names, strict=True)]
         self._stepped = [t for group in stepped for t in group]
         self._ready: list[torch.Tensor | None] = []
         tp = self.placement.tp_rank  # which norm terms count is fixed with the parameters
@@ -115,14 +127,38 @@ class Stage:
         return f"{self.placement.kind}+{self.precision.kind}"
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's groups (live: a scheduler writes ``lr`` and ``weight_decay`` here)."""
-        return self.optimizer.param_groups
-
-    @property
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 masters, in group order."""
         return self.precision.masters
+
+    def add_param_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """Add a group of new parameters (torch's ``add_param_group``; the inner optimizer fills in its
+        defaults) and return its model-side group dict.
+
+        Raises:
+            ValueError: the placement cannot take parameters after construction (sharded, layer-wise, or
+                gradients from a data-parallel wrapper), a malformed group, or a parameter already here.
+        """
+        if (why := self.placement.cannot_add()) is not None:
+            raise ValueError(f"{self.name}: cannot add a param group: {why}. Build the optimizer over every "
+                             "parameter instead (freeze some with requires_grad=False and build again to change it)")
+        [group] = _check_groups([param_group], self.name)
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        index = len(self.param_groups)
+        names = list(group.get("param_names") or [f"group {index} param {j}" for j in range(len(group["params"]))])
+        for name, param in zip(names, group["params"], strict=True):
+            if id(param) in known:
+                raise ValueError(f"{self.name}: parameter {name!r} is already in a param group; give each param once")
+        [pieces] = self.placement.pieces([names], [group["params"]])
+        [stepped] = self.precision.inner([pieces], self.device)
+        self.optimizer.add_param_group({**group, "params": stepped, "param_names": names})
+        self.param_groups.append({"params": group["params"], **_settings(self.optimizer.param_groups[-1]),
+                                  "param_names": names})
+        self.pieces += pieces
+        self._stepped += stepped
+        self._counts += [counts_toward_norm(p, self.placement.tp_rank) for p in self.placement.norm_params(pieces)]
+        self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
+        return self.param_groups[-1]
 
     # -- the step ------------------------------------------------------------------------------------
     def grad_stats(self, norm_type: float) -> torch.Tensor:
@@ -144,8 +180,16 @@ class Stage:
         total = zero_count([g for g, c in zip(grads, self._counts, strict=True) if c and g is not None], self.device)
         return self.placement.comm.all_reduce(total, op="sum")[0]
 
+    def sync_settings(self) -> None:
+        """Copy the model-side groups' settings (``lr``, ``weight_decay``, ...) into the inner optimizer's."""
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            for key, value in outer.items():
+                if key not in _NOT_SETTINGS:
+                    inner[key] = value
+
     def step(self, grad_scale: float = 1.0) -> None:
         """The inner step with the ready gradients multiplied by ``grad_scale``, then publish."""
+        self.sync_settings()
         if self._takes_grad_scale:
             self.optimizer.step(grad_scale=grad_scale)  # type: ignore[call-arg]
         else:
@@ -166,21 +210,61 @@ class Stage:
         self.placement.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the stepped tensors' gradients and the model's (of whole parameters this rank steps)."""
+        """Clear the stepped tensors' gradients and those of every model parameter of the groups."""
         self.precision.clear(set_to_none)
-        for param in (p.param for p in self.pieces if p.value is p.param):
-            if param.grad is not None:
-                if set_to_none:
-                    param.grad = None
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.detach_().zero_()
+
+    # -- state as torch.optim keeps it -----------------------------------------------------------------
+    def torch_state(self) -> dict[int, dict[str, Any]]:
+        """This rank's optimizer state by ``id`` of the model parameter, as ``torch.optim`` keeps it: the live
+        state tensors, shaped as stepped (the parameter's shape when held whole, the flat range
+        ``[start, end)`` otherwise), and for a parameter with an fp32 master that master as ``"master"``.
+        Only parameters this rank steps and that have state (after a first step, or a load)."""
+        self.placement.finish()
+        masters = {id(m) for m in self.precision.masters}
+        out = {}
+        for piece, inner in zip(self.pieces, self._stepped, strict=True):
+            entry = self.optimizer.state.get(inner)
+            if entry:
+                out[id(piece.param)] = {**entry, "master": inner.detach()} if id(inner) in masters else entry
+        return out
+
+    def shards_from_torch(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, ParamShard]:
+        """The ``ParamShard``s of this rank's pieces from ``torch_state``-like entries (keyed by ``id`` of the
+        model parameter; tensors as stepped, or flat), checked to load (``ValueError`` naming the parameter);
+        changes nothing. A piece without an entry gets no state (torch's rule); without a ``"master"`` its
+        master is taken from the model's values."""
+        shards = {}
+        for piece in self.pieces:
+            entry = entries.get(id(piece.param), {})
+            numel = piece.end - piece.start
+            tensors: dict[str, torch.Tensor] = {"param": piece.value.detach().reshape(-1)}
+            scalars: dict[str, Any] = {}
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and (value.dim() > 0 or key == "master"):
+                    if value.numel() != numel:
+                        raise ValueError(
+                            f"{self.name}: state {key!r} of {piece.name!r} has {value.numel()} elements; this rank "
+                            f"steps elements [{piece.start}, {piece.end}) of it ({numel}). A state dict loads "
+                            "into the layout it was saved from; for another one use optstack.checkpoint or DCP")
+                    tensors["param" if key == "master" else key] = value.detach().reshape(-1)
                 else:
-                    param.grad.detach_().zero_()
-        self.placement.clear_other_grads(set_to_none)
+                    scalars[key] = value
+            shards[piece.name] = ParamShard(tuple(piece.param.shape), piece.start, piece.end, tensors, scalars)
+        load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
+        return shards
 
     # -- state: the one name-keyed format ------------------------------------------------------------
     def param_shards(self) -> dict[str, ParamShard]:
         """What this rank holds of each parameter it steps, by name (flat views of the live tensors)."""
         self.placement.finish()
-        return shards_of(self.optimizer, self.pieces)
+        return shards_of(self.optimizer, self.pieces, self.param_groups)
 
     def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
         """Load name-keyed state (each shard must cover this rank's range of its parameter; the range is cut
@@ -197,15 +281,16 @@ class Stage:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, name-keyed: ``{"params": {name: {shape, start, end, tensors, scalars, group}},
         "groups": [each group's settings]}`` (references; ``torch.save`` or deep-copy to snapshot)."""
-        return to_plain(self.param_shards(), self.optimizer.param_groups)
+        return to_plain(self.param_shards(), self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` (of any rank holding the same ranges; a 0.1 tagged one is migrated), all
         or nothing: on a mismatch a ``ValueError`` names it and nothing changes."""
         shards, settings = self.validate_state_dict(state_dict)
         self.load_param_shards(shards)
-        for group, saved in zip(self.optimizer.param_groups, settings, strict=True):
-            group.update(copy.deepcopy(saved))
+        for group, saved in zip(self.param_groups, settings, strict=True):
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _NOT_SETTINGS})
+        self.sync_settings()
 
     def validate_state_dict(self, state_dict: Any) -> tuple[dict[str, ParamShard], list[dict[str, Any]]]:
         """The shards and group settings of ``state_dict`` after checking they fit (``ValueError`` naming
@@ -214,12 +299,12 @@ class Stage:
             ids = {id(m) for m in self.precision.masters}
             masters = [id(t) in ids for t in self._stepped]
             state_dict = migrate(state_dict, self.pieces, self._stepped, masters)
-        shards = from_plain(self.name, state_dict, self.optimizer.param_groups)
+        shards = from_plain(self.name, state_dict, self.param_groups)
         load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
         settings = state_dict["groups"]
         if any(not isinstance(s, dict) for s in settings):
             raise ValueError(f"{self.name}: the state dict's 'groups' must be dicts of settings")
-        names = [g.get("param_names") for g in self.optimizer.param_groups]
+        names = [g["param_names"] for g in self.param_groups]
         for index, (saved, ours) in enumerate(zip(settings, names, strict=True)):
             if "param_names" in saved and ours is not None and list(saved["param_names"]) != list(ours):
                 raise ValueError(f"{self.name}: param group {index} holds other parameters in the state dict")

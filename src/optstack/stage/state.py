@@ -26,12 +26,16 @@ def _inner_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, 
     return [(p, group) for group in optimizer.param_groups for p in group["params"]]
 
 
-def shards_of(optimizer: torch.optim.Optimizer, pieces: Sequence[Piece]) -> dict[str, ParamShard]:
+def shards_of(optimizer: torch.optim.Optimizer, pieces: Sequence[Piece],
+              groups: Sequence[Mapping[str, Any]]) -> dict[str, ParamShard]:
     """``optimizer``'s state as ``ParamShard``s by name; ``pieces[i]`` is its i-th parameter in group order.
-    Tensors are flat views of the live ones; ``group`` is the live group dict."""
+    Tensors are flat views of the live ones; ``group`` is the live model-side group dict (``groups[i]`` for
+    the optimizer's group i)."""
     algorithm = algorithm_name(optimizer)
+    outer = {id(inner): groups[i] for i, inner in enumerate(optimizer.param_groups)}
     out = {}
-    for piece, (inner, group) in zip(pieces, _inner_params(optimizer), strict=True):
+    for piece, (inner, inner_group) in zip(pieces, _inner_params(optimizer), strict=True):
+        group = outer[id(inner_group)]
         tensors: dict[str, torch.Tensor] = {"param": inner.detach().reshape(-1)}
         scalars: dict[str, Any] = {}
         for key, value in optimizer.state.get(inner, {}).items():

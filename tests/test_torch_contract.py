@@ -1,0 +1,174 @@
+"""The optimizer build_optimizer returns keeps torch.optim.Optimizer's contract: param_groups, state, defaults,
+add_param_group, zero_grad, step(closure), state_dict / load_state_dict, hooks, and torch's LR schedulers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from optstack.config import DistributedConfig, OptimizerConfig
+from optstack.distributed.ddp import DataParallel
+from optstack.factory import build_optimizer
+from optstack.protocol import StepResult
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.LayerNorm(12), nn.Linear(12, 3)).to(dtype)
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+    return model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
+
+
+def _built(model: nn.Module, **config):
+    return build_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, **config), model, rules=[])
+
+
+def test_it_is_a_torch_optimizer_with_live_groups_state_and_defaults() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.defaults["lr"] == 1e-2 and "betas" in opt.defaults
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    assert not opt.state  # no state before the first step, as torch
+    _loss(model, 0).backward()
+    opt.step()
+    assert len(opt.state) == len(list(model.parameters()))
+    weight = model[0].weight
+    assert opt.state[weight]["exp_avg"].shape == weight.shape and int(opt.state[weight]["step"]) == 1
+    opt.state[weight]["exp_avg"].fill_(0.25)  # live: the next step reads it
+    assert float(opt.stages[0].optimizer.state[weight]["exp_avg"][0, 0]) == 0.25
+
+
+def test_bf16_state_shows_the_fp32_master() -> None:
+    model = _model(torch.bfloat16)
+    opt = _built(model, precision="bf16").optimizer
+    _loss(model, 0).backward()
+    opt.step()
+    entry = opt.state[model[0].weight]
+    assert entry["master"].dtype == torch.float32 and entry["master"].shape == model[0].weight.shape
+    torch.testing.assert_close(entry["master"].to(torch.bfloat16), model[0].weight.detach())
+
+
+def test_step_closure_returns_the_loss_and_last_result_says_what_happened() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    assert opt.last_result is None
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = _loss(model, 0)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() == pytest.approx(_loss(_model(), 0).item())
+    assert isinstance(opt.last_result, StepResult) and opt.last_result.applied
+    assert opt.step() is None  # no closure: torch returns None
+
+
+def test_zero_grad_set_to_none_false_keeps_zeroed_tensors() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    _loss(model, 0).backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_and_state_dict_hooks_run() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "tag"})
+    _loss(model, 0).backward()
+    opt.step()
+    assert calls == ["pre", "post"]
+    saved = opt.state_dict()
+    assert saved["tag"] == 1
+    opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (step + 1)),
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=1e-4),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=6),
+], ids=["LambdaLR", "CosineAnnealingLR", "OneCycleLR"])
+def test_torch_lr_schedulers_drive_it_as_they_drive_torch_adamw(make) -> None:
+    ours, ref = _model(), _model()
+    opt = _built(ours).optimizer
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    sched, ref_sched = make(opt), make(ref_opt)
+    for step in range(5):
+        for model, o, s in ((ours, opt, sched), (ref, ref_opt, ref_sched)):
+            o.zero_grad()
+            _loss(model, step).backward()
+            o.step()
+            s.step()
+        assert sched.get_last_lr() == ref_sched.get_last_lr()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_state_dict_is_torchs_format_and_loads_by_position() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+    saved = opt.state_dict()
+    assert set(saved) == {"state", "param_groups", "optstack"}
+    assert [i for g in saved["param_groups"] for i in g["params"]] == list(range(len(list(model.parameters()))))
+    # What DCP's set_optimizer_state_dict hands over: the same dict keyed by names instead of indices.
+    names = [n for g in saved["param_groups"] for n in g["param_names"]]
+    by_name = {"state": {names[i]: v for i, v in saved["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    reference = _model()
+    reference.load_state_dict(model.state_dict())
+    fresh = _built(reference).optimizer
+    fresh.load_state_dict(by_name)
+    for o, m in ((opt, model), (fresh, reference)):
+        o.zero_grad()
+        _loss(m, 5).backward()
+        o.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_add_param_group_steps_the_new_parameters() -> None:
+    model, extra = _model(), nn.Linear(3, 2)
+    opt = _built(model).optimizer
+    opt.add_param_group({"params": list(extra.parameters()), "lr": 0.5})
+    assert opt.param_groups[-1]["lr"] == 0.5 and opt.param_groups[-1]["betas"] == opt.defaults["betas"]
+    before = extra.weight.detach().clone()
+    (_loss(model, 0) + extra(torch.ones(1, 3)).sum()).backward()
+    opt.step()
+    assert not torch.equal(before, extra.weight) and extra.weight in opt.state
+    with pytest.raises(ValueError, match="already in a param group"):
+        opt.add_param_group({"params": [model[0].weight]})
+
+
+def test_add_param_group_is_refused_where_the_placement_is_fixed() -> None:
+    model = DataParallel(_model(), shard_grads=True)  # ZeRO-1 on a world of one process
+    config = OptimizerConfig(lr=1e-2, distributed=DistributedConfig(sharding="zero1"))
+    opt = build_optimizer(config, model).optimizer
+    groups_before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="ZeRO-1 shards.*Build the optimizer over every parameter"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert [dict(g) for g in opt.param_groups] == groups_before
+
+
+def test_pickling_says_what_to_save_instead() -> None:
+    opt = _built(_model()).optimizer
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
