@@ -253,7 +253,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 index += 1
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": ids})
         out = {"state": state, "param_groups": groups,
-               "optstack": {"version": _STATE_VERSION, "scaler": self._scaler.state_dict(), "has_state": self._has_state}}
+               "optstack": {"version": _STATE_VERSION, "scaler": self._scaler.state_dict(),
+                            "has_state": self._has_state}}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, out) or out
         return out

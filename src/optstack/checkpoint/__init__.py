@@ -13,6 +13,6 @@ from optstack.checkpoint.load import CheckpointInfo, load_checkpoint
 from optstack.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "VERSION", "CheckpointInfo", "OptimizerState", "export_torch_state_dict", "import_torch_state_dict", "load_checkpoint",
-    "migrate", "save_checkpoint", "write_group_map",
+    "VERSION", "CheckpointInfo", "OptimizerState", "export_torch_state_dict", "import_torch_state_dict",
+    "load_checkpoint", "migrate", "save_checkpoint", "write_group_map",
 ]

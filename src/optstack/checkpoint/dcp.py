@@ -50,7 +50,8 @@ class OptimizerState:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        missing = [k for k in ("optimizer", "scaler") + (("scheduler",) if self.scheduler else ()) if k not in state_dict]
+        wanted = ("optimizer", "scaler") + (("scheduler",) if self.scheduler is not None else ())
+        missing = [k for k in wanted if k not in state_dict]
         if missing:
             raise ValueError(f"the checkpoint's optimizer entry has no {missing}; was it saved by OptimizerState "
                              f"{'with a scheduler' if 'scheduler' in missing else ''}?")
