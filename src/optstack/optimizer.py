@@ -298,7 +298,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 if key in state_dict["state"]:
                     entries[id(param)] = _local(state_dict["state"][key])
         meta = state_dict.get("optstack", {})
-        if meta.get("has_state") and not entries and not state_dict["state"]:
+        if meta.get("has_state") and not state_dict["state"] and any(g["params"] for g in self.param_groups):
             raise ValueError(
                 "the state dict was saved with optimizer state but holds none: a dcp.load into an optimizer that "
                 "has no state yet has no tensors to read it into. Load through "
