@@ -26,6 +26,7 @@ from optstack.precision.scaler import ConstantScaler, DynamicScaler, NoScaler
 def test_defaults_are_valid_and_frozen():
     cfg = OptimizerConfig()
     assert cfg.algorithm == "adamw" and cfg.precision == "fp32" and cfg.param_dtype == torch.float32
+    assert cfg.clip_grad == 0.0  # as torch's AdamW: no clipping unless asked
     with pytest.raises(AttributeError):
         cfg.lr = 1.0  # type: ignore[misc]
 

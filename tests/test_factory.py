@@ -8,7 +8,7 @@ from torch import nn
 
 from optstack.config import LossScaleConfig, OptimizerConfig
 from optstack.factory import build_optimizer, default_rules
-from optstack.rules import Name, Rule, resolve
+from optstack.rules import Attr, Name, Ndim, Rule, resolve
 from optstack.schedule import LRSchedule, WDSchedule
 
 
@@ -179,3 +179,23 @@ def test_state_dict_round_trip_continues_identically():
             opt.step()
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("matcher", [Name("0.*"), Ndim(eq=2) & ~Name("*.bias"), Attr("x") | (Ndim(eq=1) & Name("a"))])
+def test_name_rules_with_bare_parameters_are_refused(matcher):
+    rule = Rule(matcher, lr_mult=0.5, why="by name")
+    with pytest.raises(ValueError, match=r"\['by name'\] match parameters by Name.*param\.0, param\.1.*"
+                                         r"pass the model or model\.named_parameters\(\) instead"):
+        build_optimizer(OptimizerConfig(), _model().parameters(), rules=[Rule(Ndim(eq=1), wd_mult=0.0), rule])
+    # with names, the same rules work
+    build_optimizer(OptimizerConfig(), _model().named_parameters(), rules=[rule])
+    build_optimizer(OptimizerConfig(), _model(), rules=[rule])
+
+
+def test_bare_parameters_keep_the_default_rules_and_name_free_rules():
+    cfg = OptimizerConfig(lr=1e-3)
+    built = build_optimizer(cfg, _model().parameters())  # rules=None: the defaults (Name parts have Ndim twins)
+    assert {g["wd_mult"] for g in built.param_groups} == {0.0, 1.0}
+    slower = Rule(Ndim(eq=2), lr_mult=0.5)
+    built = build_optimizer(cfg, _model().parameters(), rules=[*default_rules(cfg), slower])
+    assert sorted({g["lr_mult"] for g in built.param_groups}) == [0.5, 1.0]

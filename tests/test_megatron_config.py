@@ -49,6 +49,8 @@ def test_default_translation() -> None:
         lion=core.LionConfig(beta1=0.95, beta2=0.98),
     )
     assert got.grad_norm_skip_threshold is None and got.distributed.sharding == "replicated"
+    # Megatron clips at 1.0 by default; the core does not, so the face must carry it over explicitly.
+    assert got.clip_grad == 1.0 and core.OptimizerConfig().clip_grad == 0.0
 
 
 @pytest.mark.parametrize(

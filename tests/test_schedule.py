@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -206,11 +207,11 @@ def test_step_increments_and_writes_every_group() -> None:
     assert (plain["lr"], plain["weight_decay"]) == pytest.approx((0.55, 0.06))
     assert (custom["lr"], custom["weight_decay"]) == pytest.approx((1.1 * 0.5, 0.0))
     assert (wd_group["lr"], wd_group["weight_decay"]) == pytest.approx((0.55, 2.0 * 0.22))
-    # get_lr is before lr_mult (as Megatron's get_lr); get_wd is before wd_mult
-    assert sched.get_lr(custom) == pytest.approx(1.1)
+    # group_lr is before lr_mult (as Megatron's get_lr); get_wd is before wd_mult
+    assert sched.group_lr(custom) == pytest.approx(1.1)
     assert sched.get_wd() == pytest.approx(0.06)
     assert sched.get_wd(wd_group) == pytest.approx(0.22)
-    sched.step(0)
+    sched.step(increment=0)
     assert sched.num_steps == 60
 
 
@@ -219,7 +220,7 @@ def test_scheduler_drives_torch_adamw() -> None:
     opt = torch.optim.AdamW([{"params": [p], "lr_mult": 1.0}], lr=123.0, weight_decay=123.0, eps=1e-12)
     sched = Scheduler(opt, LRSchedule(**BASE, style="linear"), WDSchedule.constant(0.01))
     assert opt.param_groups[0]["lr"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.01
-    sched.step(10)
+    sched.step(increment=10)
     assert opt.param_groups[0]["lr"] == 1.0
     p.grad = torch.full((3,), 0.5)
     opt.step()
@@ -230,7 +231,7 @@ def test_scheduler_drives_torch_adamw() -> None:
 
 def test_step_failure_changes_nothing() -> None:
     sched = make_scheduler({"params": []}, {"params": []})
-    sched.step(5)
+    sched.step(increment=5)
     groups = sched.optimizer.param_groups
     before = [dict(g) for g in groups]
     groups[1]["min_lr"] = 5.0  # now above the schedule's max_lr
@@ -239,13 +240,103 @@ def test_step_failure_changes_nothing() -> None:
     assert sched.num_steps == 5
     assert groups[0] == before[0]
     with pytest.raises(ValueError, match="increment"):
+        sched.step(increment=-1)
+
+
+# ---------------------------------------------------------------------------------------------- torch surface
+def test_is_a_torch_lr_scheduler_over_any_param_groups() -> None:
+    # accelerate's prepare() wraps only LRScheduler instances; a plain param_groups holder still works.
+    sched = make_scheduler()
+    assert isinstance(sched, torch.optim.lr_scheduler.LRScheduler)
+    assert isinstance(sched.optimizer, Groups)
+    assert sched.get_last_lr() == [0.0] and sched.last_epoch == 0
+    sched._step_count += 1  # what accelerate does on accumulation steps; torch's counter, not our state
+    sched.step()
+    assert sched.last_epoch == 1
+
+
+def test_torch_surface_values_after_several_steps() -> None:
+    sched = make_scheduler({"params": []}, {"params": [], "max_lr": 2.0, "min_lr": 0.2, "lr_mult": 0.25})
+    for _ in range(3):
+        sched.step()
+    groups = sched.optimizer.param_groups
+    assert sched.last_epoch == sched.num_steps == 3
+    assert sched.base_lrs == [1.0, 0.5]  # max_lr * lr_mult
+    # step 3 of a 10-step warmup from 0: 0.3 of max_lr, times lr_mult
+    assert sched.get_last_lr() == pytest.approx([0.3, 0.15])
+    assert sched.get_last_lr() == [g["lr"] for g in groups]
+    assert sched.get_lr() == sched.get_last_lr()
+    groups[1]["lr"] = 9.0  # someone else's write: get_last_lr is what the scheduler wrote
+    assert sched.get_last_lr() == pytest.approx([0.3, 0.15])
+    sched.get_last_lr()[0] = 5.0  # a copy: the caller cannot corrupt it
+    assert sched.get_last_lr()[0] == pytest.approx(0.3)
+
+
+def test_last_epoch_is_settable_and_step_continues_from_it() -> None:
+    sched = make_scheduler({"params": []})
+    sched.last_epoch = 60
+    assert sched.num_steps == 60
+    assert sched.get_last_lr() == pytest.approx([0.55])
+    assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(0.55)
+    sched.step()
+    assert sched.last_epoch == 61
+    assert sched.get_last_lr() == pytest.approx([1.0 - 0.9 * 51 / 100])
+    with pytest.raises(ValueError, match="last_epoch must be an integer >= 0, got -1"):
+        sched.last_epoch = -1
+    assert sched.last_epoch == 61
+
+
+def test_step_epoch_sets_the_step_and_warns_increment_advances() -> None:
+    sched = make_scheduler({"params": []})
+    sched.step(increment=20)
+    with pytest.warns(UserWarning, match=r"sets the step to 7 \(it was 20\).*step\(increment=n\)"):
+        sched.step(7)
+    assert sched.last_epoch == 7
+    assert sched.get_last_lr() == pytest.approx([0.7])
+    with pytest.raises(ValueError, match="not both"):
+        sched.step(5, increment=1)
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0, got -1"):
         sched.step(-1)
+    assert sched.last_epoch == 7
+
+
+def test_torch_adamw_in_a_torch_loop() -> None:
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = torch.optim.AdamW([{"params": [ours[0]]}, {"params": [ours[1]], "lr_mult": 0.5}], lr=99.0)
+    sched = Scheduler(opt, LRSchedule(max_lr=0.1, min_lr=0.01, warmup_steps=2, decay_steps=6, style="linear"),
+                      WDSchedule.constant(0.01))
+    ref_opt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]]}], lr=0.0, weight_decay=0.01)
+    # warmup 0 -> 0.1 over 2 steps, then linear to 0.01 at step 6 (r = 1/4 per step)
+    expected = [0.0, 0.05, 0.1, 0.0775, 0.055, 0.0325, 0.01, 0.01]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no torch "step order" or deprecation warnings on the plain path
+        for step, lr in enumerate(expected):
+            assert sched.get_last_lr() == pytest.approx([lr, lr / 2], abs=1e-15)
+            for group, group_lr in zip(ref_opt.param_groups, (lr, lr / 2), strict=True):
+                group["lr"] = group_lr
+            for params, o in ((ours, opt), (ref, ref_opt)):
+                o.zero_grad()
+                sum((p * p).sum() * (i + 1) for i, p in enumerate(params)).backward()
+                o.step()
+            sched.step()
+            assert sched.last_epoch == step + 1
+    for p, q in zip(ours, ref, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert not torch.equal(ours[0], ref[0].new_zeros(4))
+
+
+def test_lr_schedule_default_style_is_cosine() -> None:
+    schedule = LRSchedule(max_lr=1.0, decay_steps=10)
+    assert schedule.style == "cosine"
+    assert lr_at(schedule, [0, 5, 10]) == pytest.approx([1.0, 0.5, 0.0], abs=1e-15)
 
 
 # ---------------------------------------------------------------------------------------------- state
 def test_state_round_trip_through_torch_save() -> None:
     source = make_scheduler({"params": [], "max_lr": 2.0})
-    source.step(37)
+    source.step(increment=37)
     buffer = io.BytesIO()
     torch.save(source.state_dict(), buffer)
     buffer.seek(0)
@@ -253,6 +344,7 @@ def test_state_round_trip_through_torch_save() -> None:
     target = make_scheduler({"params": [], "max_lr": 2.0})
     target.load_state_dict(state)
     assert target.num_steps == 37
+    assert target.last_epoch == 37 and target.get_last_lr() == source.get_last_lr() != [0.0]
     assert target.optimizer.param_groups == source.optimizer.param_groups
     assert target.state_dict() == source.state_dict()
     assert state == {
@@ -277,13 +369,13 @@ def other_checkpoint(num_steps: int = 60) -> dict[str, Any]:
         lr=LRSchedule(**{**BASE, "max_lr": 2.0}, style="cosine"),
         wd=WDSchedule(start_wd=0.0, end_wd=0.2, incr_steps=100, style="linear"),
     )
-    other.step(num_steps)
+    other.step(increment=num_steps)
     return other.state_dict()
 
 
 def test_match_policy_names_every_differing_field_and_changes_nothing() -> None:
     sched = make_scheduler()
-    sched.step(3)
+    sched.step(increment=3)
     before = sched.state_dict(), dict(sched.optimizer.param_groups[0])
     with pytest.raises(ValueError) as error:
         sched.load_state_dict(other_checkpoint())
@@ -323,7 +415,7 @@ def test_use_class_policy_keeps_constructor_schedule_but_takes_the_step() -> Non
 
 def test_load_sets_the_step_rather_than_adding_it() -> None:
     sched = make_scheduler(on_checkpoint="use_class")
-    sched.step(20)
+    sched.step(increment=20)
     sched.load_state_dict(other_checkpoint(num_steps=7))
     assert sched.num_steps == 7
 

@@ -145,3 +145,11 @@ def test_default_warmup_follows_a_short_run():
     assert load_config(overrides=[{"train": {"steps": 20}}]).warmup_steps == 2
     assert load_config().warmup_steps == 50  # the default 600-step run keeps its 50 warmup steps
     assert load_config(overrides=[{"schedule": {"warmup_steps": 7}}]).warmup_steps == 7
+
+
+def test_demo_clips_at_one_explicitly(capsys: pytest.CaptureFixture[str]) -> None:
+    # The core default is no clipping; the demo keeps its 1.0, visible in the resolved config.toml.
+    assert load_config().optimizer.clip_grad == 1.0
+    assert load_config(overrides=[parse_override("optimizer.clip_grad=0")]).optimizer.clip_grad == 0.0
+    assert main(["train", "--print-config"]) == 0
+    assert "\nclip_grad = 1.0\n" in capsys.readouterr().out

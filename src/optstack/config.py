@@ -255,7 +255,7 @@ class OptimizerConfig:
         decoupled_lr / decoupled_min_lr: LR for embedding/output parameters (standard rules).
         mup_width_mult: MuP width multiplier (1 = no MuP rules).
         precision: dtype of the model parameters; bf16/fp16 keep fp32 master weights.
-        clip_grad: clip the global grad norm to this (0 = no clipping).
+        clip_grad: clip the global grad norm to this; 0 (the default, as torch's AdamW) = no clipping.
         grad_norm_skip_threshold: skip the step when the grad norm exceeds this (None = never).
         log_num_zeros_in_grad: count zero gradient elements each step.
     """
@@ -270,7 +270,7 @@ class OptimizerConfig:
     mup_width_mult: float = 1.0
     precision: Precision = "fp32"
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    clip_grad: float = 1.0
+    clip_grad: float = 0.0
     norm_type: float = 2.0
     grad_norm_skip_threshold: float | None = None
     log_num_zeros_in_grad: bool = False

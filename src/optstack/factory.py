@@ -23,7 +23,7 @@ from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
-from optstack.rules import Resolved, Rule, muon_routing_rule, mup_rules, resolve, standard_rules
+from optstack.rules import Resolved, Rule, check_names_available, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
 
@@ -134,6 +134,8 @@ def build_optimizer(
                          "requires_grad=False)")
     _check_dtypes(named, config)
     if resolved is None:
+        if rules is not None:
+            check_names_available(source, rules, exempt=default_rules(config))
         resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
     keys = group_keys(resolved)
     if ddp is not None:

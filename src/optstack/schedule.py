@@ -3,17 +3,20 @@
 ``LRSchedule`` (warmup, then constant / linear / cosine / inverse-square-root / WSD down to ``min_lr``) and
 ``WDSchedule`` (constant, or a linear / cosine ramp) are frozen, validated values and pure functions of the step,
 with the semantics of Megatron Core's ``OptimizerParamScheduler``; ``Scheduler`` applies both to every param group
-of anything with ``param_groups``, its only state the step count. Where this module differs from Megatron on
-purpose, the class concerned says so.
+of anything with ``param_groups``, its only state the step count, and has torch's ``LRScheduler`` surface too.
+Where this module differs from Megatron or torch on purpose, the class concerned says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from numbers import Integral, Real
 from typing import Any, ClassVar, Literal, Protocol, Self, get_args
+
+from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["LRSchedule", "WDSchedule", "Scheduler", "LRStyle", "WSDStyle", "WDStyle", "OnCheckpoint"]
 
@@ -88,6 +91,8 @@ class LRSchedule(_Schedule):
        with ``r`` the fraction of them done, ``wsd_style`` gives coeff: linear ``1 - r``, cosine
        ``(cos(pi * r) + 1) / 2``, exponential ``2 * 0.5**r - 1``, minus_sqrt ``1 - sqrt(r)``.
 
+    ``style`` defaults to ``"cosine"``, the most common LLM schedule (Megatron and torch have no default).
+
     Differences from Megatron, in what is accepted only: ``warmup_steps == decay_steps`` is allowed (Megatron
     asserts ``<``; the value is still well defined); ``wsd_decay_steps`` may not exceed ``decay_steps``;
     ``wsd_style`` defaults to ``"exponential"`` (Megatron's ``--lr-wsd-decay-style`` default; its class default
@@ -99,7 +104,7 @@ class LRSchedule(_Schedule):
         min_lr: floor of the decay, and the value after ``decay_steps``.
         warmup_steps: steps of linear warmup; 0 for none.
         decay_steps: the step at which the decay reaches ``min_lr`` (counted from step 0, warmup included).
-        style: the shape after the warmup.
+        style: the shape after the warmup (default ``"cosine"``).
         wsd_decay_steps: WSD only: the length of the final annealing phase (0 = no annealing).
         wsd_style: WSD only: the shape of the annealing phase.
     """
@@ -109,7 +114,7 @@ class LRSchedule(_Schedule):
     min_lr: float = 0.0
     warmup_steps: int = 0
     decay_steps: int
-    style: LRStyle
+    style: LRStyle = "cosine"
     wsd_decay_steps: int | None = None
     wsd_style: WSDStyle = "exponential"
 
@@ -247,7 +252,7 @@ class HasParamGroups(Protocol):
     def param_groups(self) -> list[dict[str, Any]]: ...
 
 
-class Scheduler:
+class Scheduler(LRScheduler):
     """Writes ``lr`` and ``weight_decay`` into every param group from an ``LRSchedule`` and a ``WDSchedule``.
 
     Per group: ``lr = lr_schedule(step, max_lr=group["max_lr"], min_lr=group["min_lr"]) * group["lr_mult"]`` and
@@ -257,6 +262,14 @@ class Scheduler:
     bad group changes nothing. Unlike Megatron, ``load_state_dict`` *sets* the step to the checkpoint's (Megatron
     adds it, the same on a fresh scheduler) and writes the groups after all fields are settled; ``lr_mult`` is
     applied as in Megatron before its per-group ``max_lr``/``min_lr`` made it vestigial.
+
+    It is a ``torch.optim.lr_scheduler.LRScheduler`` (so Hugging Face accelerate's ``prepare()`` wraps it and its
+    Trainer can drive it) with torch's surface: ``optimizer``, ``last_epoch`` (the step count), ``base_lrs``,
+    ``get_last_lr()``, ``get_lr()`` and ``step()``. ``LRScheduler.__init__`` is not called: it needs a
+    ``torch.optim.Optimizer``, overwrites the groups' lrs and patches ``optimizer.step``. Differences from
+    torch: setting ``last_epoch`` writes the groups at once (torch waits for the next ``step()``); ``step(epoch)``
+    (torch's deprecated form) sets the step, ``step(increment=n)`` advances by ``n``; ``state_dict`` is this
+    class's own format, not torch's copy of ``__dict__``.
 
     Args:
         optimizer: the object whose ``param_groups`` are written; read afresh on every step.
@@ -281,15 +294,28 @@ class Scheduler:
         if not isinstance(wd, WDSchedule):
             raise ValueError(f"Scheduler.wd must be a WDSchedule, got {type(wd).__name__}")
         _check_choice("Scheduler", "on_checkpoint", on_checkpoint, self.ON_CHECKPOINT)
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # type: ignore[assignment]  # any param_groups holder, not only torch's
         self.on_checkpoint: OnCheckpoint = on_checkpoint
         self._lr, self._wd, self._num_steps = lr, wd, 0
+        self._last_lr: list[float] = []
+        # torch's count of step() calls (1 after its initial step); accelerate increments it directly.
+        self._step_count = 1
         self._apply(lr, wd, 0)
 
     @property
     def num_steps(self) -> int:
         """The number of steps taken (the scheduler's only state)."""
         return self._num_steps
+
+    @property
+    def last_epoch(self) -> int:  # type: ignore[override]
+        """torch's name for ``num_steps``; setting it writes the groups at that step."""
+        return self._num_steps
+
+    @last_epoch.setter
+    def last_epoch(self, value: int) -> None:
+        _check_count("Scheduler", "last_epoch", value)
+        self._apply(self._lr, self._wd, value)
 
     @property
     def lr_schedule(self) -> LRSchedule:
@@ -301,8 +327,23 @@ class Scheduler:
         """The weight-decay schedule in force."""
         return self._wd
 
-    def get_lr(self, group: Mapping[str, Any]) -> float:
-        """The learning rate of ``group`` at the current step, before its ``lr_mult`` (Megatron's get_lr)."""
+    @property
+    def base_lrs(self) -> list[float]:  # type: ignore[override]
+        """Each group's peak lr: its ``max_lr`` (the schedule's when it has none) times its ``lr_mult``."""
+        return [_group_value("max_lr", g.get("max_lr"), self._lr.max_lr) * g.get("lr_mult", 1.0)
+                for g in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        """Each param group's ``lr`` as this scheduler last wrote it, in ``optimizer.param_groups`` order."""
+        return list(self._last_lr)
+
+    def get_lr(self) -> list[float]:
+        """Each param group's ``lr`` at the current step (``lr_mult`` applied), computed afresh."""
+        return [group_lr for group_lr, _ in self._values(self._lr, self._wd, self._num_steps)]
+
+    def group_lr(self, group: Mapping[str, Any]) -> float:
+        """The learning rate of ``group`` at the current step, before its ``lr_mult`` (Megatron's
+        ``get_lr(param_group)``; the Megatron face keeps that name)."""
         return self._lr(self._num_steps, max_lr=group.get("max_lr"), min_lr=group.get("min_lr"))
 
     def get_wd(self, group: Mapping[str, Any] | None = None) -> float:
@@ -311,25 +352,52 @@ class Scheduler:
             return self._wd(self._num_steps)
         return self._wd(self._num_steps, start_wd=group.get("start_wd"), end_wd=group.get("end_wd"))
 
-    def step(self, increment: int = 1) -> None:
-        """Advance the step by ``increment`` (>= 0) and write every group's ``lr`` and ``weight_decay``."""
-        _check_count("Scheduler.step", "increment", increment)
-        self._apply(self._lr, self._wd, self._num_steps + increment)
+    def step(self, epoch: int | None = None, *, increment: int | None = None) -> None:
+        """Advance the step and write every group's ``lr`` and ``weight_decay``.
 
-    def _apply(self, lr: LRSchedule, wd: WDSchedule, num_steps: int) -> None:
-        """Compute every group's values at ``num_steps``, then commit them, the schedules and the step."""
-        groups = self.optimizer.param_groups
+        ``step()`` advances by one (what torch's and Hugging Face's loops call); ``step(increment=n)`` advances
+        by ``n >= 0`` (Megatron's ``step(increment)``, which the Megatron face keeps positional). ``step(epoch)``
+        is torch's deprecated form: it *sets* the step to ``epoch`` and warns, as torch does.
+
+        Raises:
+            ValueError: a negative or non-integer ``epoch`` / ``increment``, or both given.
+        """
+        if epoch is not None and increment is not None:
+            raise ValueError(f"Scheduler.step: pass epoch (sets the step) or increment (advances it), not both; "
+                             f"got epoch={epoch!r}, increment={increment!r}")
+        if epoch is not None:
+            _check_count("Scheduler.step", "epoch", epoch)
+            # A positional int meant `increment` before this class followed torch; say so instead of silence.
+            warnings.warn(f"Scheduler.step({epoch}) is torch's deprecated `epoch` form: it sets the step to "
+                          f"{epoch} (it was {self._num_steps}); call step() to advance by one or "
+                          "step(increment=n) to advance by n", UserWarning, stacklevel=2)
+            num_steps = epoch
+        else:
+            increment = 1 if increment is None else increment
+            _check_count("Scheduler.step", "increment", increment)
+            num_steps = self._num_steps + increment
+        self._apply(self._lr, self._wd, num_steps)
+        self._step_count += 1
+
+    def _values(self, lr: LRSchedule, wd: WDSchedule, num_steps: int) -> list[tuple[float, float]]:
+        """Every group's ``(lr, weight_decay)`` at ``num_steps``, multipliers applied; nothing is written."""
         values = []
-        for index, group in enumerate(groups):
+        for index, group in enumerate(self.optimizer.param_groups):
             try:
                 group_lr = lr(num_steps, max_lr=group.get("max_lr"), min_lr=group.get("min_lr"))
                 group_wd = wd(num_steps, start_wd=group.get("start_wd"), end_wd=group.get("end_wd"))
             except ValueError as error:
                 raise ValueError(f"param group {index}: {error}") from error
             values.append((group_lr * group.get("lr_mult", 1.0), group_wd * group.get("wd_mult", 1.0)))
-        for group, (group_lr, group_wd) in zip(groups, values, strict=True):
+        return values
+
+    def _apply(self, lr: LRSchedule, wd: WDSchedule, num_steps: int) -> None:
+        """Compute every group's values at ``num_steps``, then commit them, the schedules and the step."""
+        values = self._values(lr, wd, num_steps)
+        for group, (group_lr, group_wd) in zip(self.optimizer.param_groups, values, strict=True):
             group["lr"], group["weight_decay"] = group_lr, group_wd
         self._lr, self._wd, self._num_steps = lr, wd, num_steps
+        self._last_lr = [group_lr for group_lr, _ in values]
 
     def state_dict(self) -> dict[str, Any]:
         """``{"version": 1, "num_steps": int, "lr": LRSchedule.to_dict(), "wd": WDSchedule.to_dict()}``."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
+import re
 import sys
 import time
 import tomllib
@@ -32,8 +34,10 @@ COMPARE_STEPS = 200  # optstack compare: short runs, so three optimizers take mi
 def load_model(spec: str) -> nn.Module:
     """Build a model from ``'package.module:factory'`` (the factory is called with no arguments)."""
     module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--model must look like package.module:factory, got {spec!r}")
+    if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module_name) \
+            or not re.fullmatch(r"[A-Za-z_]\w*", attr):
+        raise ValueError(f"--model must look like package.module:factory (an importable module, a colon, then "
+                         f"the name of a function in it), got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
@@ -41,10 +45,26 @@ def load_model(spec: str) -> nn.Module:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {module_name!r} has no callable {attr!r}")
+    _check_no_arguments_needed(spec, factory)
     model = factory()
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {spec!r}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _check_no_arguments_needed(spec: str, factory: Any) -> None:
+    # Checked before the call: a TypeError from inside the factory is the user's own bug and keeps its traceback.
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have no signature: let the call decide
+        return
+    required = [name for name, p in signature.parameters.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        raise ValueError(
+            f"--model {spec!r}: the factory must be callable with no arguments, but it needs {', '.join(required)}; "
+            f"wrap it in a function of your own module, e.g. def build(): return {spec.partition(':')[2]}(...), "
+            "and pass --model your_module:build")
 
 
 def groups_report(model: nn.Module, config: Any) -> dict[str, Any]:
@@ -275,13 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mup-width-mult", type=float, default=1.0, help="MuP width multiplier (1 = no MuP)")
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true", help="keep weight decay on q/k norms")
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    g.set_defaults(func=cmd_groups)
+    g.set_defaults(func=cmd_groups, command_parser=g)
 
     t = sub.add_parser("train", help="train the built-in small GPT on the Python stdlib's source",
                        description="Train the demo GPT. Settings: defaults, then --config FILE.toml, then "
                        "--set section.key=value (repeatable; sections model, data, train, schedule, "
                        "optimizer), then the shortcut flags below. Without an explicit lr, each optimizer "
-                       "gets its own default (optimizer.lr), min_lr = lr / 10 and weight_decay 0.1.")
+                       "gets its own default (optimizer.lr), min_lr = lr / 10, weight_decay 0.1 and "
+                       "clip_grad 1.0.")
     _add_run_flags(t)
     t.add_argument("--out", help="run directory (default runs/<optimizer>-<date>-<time>)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -295,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, help="peak learning rate (= optimizer.lr)")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config as TOML (a template for --config) and exit")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=cmd_train, command_parser=t)
 
     c = sub.add_parser("compare", help="train with several optimizers and compare their validation loss",
                        description="Run the same short training with each optimizer in turn (same model, data, "
@@ -305,14 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(c)  # --steps defaults to COMPARE_STEPS here, --eval-every to a tenth of the steps
     c.add_argument("--optimizers", default="adamw,muon,lion", help="comma-separated (default adamw,muon,lion)")
     c.add_argument("--out", help="comparison directory (default runs/compare-<date>-<time>)")
-    c.set_defaults(func=cmd_compare)
+    c.set_defaults(func=cmd_compare, command_parser=c)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``optstack`` command line; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Unknown options are reported by the subcommand's parser (argparse's default shows the top-level usage).
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -9,9 +9,9 @@ one message naming the key (and its line in the file). The resolved config is wr
 run directory; ``--config runs/x/config.toml`` repeats the run.
 
 Demo defaults that differ from ``OptimizerConfig``'s own: when the user sets no ``optimizer.lr``, it is taken
-per algorithm from ``DEFAULT_LR``; ``min_lr`` defaults to lr / 10 and ``weight_decay`` to 0.1; with several
-processes, ``optimizer.distributed.sharding`` defaults to ``zero1`` (``layerwise`` for Muon, which needs
-whole matrices).
+per algorithm from ``DEFAULT_LR``; ``min_lr`` defaults to lr / 10, ``weight_decay`` to 0.1 and ``clip_grad`` to
+1.0 (the core default is no clipping); with several processes, ``optimizer.distributed.sharding`` defaults to
+``zero1`` (``layerwise`` for Muon, which needs whole matrices).
 """
 
 from __future__ import annotations
@@ -283,6 +283,7 @@ def load_config(
         if isinstance(lr, int | float) and not isinstance(lr, bool):
             opt.setdefault("min_lr", float(f"{lr / 10:.6g}"))
         opt.setdefault("weight_decay", 0.1)
+        opt.setdefault("clip_grad", 1.0)
         if nproc > 1 and isinstance(dist := opt.setdefault("distributed", {}), dict):
             dist.setdefault("sharding", "layerwise" if algorithm == "muon" else "zero1")
     return _build(TrainConfig, raw, "", where)

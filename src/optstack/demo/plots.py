@@ -9,18 +9,38 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_plots"]
+__all__ = ["write_plots", "lr_series"]
+
+
+def lr_series(
+    rows: Sequence[dict[str, Any]], group_labels: Sequence[str] = ()
+) -> dict[str, list[tuple[int, float]]]:
+    """The lines of ``lr.png``: label -> ``(step, lr)`` points.
+
+    One line per param group from the rows' ``group_lr`` (labelled ``group_labels[i]``, else ``group i``);
+    rows written before ``group_lr`` existed give one line per group kind from their ``lr`` dict.
+    """
+    if any("group_lr" in r for r in rows):
+        count = max(len(r.get("group_lr", ())) for r in rows)
+        labels = [group_labels[i] if i < len(group_labels) else f"group {i}" for i in range(count)]
+        return {label: [(r["step"], r["group_lr"][i]) for r in rows if i < len(r.get("group_lr", ()))]
+                for i, label in enumerate(labels)}
+    kinds = sorted({k for r in rows for k in r.get("lr", {})})
+    return {kind: [(r["step"], r["lr"][kind]) for r in rows if kind in r.get("lr", {})] for kind in kinds}
 
 
 def write_plots(
-    rows: Sequence[dict[str, Any]], out_dir: Path, *, baseline: float | None = None
+    rows: Sequence[dict[str, Any]], out_dir: Path, *, baseline: float | None = None,
+    group_labels: Sequence[str] = (),
 ) -> list[Path]:
     """Write ``loss.png``, ``lr.png`` and ``grad_norm.png`` from metrics rows into ``out_dir``.
 
     Args:
-        rows: metrics rows (``step``, ``loss``, ``val_loss`` or None, ``lr`` {kind: lr}, ``grad_norm``).
+        rows: metrics rows (``step``, ``loss``, ``val_loss`` or None, ``lr`` {kind: lr}, ``group_lr`` [lr per
+            param group], ``grad_norm``).
         out_dir: where the PNGs go.
         baseline: a horizontal reference line on the loss plot (the unigram entropy, nats/byte).
+        group_labels: the legend's name of each param group in ``group_lr`` (see ``lr_series``).
 
     Returns:
         The files written (empty when matplotlib is not installed or there are no rows).
@@ -58,13 +78,13 @@ def write_plots(
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    kinds = sorted({k for r in rows for k in r.get("lr", {})})
-    for kind in kinds:
-        pts = [(r["step"], r["lr"][kind]) for r in rows if kind in r.get("lr", {})]
-        ax.plot(*zip(*pts, strict=True), label=kind)
-    ax.set(xlabel="step", ylabel="learning rate", title="learning rate per group kind")
-    if kinds:
-        ax.legend()
+    series = lr_series(rows, group_labels)
+    for label, pts in series.items():
+        if pts:
+            ax.plot(*zip(*pts, strict=True), label=label)
+    ax.set(xlabel="step", ylabel="learning rate", title="learning rate per param group")
+    if series:
+        ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     save(fig, "lr.png")
 

@@ -5,7 +5,7 @@ Layout::
     runs/<name>/
       config.toml            the resolved config (``--config`` it to repeat the run)
       groups.json            which parameter went to which param group, with the group's settings
-      metrics.jsonl          one JSON object per step
+      metrics.jsonl          one JSON object per step; ``group_lr`` lists each optimizer param group's lr
       checkpoints/           optstack.checkpoint's directory (name-keyed, reshardable, atomic)
         step_00000200/       one checkpoint: optimizer state, scheduler, model tensors, group_map.json
         step_00000200.train_state.json   the loop's own state at that step (below)

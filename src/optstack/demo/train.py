@@ -46,7 +46,7 @@ from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.factory import build_optimizer, wrap_data_parallel
 from optstack.schedule import LRSchedule
 
-__all__ = ["TrainSummary", "make_optimizer", "train", "group_kind", "pick_device", "check_start"]
+__all__ = ["TrainSummary", "make_optimizer", "train", "group_kind", "group_label", "pick_device", "check_start"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
             ``replicated``.
 
     Returns:
-        ``BuiltOptimizer``: ``optimizer`` (``step() -> StepResult``, ``zero_grad``, ``scale_loss``,
+        ``BuiltOptimizer``: ``optimizer`` (``step()`` with ``last_result``, ``zero_grad``, ``scale_loss``,
         ``param_groups``, ``finish_param_sync``), ``scheduler`` and ``param_groups`` (the model-side groups).
     """
     s = cfg.schedule
@@ -115,7 +115,19 @@ def group_kind(group: dict[str, Any], base_algorithm: str) -> str:
     return ",".join(parts) or "default"
 
 
+def group_label(index: int, group: dict[str, Any], base_algorithm: str) -> str:
+    """A param group's name in plots: its index, what sets it apart and its first parameter, e.g.
+    ``'1: lr_mult=0.5 (blocks.0.ln1.weight +33)'``."""
+    kind = group_kind(group, base_algorithm)
+    parts = ([f"lr_mult={group['lr_mult']:g}"] if group.get("lr_mult", 1.0) != 1.0 else []) + \
+        ([kind] if kind != "default" else [])
+    names = group.get("param_names") or []
+    first = f"{names[0]}{f' +{len(names) - 1}' if len(names) > 1 else ''}" if names else "empty"
+    return f"{index}: {', '.join(parts) or 'default'} ({first})"
+
+
 def _lr_by_kind(groups: list[dict[str, Any]], base_algorithm: str) -> dict[str, float]:
+    # Groups of one kind may differ in lr (lr_mult); the last wins here, `group_lr` keeps them all.
     return {group_kind(g, base_algorithm): float(g["lr"]) for g in groups}
 
 
@@ -283,6 +295,7 @@ def train(
                     optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach().double()
             lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
+            group_lrs = [float(g["lr"]) for g in optimizer.param_groups]
             optimizer.step()  # with overlap_param_gather, the next forward waits for the params
             result = optimizer.last_result
             if result.applied:
@@ -301,7 +314,7 @@ def train(
                     f"{tokens_per_step / dt:,.0f} tokens/s")
             if lead:
                 row = {
-                    "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs,
+                    "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs, "group_lr": group_lrs,
                     "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                     "skipped": not result.applied, "tokens_per_s": tokens_per_step / dt,
                     "peak_mem_mb": _peak_memory_mb(device), "time_s": train_time,
@@ -326,8 +339,9 @@ def train(
     bar.close()
     board.close()
     optimizer.finish_param_sync()  # the sample is generated from the final parameters
+    labels = [group_label(i, g, cfg.optimizer.algorithm) for i, g in enumerate(optimizer.param_groups)]
     return _finish(run, cfg, gpt, device, start, step, last_loss, val_loss, best_val, baseline.nats, train_time,
-                   tokens_per_step, num_params, skipped, comm, echo)
+                   tokens_per_step, num_params, skipped, comm, echo, labels)
 
 
 def _group_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -376,10 +390,10 @@ def _restore(run: RunDir, path: Path, saved: TrainState, model: nn.Module, optim
 def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, start: int, step: int,
             last_loss: float, val_loss: float | None, best_val: float, baseline: float, train_time: float,
             tokens_per_step: int, num_params: int, skipped: int, comm: Comm | NullComm,
-            echo: Callable[[str], None]) -> TrainSummary:
+            echo: Callable[[str], None], group_labels: list[str]) -> TrainSummary:
     sample = ""
     if comm.rank == 0:
-        write_plots(run.read_metrics(), run.path, baseline=baseline)
+        write_plots(run.read_metrics(), run.path, baseline=baseline, group_labels=group_labels)
         if cfg.train.sample_bytes:
             prompt = torch.tensor(list(cfg.train.sample_prompt.encode()), dtype=torch.long, device=device)
             ids = generate(model, prompt[-cfg.model.seq_len:], cfg.train.sample_bytes,

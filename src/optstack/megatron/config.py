@@ -287,7 +287,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
     constant scaling, None -> dynamic for fp16 and none otherwise; use_distributed_optimizer ->
     sharding 'zero1'; use_layer_wise_distributed_optimizer -> 'layerwise'; optimizer_cpu_offload ->
     offload.fraction = optimizer_offload_fraction; grad_norm_skip_threshold inf -> None (never skip);
-    min_lr None -> 0.0.
+    min_lr None -> 0.0; clip_grad always passed on (Megatron's default 1.0; the core's is 0.0, no clipping).
 
     Raises:
         ValueError: ``lr`` is None, a field has a value optstack does not support, or a value is invalid

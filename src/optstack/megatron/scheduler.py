@@ -150,11 +150,11 @@ class OptimizerParamScheduler:
 
     def get_lr(self, param_group: dict) -> float:
         """The learning rate of ``param_group`` at the current step, before its ``lr_mult``."""
-        return self._core.get_lr(param_group)
+        return self._core.group_lr(param_group)
 
     def step(self, increment: int) -> None:
         """Advance by ``increment`` steps and write ``lr`` and ``weight_decay`` into every param group."""
-        self._core.step(increment)
+        self._core.step(increment=increment)
 
     def state_dict(self) -> dict[str, Any]:
         """Megatron's keys: max_lr, lr_warmup_steps, num_steps, lr_decay_style, lr_decay_steps, min_lr,

@@ -25,6 +25,7 @@ from optstack.rules.matchers import (
     Or,
     Predicate,
     Shape,
+    uses_name,
 )
 from optstack.rules.presets import (
     EMBEDDING,
@@ -42,6 +43,7 @@ from optstack.rules.resolve import (
     Explanation,
     Resolved,
     Rule,
+    check_names_available,
     explain,
     format_explain,
     named_parameters_of,
@@ -52,5 +54,5 @@ __all__ = [
     "Matcher", "Name", "Attr", "Ndim", "Shape", "Predicate", "NamedPredicate", "Always", "Never", "And", "Or", "Not",
     "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of", "LR_KEYS",
     "PROTECTED_KEYS", "standard_rules", "mup_rules", "muon_routing_rule", "MupFamily", "EMBEDDING",
-    "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED",
+    "EMBEDDING_OR_OUTPUT", "VECTOR_LIKE", "MUON_MANAGED", "uses_name", "check_names_available",
 ]

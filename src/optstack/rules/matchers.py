@@ -16,7 +16,7 @@ import torch
 
 __all__ = [
     "Matcher", "And", "Or", "Not", "Name", "Attr", "Ndim", "Shape", "Predicate", "NamedPredicate",
-    "Always", "Never",
+    "Always", "Never", "uses_name",
 ]
 
 
@@ -238,3 +238,12 @@ class Never(Matcher):
 
     def __call__(self, param: torch.Tensor, name: str) -> bool:
         return False
+
+
+def uses_name(matcher: Matcher) -> bool:
+    """Whether ``matcher`` tests parameter names through a ``Name``, anywhere inside ``&``, ``|``, ``~``."""
+    if isinstance(matcher, Name):
+        return True
+    if isinstance(matcher, _Parts):
+        return any(uses_name(p) for p in matcher.parts)
+    return isinstance(matcher, Not) and uses_name(matcher.inner)

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from optstack.names import NamedParams, named_parameters
-from optstack.rules.matchers import Matcher
+from optstack.rules.matchers import Matcher, uses_name
 
 __all__ = [
     "Rule", "Resolved", "Explanation", "resolve", "explain", "format_explain", "named_parameters_of", "LR_KEYS",
-    "PROTECTED_KEYS",
+    "PROTECTED_KEYS", "check_names_available",
 ]
 
 #: Keys that change the learning rate schedule of a group (a group with none of them is "default_config").
@@ -132,6 +132,25 @@ class Rule:
 def named_parameters_of(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
     """Every parameter of ``source``, frozen ones included: ``named_parameters(source, trainable_only=False)``."""
     return named_parameters(source, trainable_only=False)
+
+
+def check_names_available(source: NamedParams, rules: Sequence[Rule], *, exempt: Sequence[Rule] = ()) -> None:
+    """Refuse rules that match by ``Name`` when ``source`` is bare tensors (``model.parameters()``), named only
+    ``param.0``, ``param.1``, ... by position; ``exempt`` rules (the defaults, whose ``Name`` parts have ``Ndim``
+    twins) pass.
+
+    Raises:
+        ValueError: naming every such rule and what to pass instead.
+    """
+    items = [] if isinstance(source, torch.nn.Module) else list(source)
+    if not items or not all(isinstance(t, torch.Tensor) for t in items):
+        return
+    by_name = [r.label for r in rules if isinstance(r, Rule) and r not in exempt and uses_name(r.matcher)]
+    if by_name:
+        raise ValueError(
+            f"rule(s) {by_name} match parameters by Name, but the parameters were given bare (model.parameters()), "
+            "so their only names are param.0, param.1, ... by position; pass the model or model.named_parameters() "
+            "instead")
 
 
 @dataclass(frozen=True)
