@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,demo]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,demo,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

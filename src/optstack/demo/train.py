@@ -92,7 +92,7 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
             ``replicated``.
 
     Returns:
-        ``BuiltOptimizer``: ``optimizer`` (``step() -> StepResult``, ``zero_grad``, ``scale_loss``,
+        ``BuiltOptimizer``: ``optimizer`` (``step()`` with ``last_result``, ``zero_grad``, ``scale_loss``,
         ``param_groups``, ``finish_param_sync``), ``scheduler`` and ``param_groups`` (the model-side groups).
     """
     s = cfg.schedule
