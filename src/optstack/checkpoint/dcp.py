@@ -11,6 +11,13 @@ loads at another data-parallel size (ZeRO-1 and layer-wise state are ``ShardedTe
 between placements, use ``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. With torch 2.13, load
 ZeRO-1 and layer-wise state with ``DefaultLoadPlanner(flatten_sharded_tensors=False)``: the default planner's
 flattening (meant for FSDP's nested ShardedTensors) fails on ranks that hold no part of some parameter.
+
+DCP's own ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and bytes items with
+``torch.load(weights_only=False)``: loading a checkpoint from anyone else can run their code. Read through
+``SafeFileSystemReader`` (``safe.py``), which deserialises data only and refuses anything else with a
+``ValueError`` naming the file (inside torch's ``CheckpointException``)::
+
+    dcp.load(state, storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ torch.distributed.checkpoint directory ``rank_00000/`` ... per rank that wrote s
     params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index, chunks: [[rank, start, end]]}}
     groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult}, settings: {lr, ...}}]
     scaler, scheduler (or null), model: {key: {shape, dtype, rank}} (or null)
-    files:     {relative path: {bytes, crc32}}
+    files:     {relative path: {bytes, crc32, sha256 (only when signed)}}
+    hmac_sha256 (only when saved with a key): HMAC-SHA256 of the canonical JSON of everything above (``digest.py``)
     seal:      CRC-32 of the canonical JSON of everything above
 
 DCP keys: ``optim/<name>/<key>`` (1-D, the parameter's numel, each rank's chunk at its offset), ``model/<key>``.
@@ -28,7 +29,7 @@ from optstack.protocol import ParamShard
 
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "GROUP_MAP", "migrate", "seal", "unseal", "dtype_name",
            "dtype_from_name", "encode_scalar", "decode_scalar", "identity_of", "settings_of", "optim_key",
-           "model_key"]
+           "model_key", "canonical", "check_manifest"]
 
 FORMAT = "optstack.checkpoint"
 VERSION = 1
@@ -100,8 +101,13 @@ def settings_of(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _plain(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
+def canonical(body: Mapping[str, Any]) -> bytes:
+    """The one byte form of a manifest's ``body`` that its seal and signature cover."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _crc(body: Mapping[str, Any]) -> str:
-    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+    return f"{zlib.crc32(canonical(body)):08x}"
 
 
 def seal(manifest: Mapping[str, Any]) -> str:
@@ -149,3 +155,98 @@ def migrate(manifest: dict[str, Any]) -> dict[str, Any]:
         manifest = _UPGRADES[version](manifest)
         version = manifest["version"] = version + 1
     return manifest
+
+
+def _bad(where: str, field: str, value: Any, expected: str) -> ValueError:
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return ValueError(f"{where}: {field} is {shown} ({type(value).__name__}), expected {expected}; the manifest "
+                      "was altered or written by something other than optstack")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _need(ok: bool, where: str, field: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise _bad(where, field, value, expected)
+
+
+def _shape(where: str, field: str, value: Any) -> int:
+    _need(isinstance(value, list) and all(_count(d) for d in value), where, field, value, "a list of ints >= 0")
+    return math.prod(value)
+
+
+def _dtype(where: str, field: str, value: Any) -> None:
+    _need(isinstance(value, str) and value in _DTYPES, where, field, value, f"one of {sorted(_DTYPES)}")
+
+
+def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
+    """Check every field a load reads has the type and range the format gives it (after ``migrate``).
+
+    JSON holds only data, but a load trusts the shapes of what it reads (an index, a range, a dtype name):
+    anything else is a ``ValueError`` naming ``where`` and the field, before any of it is used.
+    """
+    world = manifest.get("world_size")
+    _need(_count(world) and world >= 1, where, "world_size", world, "an int >= 1")
+    step = manifest.get("step")
+    _need(step is None or _count(step), where, "step", step, "an int >= 0 or null")
+    groups = manifest.get("groups")
+    _need(isinstance(groups, list), where, "groups", groups, "a list")
+    for i, group in enumerate(groups):
+        _need(isinstance(group, dict) and isinstance(group.get("identity"), dict)
+              and isinstance(group.get("settings"), dict), where, f"groups[{i}]", group,
+              "a dict with 'identity' and 'settings' dicts")
+    params = manifest.get("params")
+    _need(isinstance(params, dict), where, "params", params, "a dict")
+    for name, entry in params.items():
+        at = f"params[{name!r}]"
+        _need(isinstance(entry, dict), where, at, entry, "a dict")
+        numel = _shape(where, f"{at}.shape", entry.get("shape"))
+        dtypes = entry.get("dtypes")
+        _need(isinstance(dtypes, dict), where, f"{at}.dtypes", dtypes, "a dict")
+        for key, dtype in dtypes.items():
+            _dtype(where, f"{at}.dtypes[{key!r}]", dtype)
+        scalars = entry.get("scalars")
+        _need(isinstance(scalars, dict), where, f"{at}.scalars", scalars, "a dict")
+        for key, scalar in scalars.items():
+            ok = isinstance(scalar, dict) and set(scalar) in ({"value"}, {"tensor", "value"})
+            value = scalar.get("value") if ok else None
+            ok = ok and (value is None or isinstance(value, bool | int | float))
+            _need(ok, where, f"{at}.scalars[{key!r}]", scalar, "{'value': a number, bool or null} (and 'tensor')")
+            if "tensor" in scalar:
+                _dtype(where, f"{at}.scalars[{key!r}].tensor", scalar["tensor"])
+        group = entry.get("group")
+        _need(_count(group) and group < len(groups), where, f"{at}.group", group, f"an index < {len(groups)}")
+        chunks = entry.get("chunks")
+        _need(isinstance(chunks, list), where, f"{at}.chunks", chunks, "a list")
+        for chunk in chunks:
+            _need(isinstance(chunk, list) and len(chunk) == 3 and all(_count(c) for c in chunk)
+                  and chunk[0] < world and chunk[1] <= chunk[2] <= numel, where, f"a chunk of {at}", chunk,
+                  f"[rank < {world}, start, end] with start <= end <= {numel}")
+    model = manifest.get("model")
+    _need(model is None or isinstance(model, dict), where, "model", model, "a dict or null")
+    for key, entry in (model or {}).items():
+        at = f"model[{key!r}]"
+        _need(isinstance(entry, dict), where, at, entry, "a dict")
+        _shape(where, f"{at}.shape", entry.get("shape"))
+        _dtype(where, f"{at}.dtype", entry.get("dtype"))
+        rank = entry.get("rank")
+        _need(_count(rank) and rank < world, where, f"{at}.rank", rank, f"a rank < {world}")
+    _need(isinstance(manifest.get("scaler"), dict), where, "scaler", manifest.get("scaler"), "a dict")
+    scheduler = manifest.get("scheduler")
+    _need(scheduler is None or isinstance(scheduler, dict), where, "scheduler", scheduler, "a dict or null")
+    files = manifest.get("files")
+    _need(isinstance(files, dict), where, "files", files, "a dict")
+    for name, entry in files.items():
+        parts = name.split("/")
+        # A file inside the checkpoint: '<rank directory>/<file>', never absolute or '..'.
+        _need(len(parts) == 2 and all(p and p not in (".", "..") and "\\" not in p for p in parts), where,
+              "a file name", name, "'<rank directory>/<file>'")
+        _need(isinstance(entry, dict) and _count(entry.get("bytes")) and _hex(entry.get("crc32"), 8)
+              and ("sha256" not in entry or _hex(entry["sha256"], 64)), where, f"files[{name!r}]", entry,
+              "{'bytes': int, 'crc32': 8 hex digits} (and 'sha256': 64)")
+
+
+def _hex(value: Any, digits: int) -> bool:
+    return isinstance(value, str) and len(value) == digits and all(c in "0123456789abcdef" for c in value)

@@ -2,8 +2,10 @@
 
 All ranks agree after each step: a problem anywhere is the same ``ValueError`` everywhere, nothing changed yet::
 
-    manifest  resolve ``latest``, check the manifest's seal, ``migrate()`` it to the current version
-    verify    the files, split over the ranks: each exists, has its size and its CRC-32
+    manifest  resolve ``latest``, check the manifest's seal (and signature, given a key), ``migrate()`` it to the
+              current version, check every field's type
+    verify    the files, split over the ranks: each exists, has its size and its CRC-32 (and SHA-256, given a
+              key); each DCP ``.metadata`` holds DCP metadata only (``safe.py``: no code runs)
     match     every rank's parameters (names, shapes, dtypes, groups), the model; scaler, scheduler on a dry run
     read      each rank the ranges it holds (from whichever ranks wrote them), into new tensors
     apply     only now: stages, group lr / weight decay, scaler, scheduler, model
@@ -22,7 +24,18 @@ import torch
 from torch import nn
 
 from optstack.checkpoint import io
-from optstack.checkpoint.format import MANIFEST, decode_scalar, dtype_from_name, migrate, model_key, optim_key, unseal
+from optstack.checkpoint.digest import check_key, check_signature, file_sha256
+from optstack.checkpoint.format import (
+    MANIFEST,
+    check_manifest,
+    decode_scalar,
+    dtype_from_name,
+    migrate,
+    model_key,
+    optim_key,
+    unseal,
+)
+from optstack.checkpoint.safe import METADATA, load_metadata_file
 from optstack.checkpoint.save import check_optimizer, local_state, together
 from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
 from optstack.checkpoint.storage import Chunk, read_chunks
@@ -43,18 +56,28 @@ class CheckpointInfo:
     world_size: int
 
 
-def read_manifest(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
-    """(checkpoint directory, its manifest migrated to the current version); ``ValueError`` when damaged."""
+def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint directory, its manifest migrated to the current version); ``ValueError`` when damaged, of
+    unexpected types, or (given ``key``) unsigned or not signed with ``key``."""
+    key = check_key(key)
     directory = io.resolve_checkpoint(path)
     try:
         text = (directory / MANIFEST).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {directory / MANIFEST}: {exc}") from exc
-    return directory, migrate(unseal(text, str(directory / MANIFEST)))
+    where = str(directory / MANIFEST)
+    body = unseal(text, where)
+    if key is not None:
+        check_signature(body, key, where)
+    manifest = migrate(body)
+    check_manifest(manifest, where)
+    return directory, manifest
 
 
-def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: int = 0, size: int = 1) -> None:
-    """Check this rank's share of ``files`` (every ``size``-th from ``rank``); on rank 0, that no file is unlisted."""
+def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: int = 0, size: int = 1,
+                 sha256: bool = False) -> None:
+    """Check this rank's share of ``files`` (every ``size``-th from ``rank``): size, CRC-32, the SHA-256 too when
+    ``sha256`` (a signed load), DCP metadata holding only metadata; on rank 0, that no file is unlisted."""
     names = sorted(files)
     for name in names[rank::size]:
         path, want = directory / name, files[name]
@@ -67,6 +90,11 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
         if got["crc32"] != want["crc32"]:
             raise ValueError(f"{path} fails its checksum (crc32 {got['crc32']}, the manifest says "
                              f"{want['crc32']}): the file is corrupted")
+        if sha256 and file_sha256(path) != want.get("sha256"):
+            raise ValueError(f"{path} fails its SHA-256 check against the signed manifest: the file was changed "
+                             "after the checkpoint was saved")
+        if path.name == METADATA:
+            load_metadata_file(path)  # refuses anything but DCP metadata, running no code from it
     if rank == 0:
         listed = {directory / n for n in names}
         extra = sorted(str(p.relative_to(directory)) for d in sorted({p.parent for p in listed}) if d.is_dir()
@@ -108,7 +136,8 @@ def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) ->
 
 
 def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *, scheduler: Scheduler | None = None,
-                    model: nn.Module | None = None, comm: Comm | NullComm | None = None) -> CheckpointInfo:
+                    model: nn.Module | None = None, comm: Comm | NullComm | None = None,
+                    key: bytes | str | None = None) -> CheckpointInfo:
     """Load a checkpoint saved at any data-parallel size and layout into ``optimizer`` (collective).
 
     Parameters are matched by name, groups by ``format.identity_of``; groups' ``lr`` and ``weight_decay`` are
@@ -119,17 +148,21 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         path: a checkpoint directory, or a root whose ``latest`` pointer names one.
         scheduler, model: restored too (the checkpoint must hold their state).
         comm: the ranks that hold the optimizer's state (default: the world).
+        key: the secret the checkpoint was saved with (``save_checkpoint(..., key=...)``): its HMAC-SHA256 and
+            every file's SHA-256 are checked before anything else is read. None: CRC-32s only (accidents, not
+            tampering). Either way every file is deserialised as data only: no code in a checkpoint runs.
 
     Raises:
-        ValueError: on every rank alike, for a missing, truncated or corrupted checkpoint, or one that does not
-            fit (parameters, shapes, dtypes, group settings, scaler, scheduler, model): it names what differs,
-            and the optimizer, scheduler and model are unchanged.
+        ValueError: on every rank alike, for a missing, truncated, corrupted or (given ``key``) unsigned or
+            altered checkpoint, a file holding anything but data, or one that does not fit (parameters, shapes,
+            dtypes, group settings, scaler, scheduler, model): it names what differs or the file, and the
+            optimizer, scheduler and model are unchanged.
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
-    directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path))
+    directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path, key))
     where = f"cannot load checkpoint {directory}"
-    together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size))
+    together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size, key is not None))
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
     for theirs in comm.all_gather_object(held):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from optstack.checkpoint import io
+from optstack.checkpoint.digest import DIGEST, check_key, file_sha256, sign
 from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
 from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
@@ -77,7 +78,8 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
                     scheduler: Scheduler | None = None, model: nn.Module | None = None,
-                    comm: Comm | NullComm | None = None, keep_last: int | None = None) -> Path:
+                    comm: Comm | NullComm | None = None, keep_last: int | None = None,
+                    key: bytes | str | None = None) -> Path:
     """Save the whole optimizer as ``root/step_<step>`` (returned), then point ``root/latest`` at it (collective).
 
     Saves the fp32 masters, every algorithm's state and the loss scaler by parameter name, and the scheduler and
@@ -89,6 +91,8 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         scheduler, model: saved too (the model's parameters and buffers).
         comm: the ranks that hold the optimizer's state (default: the world, or this process alone).
         keep_last: keep only this many newest checkpoints in ``root`` (None: all).
+        key: a secret to sign the checkpoint with (``digest.py``): every file's SHA-256 and an HMAC-SHA256 of the
+            manifest, which ``load_checkpoint(..., key=...)`` checks (None: unsigned; CRC-32s only).
 
     Raises:
         ValueError: on every rank alike, for bad arguments, an existing checkpoint of ``step``, state that
@@ -97,6 +101,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
+    key = check_key(key)
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
     target = Path(root) / io.checkpoint_name(step)
@@ -116,6 +121,8 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "model": plan.model,
             "files": files,
         }
+        if key is not None:
+            manifest[DIGEST] = sign(manifest, key)
         io.write_synced(temp / MANIFEST, seal(manifest))
         io.write_synced(temp / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
         io.fsync_path(temp)
@@ -126,7 +133,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
 
     failed = f"saving checkpoint {target} failed; the previous checkpoints are unchanged"
     try:
-        files = together(comm, failed, lambda: _write_rank(temp, comm.rank, plan, shards, tensors),
+        files = together(comm, failed, lambda: _write_rank(temp, comm.rank, plan, shards, tensors, key is not None),
                          f"rank {comm.rank} could not write its files: ", (Exception,))
         files = {k: v for mine in comm.all_gather_object(files) for k, v in mine.items()}
         together(comm, failed, lambda: commit(files) if comm.rank == 0 else None, "rank 0 could not commit: ",
@@ -139,8 +146,9 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
 
 
 def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, ParamShard],
-                tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """Write this rank's share of the plan as one DCP directory; return its files' sizes and checksums."""
+                tensors: Mapping[str, torch.Tensor], signed: bool = False) -> dict[str, dict[str, Any]]:
+    """Write this rank's share of the plan as one DCP directory; return its files' sizes and checksums (and
+    SHA-256s when ``signed``)."""
     chunks = [Chunk(optim_key(name, key), t, start, torch.Size(shards[name].shape).numel())
               for name, start, _ in plan.writes[rank] for key, t in shards[name].tensors.items()]
     for key in plan.model_writes[rank]:
@@ -151,4 +159,5 @@ def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, Para
     directory = temp / rank_dir_name(rank)
     write_chunks(directory, chunks)
     io.fsync_tree(directory)
-    return {f"{directory.name}/{path.name}": io.file_checksum(path) for path in sorted(directory.iterdir())}
+    return {f"{directory.name}/{path.name}": io.file_checksum(path) | ({"sha256": file_sha256(path)} if signed else {})
+            for path in sorted(directory.iterdir())}

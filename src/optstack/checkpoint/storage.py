@@ -1,7 +1,8 @@
 """torch.distributed.checkpoint (DCP) as the storage engine: per rank a DCP directory of 1-D chunks at offsets.
 
 A read of a range reads only the overlapping stored items. DCP runs without a process group (``no_dist``): the
-coordination goes over ``Comm``, so collectives stay in ``distributed/comm.py``.
+coordination goes over ``Comm``, so collectives stay in ``distributed/comm.py``. Reads deserialise data only
+(``safe.py``): the metadata through the restricted unpickler, the tensors ``weights_only``, no bytes items.
 """
 
 from __future__ import annotations
@@ -14,10 +15,20 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from optstack.checkpoint.safe import METADATA, SafeFileSystemReader, load_metadata_file
 
 __all__ = ["Chunk", "write_chunks", "read_chunks", "rank_dir_name"]
 
@@ -71,11 +82,30 @@ class _ChunkLoadPlanner(_Chunks, DefaultLoadPlanner):
             stored = self.metadata.state_dict_metadata.get(chunk.key)
             if stored is None:
                 raise ValueError(f"{chunk.key!r} is not in this DCP directory")
+            if not isinstance(stored, TensorStorageMetadata):
+                raise ValueError(f"{chunk.key!r} is stored as {type(stored).__name__}, not as a tensor")
             items += create_read_items_for_chunk_list(chunk.key, stored, [chunk.meta()])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._chunks[index.fqn].tensor
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise ValueError(f"{read_item.dest_index.fqn!r} is a bytes item; optstack checkpoints hold only tensors")
+
+
+class _Reader(SafeFileSystemReader):
+    """The data-only reader, given the metadata already read (once, and refused outside DCP's error wrapping)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 def _dcp(run: Any, **kwargs: Any) -> None:
@@ -96,5 +126,10 @@ def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]]) -> None:
     """Fill each chunk's destination with its range, from the DCP directory in ``checkpoint`` of its rank."""
     for rank, chunks in sorted(by_rank.items()):
         if wanted := [c for c in chunks if c.tensor.numel() > 0]:
-            _dcp(dcp.load, storage_reader=dcp.FileSystemReader(checkpoint / rank_dir_name(rank)),
-                 planner=_ChunkLoadPlanner(wanted))
+            directory = checkpoint / rank_dir_name(rank)
+            reader = _Reader(directory, load_metadata_file(directory / METADATA))
+            try:
+                _dcp(dcp.load, storage_reader=reader, planner=_ChunkLoadPlanner(wanted))
+            except CheckpointException as exc:  # a BaseException: as a ValueError, with DCP's causes
+                causes = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
+                raise ValueError(f"reading {directory} failed: {causes}") from exc

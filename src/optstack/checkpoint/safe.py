@@ -1,0 +1,264 @@
+"""Reading a checkpoint deserialises data only: DCP metadata through a restricted unpickler, bytes items as
+``weights_only`` loads. Loading a checkpoint never runs code from it.
+
+torch.distributed.checkpoint stores each directory's index (``.metadata``) as a pickle, and its own
+``FileSystemReader`` reads it with ``pickle.load``: a ``.metadata`` file from someone else could run anything.
+``load_metadata`` admits only the classes DCP's metadata holds in torch 2.13 (``metadata.py``'s dataclasses, the
+file system's ``_StorageInfo``, ``torch.Size``, dtypes, layouts, paths as pure paths) besides plain containers
+and scalars, and sets state only on fresh instances of those dataclasses; the first global outside that list
+is a ``ValueError`` naming the file, raised by the unpickler before it looks the global up, so nothing outside
+the list is ever imported, built or called. The result is then checked field by field.
+``SafeFileSystemReader`` is DCP's reader with that unpickler, for ``dcp.load``::
+
+    dcp.load(state, storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+
+Tensor data DCP already reads with ``torch.load(weights_only=True)``; the bytes items (non-tensor state such as
+param groups) DCP's planner loads with ``weights_only=False``, so this reader loads them with ``weights_only=True``
+first and hands the planner a fresh serialisation of the result, never the file's own bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import PurePath, PurePosixPath, PureWindowsPath
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+try:  # where torch 2.13 defines it; the name in the pickle is what matters
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+except ImportError:  # pragma: no cover - another torch: no file can name it, so none loads
+    _StorageInfo = None
+
+__all__ = ["SafeFileSystemReader", "load_metadata", "load_metadata_file", "ALLOWED_GLOBALS", "METADATA"]
+
+METADATA = ".metadata"  # the name DCP's FileSystemWriter gives a directory's metadata (with a process group or none)
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout`` without its cache: a layout by its name, nothing else."""
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise ValueError(f"unknown tensor layout {name!r}")
+    return _LAYOUTS[name]
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    meta = "torch.distributed.checkpoint.metadata"
+    out: dict[tuple[str, str], Any] = {
+        (meta, c.__name__): c for c in (Metadata, MetadataIndex, TensorStorageMetadata, BytesStorageMetadata,
+                                        ChunkStorageMetadata, TensorProperties, StorageMeta, _MEM_FORMAT_ENCODING)}
+    if _StorageInfo is not None:
+        out["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = _StorageInfo
+    out["torch", "Size"] = torch.Size
+    out |= {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    out["torch.serialization", "_get_layout"] = _layout
+    # StorageMeta.checkpoint_id is a path: built as a pure path (no file system access, any OS's form).
+    for module in ("pathlib", "pathlib._local"):
+        out |= {(module, n): PurePosixPath for n in ("PosixPath", "PurePosixPath")}
+        out |= {(module, n): PureWindowsPath for n in ("WindowsPath", "PureWindowsPath")}
+    out |= {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("collections", "OrderedDict"): OrderedDict}
+    return out
+
+
+#: (module, name) -> the object a ``.metadata`` pickle may reference; every other global is refused.
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed()
+
+
+class _Refused(Exception):
+    pass
+
+
+# DCP's metadata objects: the only ones whose state a pickle may set (a class, function or shared singleton
+# such as an enum member must never have attributes set by a file).
+_BUILDABLE = frozenset(c for c in (Metadata, MetadataIndex, TensorStorageMetadata, BytesStorageMetadata,
+                                   ChunkStorageMetadata, TensorProperties, StorageMeta, _StorageInfo) if c is not None)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Python's own unpickler, its globals limited to ``ALLOWED_GLOBALS`` and its BUILD to ``_BUILDABLE``.
+
+    The pure-Python unpickler, not the C one, so that BUILD (set an object's state) can be checked too.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED_GLOBALS[module, name]
+        except (KeyError, TypeError):
+            raise _Refused(f"the global {module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused(f"a persistent id ({type(pid).__name__})")
+
+    def _load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) not in _BUILDABLE:
+            raise _Refused(f"state to set on a {type(inst).__name__} object")
+        for part in state if isinstance(state, tuple) else (state,):
+            if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
+                raise _Refused(f"special attributes {sorted(map(repr, part))} to set on a {type(inst).__name__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def load_metadata(file: IO[bytes], where: str) -> Metadata:
+    """DCP ``Metadata`` from the pickle in ``file``, admitting only ``ALLOWED_GLOBALS``; checked field by field.
+
+    Raises:
+        ValueError: naming ``where``: a global outside the list (refused before it is looked up), a damaged
+            pickle, or a structure DCP does not write.
+    """
+    try:
+        metadata = _MetadataUnpickler(file).load()
+        _check_metadata(metadata)
+    except _Refused as exc:
+        raise ValueError(
+            f"{where} holds {exc}, which DCP checkpoint metadata never does: refusing to load it (loading a "
+            "checkpoint never runs code from it). The file was altered, or written by something other than "
+            "torch.distributed.checkpoint; do not load it unless you trust its source.") from None
+    except _Malformed as exc:
+        raise ValueError(f"{where} is not DCP checkpoint metadata: {exc}") from None
+    except Exception as exc:  # any damage the unpickler meets (truncation, wrong arity, bad state)
+        raise ValueError(f"{where} is not readable DCP checkpoint metadata ({type(exc).__name__}: {exc}); the "
+                         "file is corrupted or not a DCP .metadata file") from None
+    return metadata
+
+
+def load_metadata_file(path: str | PurePath) -> Metadata:
+    """``load_metadata`` of the file at ``path`` (its name in the errors); ``ValueError`` when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return load_metadata(f, str(path))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _expect(ok: bool, what: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise _Malformed(f"{what} is a {type(value).__name__}, expected {expected}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_size(what: str, value: Any, ndim: int | None = None) -> None:
+    _expect(isinstance(value, torch.Size) and (ndim is None or len(value) == ndim), what, value,
+            "a torch.Size" + (f" of {ndim} dimensions" if ndim is not None else ""))
+
+
+def _check_metadata(md: Any) -> None:
+    """Raise ``_Malformed`` unless ``md`` has the shape DCP's ``FileSystemWriter`` gives its metadata."""
+    _expect(type(md) is Metadata, "the pickle", md, "DCP Metadata")
+    entries = md.state_dict_metadata
+    _expect(isinstance(entries, dict), "state_dict_metadata", entries, "a dict")
+    for key, entry in entries.items():
+        _expect(isinstance(key, str), "a state_dict_metadata key", key, "a str")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        _expect(type(entry) is TensorStorageMetadata, f"state_dict_metadata[{key!r}]", entry,
+                "TensorStorageMetadata or BytesStorageMetadata")
+        _expect(type(entry.properties) is TensorProperties, f"{key!r}.properties", entry.properties,
+                "TensorProperties")
+        _expect(isinstance(entry.properties.dtype, torch.dtype), f"{key!r}.properties.dtype",
+                entry.properties.dtype, "a torch.dtype")
+        _check_size(f"{key!r}.size", entry.size)
+        _expect(isinstance(entry.chunks, list), f"{key!r}.chunks", entry.chunks, "a list")
+        for chunk in entry.chunks:
+            _expect(type(chunk) is ChunkStorageMetadata, f"a chunk of {key!r}", chunk, "ChunkStorageMetadata")
+            _check_size(f"a chunk offset of {key!r}", chunk.offsets, len(entry.size))
+            _check_size(f"a chunk size of {key!r}", chunk.sizes, len(entry.size))
+    storage = md.storage_data
+    _expect(isinstance(storage, dict), "storage_data", storage, "a dict")
+    for index, info in storage.items():
+        _expect(type(index) is MetadataIndex and isinstance(index.fqn, str), "a storage_data key", index,
+                "a MetadataIndex")
+        _expect(_StorageInfo is not None and type(info) is _StorageInfo, f"storage_data[{index.fqn!r}]", info,
+                "a _StorageInfo")
+        path = info.relative_path
+        # Only a file beside the metadata: a path elsewhere would read a file the checkpoint does not hold.
+        if not isinstance(path, str) or not path or "/" in path or "\\" in path or path in (".", ".."):
+            raise _Malformed(f"storage_data[{index.fqn!r}] points at {path!r}, not a file in the directory")
+        _expect(_is_int(info.offset) and _is_int(info.length), f"the offset/length of {index.fqn!r}",
+                (info.offset, info.length), "ints >= 0")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None:
+            _expect(isinstance(descriptors, list | tuple) and all(isinstance(d, str) for d in descriptors),
+                    f"the transforms of {index.fqn!r}", descriptors, "a list of str")
+    _expect(md.storage_meta is None or type(md.storage_meta) is StorageMeta, "storage_meta", md.storage_meta,
+            "StorageMeta or None")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` that deserialises data only; pass it as ``dcp.load(..., storage_reader=...)``.
+
+    ``.metadata`` goes through ``load_metadata`` (DCP's metadata classes, containers and scalars only), bytes
+    items through ``torch.load(weights_only=True)``; tensors DCP reads ``weights_only`` already. A refused file
+    is a ``ValueError`` naming it; ``dcp.load`` reports it inside torch's ``CheckpointException``.
+
+    Args:
+        path: the DCP checkpoint directory (``checkpoint_id``).
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream, str(path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return super().read_data(plan, _DataOnlyBytes(planner, self._where))  # type: ignore[arg-type]
+
+    def _where(self, item: ReadItem) -> str:
+        info = self.storage_data.get(item.storage_index)
+        return str(self.fs.concat_path(self.path, info.relative_path)) if info is not None else str(self.path)
+
+
+class _DataOnlyBytes:
+    """The caller's planner, but bytes items reach it only as a fresh serialisation of a ``weights_only`` load."""
+
+    def __init__(self, planner: LoadPlanner, where: Callable[[ReadItem], str]) -> None:
+        self._planner, self._where = planner, where
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"{self._where(read_item)}: item {read_item.storage_index.fqn!r} is not plain data "
+                             f"({first}); refusing to load it (loading a checkpoint never runs code from it)"
+                             ) from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        self._planner.load_bytes(read_item, clean)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
