@@ -10,11 +10,13 @@ Each rank writes only what it owns. The layout is in ``format.py``, the guarante
 from optstack.checkpoint.dcp import OptimizerState
 from optstack.checkpoint.format import VERSION, migrate
 from optstack.checkpoint.interop import export_torch_state_dict, import_torch_state_dict, write_group_map
+from optstack.checkpoint.io import CheckpointError
 from optstack.checkpoint.load import CheckpointInfo, load_checkpoint
 from optstack.checkpoint.safe import SafeFileSystemReader
 from optstack.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "VERSION", "CheckpointInfo", "OptimizerState", "export_torch_state_dict", "import_torch_state_dict",
-    "load_checkpoint", "migrate", "save_checkpoint", "write_group_map", "SafeFileSystemReader",
+    "VERSION", "CheckpointError", "CheckpointInfo", "OptimizerState", "SafeFileSystemReader",
+    "export_torch_state_dict", "import_torch_state_dict", "load_checkpoint", "migrate", "save_checkpoint",
+    "write_group_map",
 ]

@@ -1,27 +1,79 @@
-"""Files and directories of checkpoints: atomic commits, the ``latest`` pointer, keep-last-K, checksums.
+"""Files and directories of checkpoints: atomic commits, the ``latest`` pointer, keep-last-K, checksums, and
+``CheckpointError``, what a storage failure becomes.
 
 A save writes into a temporary directory beside its target (``.step_00000100.tmp-<id>``), flushes it, renames
 it into place and atomically replaces ``latest``: a process killed at any point leaves the previous checkpoints
-and ``latest`` as they were. Loads ignore hidden ``.tmp-`` entries; the next save removes them.
+and ``latest`` as they were. The rename is the commit: a step directory always holds a complete checkpoint, and
+loads take the newest one even when ``latest`` is stale (a save killed between the rename and ``latest``).
+
+Several jobs may save into one root. The saving process holds an ``flock`` on ``<temp>/.owner`` for the whole
+save; the kernel drops it when the process dies, however it dies. So the next save removes exactly the
+temporary directories whose owner is gone (lock free) and never another job's save in progress (lock held).
+Where the file system cannot lock (some network mounts), a temporary directory is removed only after a day.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+import time
 import uuid
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from optstack.checkpoint.format import MANIFEST
 
-__all__ = ["LATEST", "checkpoint_name", "make_temp", "fsync_path", "fsync_tree", "write_synced", "commit_dir",
-           "write_latest", "resolve_checkpoint", "prune", "file_checksum"]
+__all__ = ["LATEST", "CheckpointError", "FAILURES", "describe_error", "is_storage_error", "TempDir",
+           "checkpoint_name", "replaceable", "make_temp", "remove_stale", "fsync_path", "fsync_tree", "write_synced",
+           "commit_dir", "write_latest", "committed_steps", "resolve_checkpoint", "prune", "file_checksum"]
 
 LATEST = "latest"
+OWNER = ".owner"  # in a temporary directory: flock-ed by the saving process while it saves
+STALE_AFTER_S = 24 * 3600  # age after which an unlockable temporary directory counts as abandoned
+_LATEST_TEMP_AGE_S = 60.0  # a latest pointer's temporary file lives for milliseconds
 _NAME = re.compile(r"^step_(\d+)$")
+#: What a failed checkpoint step may raise: DCP's ``CheckpointException`` derives from ``BaseException``.
+FAILURES: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+class CheckpointError(RuntimeError):
+    """Writing or reading a checkpoint's files failed (a full disk, an I/O error, ...), on the rank(s) named.
+
+    Attributes:
+        path: the checkpoint directory concerned.
+        committed: for a save, True when the step directory was committed (complete and loadable) before the
+            failure (only ``latest`` or pruning failed); False when nothing was committed.
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike[str], committed: bool = False) -> None:
+        super().__init__(message)
+        self.path, self.committed = Path(path), committed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.path, self.committed)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The errors inside DCP's ``CheckpointException`` (whose own text names a DCP rank, always 0 here), else exc."""
+    if isinstance(exc, CheckpointException):
+        return [inner for inner, _ in exc.failures.values()] or [exc]
+    return [exc]
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: the type and text of ``exc`` (of each error DCP wrapped)."""
+    return "; ".join(f"{type(e).__name__}: {e}" for e in _causes(exc))
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the storage failing (an ``OSError``, also inside DCP's wrapper), not the data."""
+    return any(isinstance(e, OSError) for e in _causes(exc))
 
 
 def checkpoint_name(step: int) -> str:
@@ -31,10 +83,26 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def replaceable(target: Path) -> bool:
+    """Whether a save of ``target``'s step may replace it: absent, or committed but never acknowledged (``latest``
+    does not name it: its save was killed between the rename and ``latest``, or reported that ``latest`` failed)."""
+    return not target.exists() or (target / MANIFEST).is_file() and _latest_name(target.parent) != target.name
+
+
 def _refuse_existing(target: Path) -> None:
-    if target.exists():
-        raise ValueError(f"checkpoint {target} already exists; checkpoints are never overwritten: delete it or "
-                         "save under another step")
+    if replaceable(target):
+        return
+    if (target / MANIFEST).is_file():
+        raise ValueError(f"checkpoint {target} already exists and '{LATEST}' names it; checkpoints are never "
+                         "overwritten: resume from it, delete it, or save under another step")
+    raise ValueError(f"{target} already exists but is not a checkpoint (no {MANIFEST}); move or delete it")
 
 
 def _hidden(path: Path, tag: str = "") -> Path:
@@ -42,20 +110,91 @@ def _hidden(path: Path, tag: str = "") -> Path:
     return path.parent / f".{path.name}.tmp-{tag}{uuid.uuid4().hex[:12]}"
 
 
-def make_temp(target: Path) -> Path:
-    """A new empty directory beside ``target`` (ValueError if that exists), after clearing killed saves' leftovers."""
+class TempDir:
+    """A save's temporary directory, owned (``flock`` on ``.owner``) until ``release()``."""
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        """Drop the lock (after the directory was renamed into place or removed)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _try_lock(fd: int) -> bool | None:
+    """flock ``fd`` without waiting: True (locked), False (another process holds it), None (cannot lock here)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
+def make_temp(target: Path) -> TempDir:
+    """A new empty directory beside ``target``, locked by this process, after removing abandoned saves' leftovers.
+
+    Raises:
+        ValueError: ``target`` exists and may not be replaced (``replaceable``).
+        OSError: the file system failed.
+    """
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
-    for entry in root.iterdir():
-        if entry.name.startswith((".step_", f".{LATEST}.tmp-")) and ".tmp-" in entry.name:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+    remove_stale(root)
     _refuse_existing(target)
-    path = _hidden(target)
-    path.mkdir()
-    return path
+    while True:
+        path = _hidden(target)
+        path.mkdir()
+        try:
+            fd = os.open(path / OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            continue  # another save's cleanup took the directory before the lock existed: take a new name
+        locked = _try_lock(fd)
+        # The same file still at its place: no cleanup took it between mkdir and the lock (else try again).
+        if locked is not False and _same_file(fd, path / OWNER):
+            return TempDir(path, fd)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def remove_stale(root: Path) -> None:
+    """Remove the temporary entries of saves whose process is gone; keep every save in progress (module doc)."""
+    now = time.time()
+    for entry in root.iterdir():
+        if not (entry.name.startswith((".step_", f".{LATEST}.tmp-")) and ".tmp-" in entry.name):
+            continue
+        try:
+            if not entry.is_dir():  # a latest pointer written aside; another job's lives for milliseconds
+                if now - entry.stat().st_mtime > _LATEST_TEMP_AGE_S:
+                    entry.unlink(missing_ok=True)
+                continue
+            _remove_if_abandoned(entry, now)
+        except FileNotFoundError:
+            continue  # its owner renamed or removed it meanwhile
+
+
+def _remove_if_abandoned(entry: Path, now: float) -> None:
+    try:
+        fd = os.open(entry / OWNER, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:  # a save killed before it locked, a pruned checkpoint, or a save this instant
+        shutil.rmtree(entry, ignore_errors=True)  # (that save finds its lock file gone and takes a new name)
+        return
+    try:
+        locked = _try_lock(fd)
+        if locked is False or locked is None and now - entry.stat().st_mtime < STALE_AFTER_S:
+            return  # a save in progress, or cannot tell yet
+        shutil.rmtree(entry, ignore_errors=True)  # while holding the lock: its owner is gone
+    finally:
+        os.close(fd)
 
 
 def fsync_path(path: Path) -> None:
@@ -82,36 +221,68 @@ def write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def commit_dir(temp: Path, target: Path) -> None:
-    """Rename the finished ``temp`` to ``target`` (never over an existing one) and flush the parent."""
+def commit_dir(temp: Path, target: Path) -> Path | None:
+    """Rename the finished ``temp`` to ``target``: the commit. An unacknowledged ``target`` (``replaceable``) is
+    first renamed aside; returns that hidden directory, for the caller to remove once ``latest`` is written.
+
+    Raises:
+        ValueError: ``target`` exists and may not be replaced (e.g. another job committed it meanwhile).
+        OSError: the rename failed (nothing was committed).
+    """
     _refuse_existing(target)
-    os.rename(temp, target)
-    fsync_path(target.parent)
+    aside = None
+    if target.exists():
+        aside = _hidden(target, "deleting-")
+        os.rename(target, aside)
+    os.rename(temp, target)  # fails (ENOTEMPTY) rather than replace a checkpoint another job committed meanwhile
+    return aside
 
 
 def write_latest(root: Path, name: str) -> None:
     """Point ``root/latest`` at checkpoint ``name``: written aside, flushed, renamed over the old pointer."""
     temp = _hidden(root / LATEST)
-    write_synced(temp, name + "\n")
-    os.replace(temp, root / LATEST)
+    try:
+        write_synced(temp, name + "\n")
+        os.replace(temp, root / LATEST)
+    finally:
+        temp.unlink(missing_ok=True)  # only left when the write or the rename failed
     fsync_path(root)
 
 
+def committed_steps(root: Path) -> list[Path]:
+    """The committed checkpoints in ``root`` (step directories with a manifest), oldest first."""
+    try:
+        entries = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = sorted((int(m.group(1)), p) for p in entries if (m := _NAME.match(p.name)) and (p / MANIFEST).is_file())
+    return [p for _, p in found]
+
+
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """``path`` when it holds a manifest, else the checkpoint its ``latest`` names; ValueError when neither exists."""
+    """``path`` when it holds a manifest, else the newest committed checkpoint in it (normally the one ``latest``
+    names; a newer one when a save was killed between its commit and ``latest``: a warning says so).
+
+    Raises:
+        ValueError: ``path`` holds no committed checkpoint.
+    """
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
-    pointer = path / LATEST
-    if not pointer.is_file():
+    steps, pointer = committed_steps(path), path / LATEST
+    name = _latest_name(path) if pointer.is_file() else None
+    if not steps:
+        if name is not None:
+            raise ValueError(f"{pointer} names {name!r}, which is not a checkpoint in {path}")
         if path.is_dir() and any(p.name.startswith(".step_") for p in path.iterdir()):
             raise ValueError(f"{path} holds only unfinished saves (no '{LATEST}' pointer, no {MANIFEST}); a "
                              "save was interrupted before any checkpoint was committed")
         raise ValueError(f"no checkpoint at {path}: it has neither {MANIFEST} nor a '{LATEST}' pointer")
-    name = pointer.read_text().strip()
-    if not _NAME.match(name) or not (path / name / MANIFEST).is_file():
-        raise ValueError(f"{pointer} names {name!r}, which is not a checkpoint in {path}")
-    return path / name
+    if name != steps[-1].name:
+        said = f"names {name!r}" if name is not None else "is missing"
+        warnings.warn(f"{pointer} {said} but {steps[-1].name} is the newest committed checkpoint in {path} (a save "
+                      f"ended between its commit and '{LATEST}'); loading {steps[-1].name}", stacklevel=2)
+    return steps[-1]
 
 
 def prune(root: Path, keep_last: int, keep: Path) -> None:

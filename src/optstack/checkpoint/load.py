@@ -1,11 +1,13 @@
 """``load_checkpoint``: any checkpoint into any layout, all or nothing.
 
-All ranks agree after each step: a problem anywhere is the same ``ValueError`` everywhere, nothing changed yet::
+All ranks agree after each step: a problem anywhere is the same ``ValueError`` everywhere (a ``CheckpointError``
+when the storage failed), nothing changed yet::
 
-    manifest  resolve ``latest``, check the manifest's seal (and signature, given a key), ``migrate()`` it to the
-              current version, check every field's type
+    manifest  resolve the newest committed checkpoint, check the manifest's seal (and signature, given a key),
+              ``migrate()`` it to the current version, check every field's type
     verify    the files, split over the ranks: each exists, has its size and its CRC-32 (and SHA-256, given a
-              key); each DCP ``.metadata`` holds DCP metadata only (``safe.py``: no code runs)
+              key); each DCP ``.metadata`` holds DCP metadata only (``safe.py``: no code runs); every rank that
+              wrote state has its DCP metadata and data files listed
     match     every rank's parameters (names, shapes, dtypes, groups), the model; scaler, scheduler on a dry run
     read      each rank the ranges it holds (from whichever ranks wrote them), into new tensors
     apply     only now: stages, group lr / weight decay, scaler, scheduler, model
@@ -13,8 +15,9 @@ All ranks agree after each step: a problem anywhere is the same ``ValueError`` e
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,7 +41,7 @@ from optstack.checkpoint.format import (
 from optstack.checkpoint.safe import METADATA, load_metadata_file
 from optstack.checkpoint.save import check_optimizer, local_state, together
 from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
-from optstack.checkpoint.storage import Chunk, read_chunks
+from optstack.checkpoint.storage import Chunk, rank_dir_name, read_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.schedule import Scheduler
@@ -75,10 +78,20 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) 
 
 
 def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: int = 0, size: int = 1,
-                 sha256: bool = False) -> None:
+                 sha256: bool = False, writers: Sequence[int] = ()) -> None:
     """Check this rank's share of ``files`` (every ``size``-th from ``rank``): size, CRC-32, the SHA-256 too when
-    ``sha256`` (a signed load), DCP metadata holding only metadata; on rank 0, that no file is unlisted."""
+    ``sha256`` (a signed load), DCP metadata holding only metadata; on rank 0, that no file is unlisted and that
+    each of ``writers`` (the ranks the manifest says wrote state) has its DCP metadata and a data file listed.
+    Together: the files DCP's metadata names are the listed ones (a save checks its metadata's files before it
+    commits)."""
     names = sorted(files)
+    if rank == 0:
+        for writer in sorted(set(writers)):
+            mine = [n for n in names if n.startswith(f"{rank_dir_name(writer)}/")]
+            if f"{rank_dir_name(writer)}/.metadata" not in mine or len(mine) < 2:
+                raise ValueError(f"{directory / rank_dir_name(writer)}: the manifest lists {mine or 'no files'} for "
+                                 f"rank {writer}, which wrote state; need its DCP .metadata and data files (the "
+                                 "checkpoint is incomplete)")
     for name in names[rank::size]:
         path, want = directory / name, files[name]
         if not path.is_file():
@@ -101,6 +114,13 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
                        for p in d.iterdir() if p not in listed)
         if extra:
             raise ValueError(f"{directory} has files its manifest does not list: {extra}")
+
+
+def _writers(manifest: Mapping[str, Any]) -> list[int]:
+    """The ranks that wrote element-wise state or model tensors, by the manifest."""
+    ranks = {rank for entry in manifest["params"].values() for rank, lo, hi in entry["chunks"] if hi > lo}
+    ranks |= {entry["rank"] for entry in (manifest.get("model") or {}).values() if math.prod(entry["shape"]) > 0}
+    return sorted(ranks)
 
 
 def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
@@ -157,12 +177,16 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             altered checkpoint, a file holding anything but data, or one that does not fit (parameters, shapes,
             dtypes, group settings, scaler, scheduler, model): it names what differs or the file, and the
             optimizer, scheduler and model are unchanged.
+        CheckpointError: (a ``RuntimeError``) on every rank alike, when reading failed (an I/O error): it names
+            the rank(s), the path and the error; the optimizer, scheduler and model are unchanged.
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
-    directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path, key))
+    directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path, key),
+                                   f"rank {comm.rank}: ", path=Path(path))
     where = f"cannot load checkpoint {directory}"
-    together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size, key is not None))
+    together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size, key is not None,
+                                               _writers(manifest)), f"rank {comm.rank}: ", path=directory)
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
     for theirs in comm.all_gather_object(held):
@@ -186,7 +210,7 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     staged, staged_model = together(
         comm, where, lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()}),
                               read_model(directory, manifest, list(tensors))),
-        f"rank {comm.rank} could not read its part: ", catch=(Exception,))
+        f"rank {comm.rank} could not read its part: ", path=directory)
 
     # Only now is anything changed.
     optimizer.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters

@@ -1,11 +1,15 @@
 """``save_checkpoint``: every rank writes the slices it owns, rank 0 commits the whole atomically.
 
-All ranks agree after each step (one rank's failure is every rank's error, never a hang)::
+All ranks agree after each step (one rank's failure is every rank's error, never a hang): every error a step
+can raise, DCP's ``BaseException`` included, is caught and exchanged, so each rank leaves a failed save together
+with the others, as soon as the slowest has finished the step::
 
     collect   each rank's name-keyed ParamShards (and the model's tensors, when asked)
     plan      the same pure plan on every rank: replicated state written once, writes balanced by bytes
-    write     each rank its DCP directory, flushed and checksummed, into rank 0's temporary directory
-    commit    rank 0: the sealed manifest and the group map, flush, rename into place, ``latest``, prune
+    write     each rank its DCP directory, flushed and checksummed, into rank 0's temporary (locked) directory;
+              each checks that every data file its DCP metadata names is there
+    commit    rank 0: every listed file present at its size, the sealed manifest and the group map, flush,
+              rename into place (the commit), then ``latest`` and prune
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 from optstack.checkpoint import io
 from optstack.checkpoint.digest import DIGEST, check_key, file_sha256, sign
 from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
+from optstack.checkpoint.io import FAILURES, CheckpointError
 from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -36,22 +42,38 @@ __all__ = ["save_checkpoint", "agree", "together", "model_tensors", "local_state
 T = TypeVar("T")
 
 
+Failure = tuple[bool, str] | None  # (a storage error?, its line), exchanged between ranks
+
+
 def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
     """Raise the same ``ValueError`` on every rank when any rank has an ``error`` (collective)."""
-    errors = comm.all_gather_object(error)
-    found = list(dict.fromkeys(e for e in errors if e))
-    if found:
-        raise ValueError(f"{what}: " + "\n".join(found))
+    _agree(comm, None if error is None else (False, error), what)
 
 
-def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str = "",
-             catch: tuple[type[Exception], ...] = (ValueError,)) -> T:
-    """``fn()`` on this rank; a ``catch`` error on any rank becomes one ``ValueError`` on every rank (collective)."""
+def _agree(comm: Comm | NullComm, failure: Failure, what: str, path: Path | None = None, storage: bool = False,
+           cause: BaseException | None = None, committed: bool = False) -> None:
+    """Raise one error on every rank when any rank has a ``failure`` (collective): a ``CheckpointError`` about
+    ``path`` if ``storage`` or any rank's failure is a storage error (and ``path`` is given), else ``ValueError``."""
+    failures = [f for f in comm.all_gather_object(failure) if f]
+    if not failures:
+        return
+    message = f"{what}: " + "\n".join(dict.fromkeys(line for _, line in failures))
+    if path is not None and (storage or any(s for s, _ in failures)):
+        raise CheckpointError(message, path, committed) from cause
+    raise ValueError(message) from cause
+
+
+def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str = "", *, path: Path | None = None,
+             storage: bool = False) -> T:
+    """``fn()`` on this rank; any error on any rank becomes one error on every rank (collective; ``_agree``).
+
+    ``ValueError``s read as they are, other errors with their type; ``prefix`` (e.g. the rank) leads the line."""
     try:
-        result, error = fn(), None
-    except catch as exc:
-        result, error = None, f"{prefix}{exc if isinstance(exc, ValueError) else repr(exc)}"
-    agree(comm, error, what)
+        result, failure, cause = fn(), None, None
+    except FAILURES as exc:
+        text = str(exc) if isinstance(exc, ValueError) else io.describe_error(exc)
+        result, failure, cause = None, (io.is_storage_error(exc), prefix + text), exc
+    _agree(comm, failure, what, path, storage, cause)
     return result  # type: ignore[return-value]
 
 
@@ -94,10 +116,16 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         key: a secret to sign the checkpoint with (``digest.py``): every file's SHA-256 and an HMAC-SHA256 of the
             manifest, which ``load_checkpoint(..., key=...)`` checks (None: unsigned; CRC-32s only).
 
+    Another save of ``step`` (the same or another job's) may replace ``root/step_<step>`` only while no ``latest``
+    names it: a save killed after its commit, before ``latest``, is replaced rather than blocking every restart.
+
     Raises:
-        ValueError: on every rank alike, for bad arguments, an existing checkpoint of ``step``, state that
-            cannot be saved by name, or ranks that disagree.
-        RuntimeError: writing failed on some rank (named); nothing was committed.
+        ValueError: on every rank alike, for bad arguments, a checkpoint of ``step`` that ``latest`` names, state
+            that cannot be saved by name, or ranks that disagree.
+        CheckpointError: (a ``RuntimeError``) on every rank alike, naming the rank(s), path and error: writing
+            failed (a full disk, an I/O error); its ``committed`` is False, the temporary files are removed and
+            the previous checkpoints are unchanged. Or, with ``committed`` True, the step was committed (complete,
+            loadable) but updating ``latest`` or pruning then failed.
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
@@ -111,10 +139,12 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
     gathered = comm.all_gather_object((held, table))
     plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
-    temp = comm.broadcast_object(together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None,
-                                          catch=(OSError, ValueError)))
+    temp = together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None, "rank 0: ", path=target)
+    path = comm.broadcast_object(temp.path if temp is not None else None)
 
-    def commit(files: dict[str, Any]) -> None:
+    def commit(files: dict[str, Any]) -> str | None:
+        """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the error."""
+        _check_written(path, files)
         manifest = {
             "format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size, "checksum_algorithm": "crc32",
             "params": plan.params, "groups": plan.groups, "scaler": optimizer.scaler.state_dict(),
@@ -123,26 +153,54 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         }
         if key is not None:
             manifest[DIGEST] = sign(manifest, key)
-        io.write_synced(temp / MANIFEST, seal(manifest))
-        io.write_synced(temp / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
-        io.fsync_path(temp)
-        io.commit_dir(temp, target)
-        io.write_latest(target.parent, target.name)
-        if keep_last is not None:
-            io.prune(target.parent, keep_last, keep=target)
+        io.write_synced(path / MANIFEST, seal(manifest))
+        io.write_synced(path / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
+        io.fsync_path(path)
+        aside = io.commit_dir(path, target)
+        try:  # committed: what fails from here on leaves a complete checkpoint behind
+            (target / io.OWNER).unlink(missing_ok=True)
+            io.fsync_path(target.parent)
+            io.write_latest(target.parent, target.name)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            if keep_last is not None:
+                io.prune(target.parent, keep_last, keep=target)
+        except FAILURES as exc:
+            return io.describe_error(exc)
+        return None
 
-    failed = f"saving checkpoint {target} failed; the previous checkpoints are unchanged"
+    failed = f"saving checkpoint {target} failed; nothing was committed, the previous checkpoints are unchanged"
+    committed = False
     try:
-        files = together(comm, failed, lambda: _write_rank(temp, comm.rank, plan, shards, tensors, key is not None),
-                         f"rank {comm.rank} could not write its files: ", (Exception,))
+        files = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, shards, tensors,
+                                                     key is not None),
+                         f"rank {comm.rank} could not write its files: ", path=target, storage=True)
         files = {k: v for mine in comm.all_gather_object(files) for k, v in mine.items()}
-        together(comm, failed, lambda: commit(files) if comm.rank == 0 else None, "rank 0 could not commit: ",
-                 (Exception,))
-    except ValueError as exc:
-        if comm.rank == 0:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise RuntimeError(str(exc)) from exc
+        late = together(comm, failed, lambda: commit(files) if comm.rank == 0 else None, "rank 0 could not commit: ",
+                        path=target, storage=True)
+        committed = True
+        _agree(comm, None if late is None else (True, f"rank 0: {late}"),
+               f"checkpoint {target} IS committed (complete and loadable), but then updating '{io.LATEST}' or "
+               f"pruning failed; '{io.LATEST}' may still name an earlier checkpoint (loads take the newest "
+               "committed one regardless)", target, storage=True, committed=True)
+    finally:
+        if temp is not None:
+            if not committed:
+                shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
+            temp.release()
     return target
+
+
+def _check_written(temp: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every file the ranks listed is in ``temp`` at its size (ValueError naming the first that is not)."""
+    for name, want in files.items():
+        try:
+            size = (temp / name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"{temp / name} was written but is gone (removed by another process?)") from None
+        if size != want["bytes"]:
+            raise ValueError(f"{temp / name} has {size} bytes, written were {want['bytes']} (changed by another "
+                             "process?)")
 
 
 def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, ParamShard],
@@ -159,5 +217,22 @@ def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, Para
     directory = temp / rank_dir_name(rank)
     write_chunks(directory, chunks)
     io.fsync_tree(directory)
-    return {f"{directory.name}/{path.name}": io.file_checksum(path) | ({"sha256": file_sha256(path)} if signed else {})
-            for path in sorted(directory.iterdir())}
+    files = {f"{directory.name}/{path.name}": io.file_checksum(path) | ({"sha256": file_sha256(path)} if signed else {})
+             for path in sorted(directory.iterdir())}
+    _check_named_files(directory, files)
+    return files
+
+
+def _check_named_files(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every data file the DCP metadata just written in ``directory`` names is among ``files``, long enough.
+
+    The manifest lists ``files`` and load verifies them, the metadata included; so a checkpoint whose metadata
+    names a file that is not there is never committed (it could not be loaded)."""
+    needed: dict[str, int] = {}
+    for info in FileSystemReader(directory).read_metadata().storage_data.values():  # written by this process
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        got = files.get(f"{directory.name}/{name}")
+        if got is None or got["bytes"] < size:
+            raise ValueError(f"{directory / name}, which the DCP metadata names, is "
+                             f"{'missing' if got is None else 'truncated'} after the write")
