@@ -21,7 +21,8 @@ def test_newton_schulz_cost_grows_with_the_small_side_squared() -> None:
     assert newton_schulz_cost((256, 1024)) == newton_schulz_cost((1024, 256))  # transposes cost the same
     assert newton_schulz_cost((512, 512)) > newton_schulz_cost((1024, 256))  # same numel, squarer is dearer
     assert newton_schulz_cost((7,)) == 7.0  # element-wise updates: one unit per element
-    assert newton_schulz_cost((2, 3, 4)) == 24.0
+    assert newton_schulz_cost((2, 3, 4)) == 2 * newton_schulz_cost((3, 4))  # a stack: one NS per matrix
+    assert newton_schulz_cost((2, 3, 4, 5)) == 120.0
 
 
 def test_example_largest_first_to_the_least_loaded() -> None:

@@ -404,24 +404,23 @@ def test_mup_sgd_scales_vector_like_lr_up():
 def test_mup_muon_leaves_muon_matrices_alone():
     rules = mup_rules(W, family="muon", lr=LR, min_lr=MIN_LR, eps=EPS)
     s = _settings(rules, _mup_model())
-    for name in HIDDEN_2D:
+    for name in HIDDEN_2D + ["layers.0.experts.w"]:  # 3-D stacks of matrices (experts) are Muon's too
         assert s[name] == {}, name
     # Matrices Muon cannot take are stepped by the scalar Adam and get the Adam rules.
     hidden = {"max_lr": LR / W, "min_lr": MIN_LR / W, "eps": EPS / W}
-    assert s["layers.0.experts.w"] == hidden and s["output_layer.weight"] == hidden
+    assert s["output_layer.weight"] == hidden
     assert s["layers.0.fc1.bias"] == {} and s["wte.weight"] == {}
     s = _settings(mup_rules(W, family="muon", lr=LR, min_lr=MIN_LR, decoupled_lr=0.05), _mup_model())
     assert s["output_layer.weight"] == {}
-    assert s["layers.0.experts.w"] == {"max_lr": LR / W, "min_lr": MIN_LR / W}
+    assert s["layers.0.experts.w"] == {}
 
 
 def test_muon_routing_rule():
     r = muon_routing_rule()
-    assert r.why == "Muon needs 2-D hidden matrices" and dict(r.settings) == {"algorithm": "adamw"}
-    s = _settings([r], _mup_model())
-    routed = {n for n, v in s.items() if v}
-    assert routed == {"embedding.word_embeddings.weight", "layers.0.fc1.bias", "layers.0.experts.w",
-                      "output_layer.weight"}
+    assert r.why == "Muon needs hidden matrices (2-D, or 3-D stacks)" and dict(r.settings) == {"algorithm": "adamw"}
+    s = _settings([r], _mup_model() + [("conv.weight", P(2, 2, 3, 3))])
+    routed = {n for n, v in s.items() if v}  # the 3-D experts stay with Muon; 4-D goes to the scalar optimizer
+    assert routed == {"embedding.word_embeddings.weight", "layers.0.fc1.bias", "output_layer.weight", "conv.weight"}
     assert muon_routing_rule("lion").settings["algorithm"] == "lion"
 
 

@@ -59,7 +59,8 @@ def wrap_data_parallel(
 ) -> DataParallel:
     """Wrap ``model`` for data-parallel training as ``config.distributed`` says (bucket size, grad dtype,
     overlapped reduction; sharded gradients for ZeRO-1). ``groups`` defaults to the whole initialised
-    world as data-parallel (a single process without torch.distributed works too)."""
+    world as data-parallel (a single process without torch.distributed works too). Under ZeRO-1 with Muon the
+    gradients are all-reduced, not reduce-scattered: each matrix is stepped whole by its owner rank."""
     d = config.distributed
     if groups is None:
         groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
@@ -69,7 +70,7 @@ def wrap_data_parallel(
         bucket_size=d.bucket_size if d.bucket_size is not None else 40_000_000,
         grad_dtype=dtype_from_name(d.grad_dtype, "distributed.grad_dtype") if d.grad_dtype else None,
         overlap_grad_reduce=d.overlap_grad_reduce,
-        shard_grads=d.sharding == "zero1",
+        shard_grads=_shard_grads(config),
         average=d.average_in_collective,
     )
 
@@ -168,6 +169,12 @@ def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerCo
             )
 
 
+def _shard_grads(config: OptimizerConfig) -> bool:
+    """Whether the wrapper reduce-scatters: ZeRO-1, but not for Muon, whose matrices are stepped whole (by an
+    owner rank each, as layer-wise) and so need whole reduced gradients."""
+    return config.distributed.sharding == "zero1" and get_algorithm(config.algorithm).family != "muon"
+
+
 def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:
     chunks = [source] if isinstance(source, nn.Module) else source
     wrapped = [c for c in chunks if isinstance(c, DataParallel)]
@@ -186,7 +193,11 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
             "chunk (e.g. nn.ModuleList(chunks)) in one DataParallel"
         )
     ddp = wrapped[0]
-    if sharding == "zero1" and not ddp.shard_grads:
+    if sharding == "zero1" and ddp.shard_grads and not _shard_grads(config):
+        raise ValueError(f"distributed.sharding='zero1' with algorithm={config.algorithm!r} needs whole reduced "
+                         "gradients (each Muon matrix is stepped whole by its owner rank), but the DataParallel "
+                         "wrapper shards them (shard_grads=True); build it with wrap_data_parallel(config, model)")
+    if sharding == "zero1" and not ddp.shard_grads and _shard_grads(config):
         raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
                          "with wrap_data_parallel(config, model)")
     if sharding != "zero1" and ddp.shard_grads:
@@ -219,6 +230,15 @@ def _build_stages(
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
         if ddp is None:
             stage = replicated_stage(kind_groups, make, masters=masters, grad_of=grad_of)
+        elif sharding == "zero1" and spec.family == "muon":
+            # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank (the layer-wise
+            # placement); a bucket range would cut matrices, and Newton-Schulz needs them whole.
+            if ddp.shard_grads:
+                raise ValueError(f"parameters routed to {name!r} under distributed.sharding='zero1' need whole "
+                                 "reduced gradients, but the wrapper reduce-scatters them (config.algorithm is "
+                                 f"{config.algorithm!r}); set algorithm={name!r} (the rest routed to its scalar "
+                                 "optimizer) before wrap_data_parallel, or use distributed.sharding='layerwise'")
+            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert)
         elif sharding == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather)

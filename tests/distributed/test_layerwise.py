@@ -271,3 +271,91 @@ def test_bad_input() -> None:
              "groups": stage.state_dict()["groups"]}
     with pytest.raises(ValueError, match="this rank needs"):  # e.g. another rank's state
         stage.load_state_dict(other)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Built from a config: ZeRO-1 and layer-wise Muon own whole matrices, 3-D expert stacks included
+
+
+class _Experts(nn.Module):
+    """A linear layer, a grouped-expert stack ``(experts, out, in)`` (Muon's, per matrix), an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = nn.Linear(6, 8)
+        self.experts = nn.Parameter(torch.randn(3, 8, 8) / 3)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(torch.tanh(torch.einsum("eoi,bi->bo", self.experts, h)))
+
+
+def _expert_config(sharding: str) -> Any:
+    from optstack import DistributedConfig, MuonConfig, OptimizerConfig
+
+    return OptimizerConfig(algorithm="muon", lr=0.02, weight_decay=0.01, muon=MuonConfig(nesterov=True),
+                           distributed=DistributedConfig(sharding=sharding))  # type: ignore[arg-type]
+
+
+def _expert_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + step)
+    return torch.randn(dp, 4, 6, generator=gen), torch.randn(dp, 4, 5, generator=gen)
+
+
+def train_experts_from_config(sharding: str) -> dict[str, Any]:
+    from optstack import build_optimizer, wrap_data_parallel
+
+    world = world_comm()
+    model = _Experts()
+    config = _expert_config(sharding)
+    ddp = wrap_data_parallel(config, model)
+    optimizer = build_optimizer(config, ddp).optimizer
+    for step in range(4):
+        xs, ys = _expert_batch(step, world.size)
+        ddp.zero_grad_buffer()
+        ((ddp(xs[world.rank]) - ys[world.rank]) ** 2).mean().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+    muon = optimizer.stages[0]
+    owned = sorted(muon.param_shards())
+    state = sum(t.numel() for s in muon.optimizer.state.values() for t in s.values() if t.dim() > 0)
+    return {"params": _flat(model), "owned": owned, "state_numel": state, "shard_grads": ddp.shard_grads,
+            "stages": repr(optimizer)}
+
+
+def _experts_reference(dp: int) -> torch.Tensor:
+    from optstack import build_optimizer
+
+    model = _Experts()
+    optimizer = build_optimizer(_expert_config("replicated"), model).optimizer
+    for step in range(4):
+        xs, ys = _expert_batch(step, dp)
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(dp):
+            model.zero_grad(set_to_none=True)
+            ((model(xs[rank]) - ys[rank]) ** 2).mean().backward()
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g.add_(p.grad.mul(1.0 / dp))
+        for g, p in zip(grads, model.parameters(), strict=True):
+            p.grad = g
+        optimizer.step()
+    return _flat(model)
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "layerwise"])
+def test_muon_from_config_owns_whole_matrices_and_equals_one_process(world2, sharding: str) -> None:
+    results = world2.run(train_experts_from_config, sharding)
+    ref = _experts_reference(2)
+    for out in results:
+        assert torch.equal(out["params"], results[0]["params"])  # identical replicas
+        assert _rel(out["params"], ref) < 1e-5
+        assert not out["shard_grads"]  # Muon needs whole reduced gradients, under ZeRO-1 too
+    # every Muon matrix (the 3-D expert stack as one) stepped whole by exactly one rank, its state there only
+    owned = sorted(n for out in results for n in out["owned"])
+    assert owned == ["experts", "inp.weight", "out.weight"]
+    numel = {"experts": 3 * 8 * 8, "inp.weight": 8 * 6, "out.weight": 5 * 8}
+    for out in results:
+        assert out["state_numel"] == sum(numel[n] for n in out["owned"])
+        assert ("zero1" in out["stages"]) == (sharding == "zero1")  # the scalar optimizer's state by range

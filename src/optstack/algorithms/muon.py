@@ -1,4 +1,6 @@
-"""Muon: momentum SGD whose update is orthogonalised by Newton-Schulz (``newton_schulz.py``), for 2-D weights.
+"""Muon: momentum SGD whose update is orthogonalised by Newton-Schulz (``newton_schulz.py``), for matrices: 2-D
+weights, and 3-D stacks ``(batch, rows, cols)`` of same-shaped matrices (grouped experts, per-head blocks), each
+matrix orthogonalised and scaled on its own (the stack is one batched Newton-Schulz).
 
 Per parameter ``p`` with gradient ``g`` and momentum buffer ``m`` (state ``"momentum_buffer"``, zeros at first),
 as Megatron Core / NVIDIA Emerging-Optimizers' ``OrthogonalizedOptimizer``::
@@ -13,12 +15,14 @@ Newton-Schulz's normalisation removes; it is kept so a momentum buffer means wha
 
 Scale modes (``rows, cols`` the matrix's shape): ``spectral`` ``sqrt(max(rows, cols))`` (Kimi / Moonlight; with
 ``extra_scale_factor=0.2`` the update RMS matches AdamW's), ``unit_rms_norm`` ``sqrt(rows / cols)`` (Scion),
-``shape_scaling`` ``sqrt(max(1, rows / cols))`` (Keller Jordan's Muon).
+``shape_scaling`` ``sqrt(max(1, rows / cols))`` (Keller Jordan's Muon); for a 3-D stack, the shape of one matrix.
 
 QKV split (``qkv_split_shapes=(q, k, v)``, as Megatron's ``TensorParallelMuon``): a fused attention weight of
 ``num_groups`` blocks of ``q + k + v`` rows has its q, k and v rows orthogonalised as three matrices
-``(num_groups * q, in)`` etc., each scaled by its own shape. The step batches same-shaped matrices into one
-Newton-Schulz (fewer, larger matmuls), equal to the reference to fp32 round-off.
+``(num_groups * q, in)`` etc., each scaled by its own shape (in a 3-D stack, each matrix of the stack is split).
+The step batches same-shaped matrices into one Newton-Schulz (fewer, larger matmuls), equal to the reference to
+fp32 round-off. Its matmuls run in bf16 where the hardware multiplies bf16 natively (``matmul_precision="medium"``,
+the default; see ``newton_schulz.ns_matmul_dtype``), else in fp32.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from optstack.algorithms.newton_schulz import (
     coefficient_schedule,
     matmul_precision,
     newton_schulz,
+    ns_matmul_dtype,
 )
 
 __all__ = ["Muon", "ScaleMode", "kwargs_from_config", "muon_reference", "muon_scale_factor", "SCALE_MODES"]
@@ -69,29 +74,38 @@ def muon_scale_factor(rows: int, cols: int, mode: ScaleMode) -> float:
 
 
 def _qkv_blocks(update: Tensor, shapes: Sequence[int]) -> list[Tensor]:
-    """Split a fused ``(num_groups * (q + k + v), in)`` matrix into its q, k and v matrices
-    ``(num_groups * q, in)``, ... (copies: the rows of one block are strided across the groups)."""
-    rows, cols = update.shape
-    grouped = update.view(rows // sum(shapes), sum(shapes), cols)
-    return [block.reshape(-1, cols) for block in torch.split(grouped, list(shapes), dim=1)]
+    """Split a fused ``(..., num_groups * (q + k + v), in)`` matrix (or stack) into its q, k and v matrices
+    ``(..., num_groups * q, in)``, ... (copies: the rows of one block are strided across the groups)."""
+    *lead, rows, cols = update.shape
+    grouped = update.view(*lead, rows // sum(shapes), sum(shapes), cols)
+    return [block.reshape(*lead, -1, cols) for block in torch.split(grouped, list(shapes), dim=-2)]
 
 
 def _merge_qkv(blocks: Sequence[Tensor], shapes: Sequence[int], shape: torch.Size) -> Tensor:
     """Inverse of ``_qkv_blocks``: interleave the q, k, v matrices back into the fused layout."""
-    rows, cols = shape
-    return torch.cat([b.view(rows // sum(shapes), -1, cols) for b in blocks], dim=1).view(shape)
+    *lead, rows, cols = shape
+    return torch.cat([b.view(*lead, rows // sum(shapes), -1, cols) for b in blocks], dim=-2).view(shape)
 
 
 def muon_reference(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float,
                    nesterov: bool, weight_decay: float, ns_steps: int, coefficients: Coefficients,
                    scale_mode: ScaleMode, extra_scale_factor: float,
-                   qkv_split_shapes: Sequence[int] | None = None) -> None:
+                   qkv_split_shapes: Sequence[int] | None = None, matmul_dtype: torch.dtype | None = None) -> None:
     """One Muon step on one ``(rows, cols)`` parameter, in place (``momentum_buffer`` and ``param``): the plain
-    formula of the module docstring, the test oracle."""
+    formula of the module docstring, the test oracle. A ``(batch, rows, cols)`` stack is stepped one matrix at
+    a time (views). ``matmul_dtype``: Newton-Schulz's (None: fp32)."""
+    if param.ndim == 3:
+        for p, g, m in zip(param, grad, momentum_buffer, strict=True):
+            muon_reference(p, g, m, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                           ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
+                           extra_scale_factor=extra_scale_factor, qkv_split_shapes=qkv_split_shapes,
+                           matmul_dtype=matmul_dtype)
+        return
     momentum_buffer.mul_(momentum).add_(grad, alpha=1 - momentum)
     update = torch.add(grad * (1 - momentum), momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     matrices = [update] if qkv_split_shapes is None else _qkv_blocks(update, qkv_split_shapes)
-    orthogonalised = [newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS)
+    orthogonalised = [newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS,
+                                    matmul_dtype=matmul_dtype)
                       * (extra_scale_factor * muon_scale_factor(m.size(0), m.size(1), scale_mode)) for m in matrices]
     if qkv_split_shapes is None:
         step = orthogonalised[0]
@@ -111,12 +125,13 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D parameters: momentum, decoupled weight decay, Newton-Schulz-orthogonalised update.
+    """Muon for matrices: momentum, decoupled weight decay, Newton-Schulz-orthogonalised update.
 
-    Defaults are Megatron Core's (``muon_momentum`` etc.) but ``matmul_precision``: exact fp32 (Megatron:
-    ``"medium"``, bf16 on GPU; on CPU Newton-Schulz always runs in fp32). Parameters that are not 2-D and
-    embedding / output weights belong to a scalar optimizer (AdamW): route them there with a rule. Every argument
-    below is also a per-group key. State per parameter: ``"momentum_buffer"`` (the param's shape and dtype).
+    Takes 2-D parameters and 3-D stacks of matrices ``(batch, rows, cols)`` (grouped experts, per-head blocks;
+    each matrix orthogonalised and scaled on its own). Defaults are Megatron Core's (``muon_momentum`` etc.).
+    Vectors, 4-D and higher tensors (convolution kernels: reshape to 2-D first) and embedding / output weights
+    belong to a scalar optimizer (AdamW): route them there with a rule. Every argument below is also a per-group
+    key. State per parameter: ``"momentum_buffer"`` (the param's shape and dtype).
 
     Args:
         params: parameters or param-group dicts (``param_names`` in a group is used in error messages).
@@ -129,15 +144,16 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations (>= 1).
         scale_mode: ``"spectral"``, ``"unit_rms_norm"`` or ``"shape_scaling"`` (see the module docstring).
         extra_scale_factor: multiplies the scale (0.2 with ``"spectral"`` matches AdamW's update RMS).
-        matmul_precision: fp32 matmul precision of Newton-Schulz on an accelerator: ``"highest"`` (fp32),
-            ``"high"`` (TF32 where available) or ``"medium"`` (bf16 matmuls). Ignored on CPU.
+        matmul_precision: the lowest precision Newton-Schulz's matmuls may use: ``"highest"`` (fp32), ``"high"``
+            (TF32 on a CUDA GPU, else fp32) or ``"medium"`` (bf16 where the device has native bf16 matmul, else
+            fp32; ``newton_schulz.ns_matmul_dtype``).
         qkv_split_shapes: ``(q, k, v)`` rows per attention group; set it only on a group of fused QKV weights.
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 0.02, momentum: float = 0.95,
                  nesterov: bool = False, weight_decay: float = 0.0, *, ns_coefficients: Coefficients = "quintic",
                  ns_steps: int = 5, scale_mode: ScaleMode = "spectral", extra_scale_factor: float = 1.0,
-                 matmul_precision: MatmulPrecision = "highest",
+                 matmul_precision: MatmulPrecision = "medium",
                  qkv_split_shapes: tuple[int, int, int] | None = None) -> None:
         super().__init__(params, dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_coefficients=ns_coefficients,
@@ -195,32 +211,55 @@ class Muon(torch.optim.Optimizer):
 
 
 def _orthogonalise(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-    """Scaled Newton-Schulz of every update (per q/k/v block when split), same-shaped matrices batched."""
+    """Scaled Newton-Schulz of every matrix of every update (per q/k/v block when split), the same-shaped
+    matrices of the group (2-D updates and the matrices of 3-D ones alike) batched into stacks."""
     shapes = group["qkv_split_shapes"]
     matrices = [m for u in updates for m in ([u] if shapes is None else _qkv_blocks(u, shapes))]
     by_kind: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
     for i, m in enumerate(matrices):
-        by_kind[(m.shape, m.dtype, m.device)].append(i)
+        by_kind[(m.shape[-2:], m.dtype, m.device)].append(i)
     precision = group["matmul_precision"]
-    matmul_dtype = torch.bfloat16 if precision == "medium" else None
-    results: list[Tensor] = [matrices[0]] * len(matrices)
+    pieces: list[list[Tensor]] = [[] for _ in matrices]  # each matrix's result, in stack order
     for (shape, _, device), indices in by_kind.items():
         scale = group["extra_scale_factor"] * muon_scale_factor(shape[0], shape[1], group["scale_mode"])
-        per_stack = max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))
-        for start in range(0, len(indices), per_stack):
-            chunk = indices[start : start + per_stack]
-            # A single matrix stays 2-D so it runs exactly the reference's kernel.
-            x = matrices[chunk[0]] if len(chunk) == 1 else torch.stack([matrices[i] for i in chunk])
+        matmul_dtype = ns_matmul_dtype(precision, device)
+        for chunk in _chunks([(i, matrices[i]) for i in indices], max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))):
+            # One whole update is used as it is (no copy; a single 2-D one runs exactly the reference's kernel).
+            x = chunk[0][1] if len(chunk) == 1 else torch.cat([m if m.ndim == 3 else m.unsqueeze(0) for _, m in chunk])
             with matmul_precision(precision, device):
                 out = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=_NS_EPS,
                                     matmul_dtype=matmul_dtype)
             out.mul_(scale)  # a fresh tensor: newton_schulz never returns its input
-            for i, o in zip(chunk, [out] if len(chunk) == 1 else out.unbind(0), strict=True):
-                results[i] = o
+            if len(chunk) == 1:
+                pieces[chunk[0][0]].append(out)
+                continue
+            offset = 0
+            for i, m in chunk:
+                count = m.size(0) if m.ndim == 3 else 1
+                pieces[i].append(out[offset : offset + count] if m.ndim == 3 else out[offset])
+                offset += count
+    results = [p[0] if len(p) == 1 else torch.cat(p) for p in pieces]
     if shapes is None:
         return results
     n = len(shapes)
     return [_merge_qkv(results[k * n : (k + 1) * n], shapes, u.shape) for k, u in enumerate(updates)]
+
+
+def _chunks(matrices: list[tuple[int, Tensor]], limit: int) -> list[list[tuple[int, Tensor]]]:
+    """``(index, matrix or stack)`` pairs cut into chunks of at most ``limit`` matrices, in order; a stack
+    larger than the room left is split along its batch dimension (views)."""
+    chunks: list[list[tuple[int, Tensor]]] = [[]]
+    room = limit
+    for i, m in matrices:
+        parts = [m] if m.ndim == 2 else list(m.split(limit)) if m.size(0) > limit else [m]
+        for part in parts:
+            count = 1 if part.ndim == 2 else part.size(0)
+            if count > room:
+                chunks.append([])
+                room = limit
+            chunks[-1].append((i, part))
+            room -= count
+    return [c for c in chunks if c]
 
 
 def _validate_group(group: dict[str, Any], index: int) -> None:
@@ -248,10 +287,10 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
     for i, p in enumerate(group["params"]):
         name = names[i] if names is not None and i < len(names) else None
         what = f"param {i}" if name is None else f"param {name!r} (index {i})"
-        rule = 'Rule(Ndim(lt=2), algorithm="adamw")' if p.ndim < 2 else 'Rule(~Ndim(eq=2), algorithm="adamw")'
-        _require(p.ndim == 2, f"Muon needs 2-D parameters; {what} in group {index} has shape {tuple(p.shape)}. "
-                 f"Route it to AdamW with a rule, e.g. {rule}")
-        _require(shapes is None or p.size(0) % sum(shapes) == 0,
+        rule = 'Rule(Ndim(lt=2), algorithm="adamw")' if p.ndim < 2 else 'Rule(Ndim(gt=3), algorithm="adamw")'
+        _require(p.ndim in (2, 3), f"Muon needs 2-D parameters or 3-D stacks of matrices; {what} in group {index} "
+                 f"has shape {tuple(p.shape)}. Route it to AdamW with a rule, e.g. {rule}")
+        _require(shapes is None or p.size(-2) % sum(shapes) == 0,
                  f"{where}: qkv_split_shapes {tuple(shapes or ())} (q + k + v = {sum(shapes or ())} rows per "
                  f"attention group) do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight "
                  "has num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group.")

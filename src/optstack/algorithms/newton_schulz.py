@@ -1,5 +1,6 @@
 """Newton-Schulz orthogonalisation, the matrix kernel inside Muon: the named coefficient sets, their
-per-iteration schedules, the iteration (one matrix or a stack of same-shaped ones) and the scoped matmul precision.
+per-iteration schedules, the iteration (one matrix or a stack of same-shaped ones), and the precision its matmuls
+run at on each device.
 
 The iteration maps ``X = U S V^T`` to ``U p(S) V^T``, ``p`` the composition of the odd quintics
 ``s -> a s + b s^3 + c s^5``, one per step. After normalising by the Frobenius norm the singular values lie in
@@ -12,11 +13,19 @@ arXiv:2505.16932, 8 steps, the 1.01 safety factor folded into all but the last, 
 or a custom sequence of ``(a, b, c)`` triples. Past its length, ``polar_express`` repeats its last polynomial
 (which converges to 1) and the other sets *cycle* from the start, as in Megatron; cycling ``quintic`` is safe (its
 first polynomial has no positive root) and ends closer to 1 after two passes.
+
+Precision (Megatron's ``muon_fp32_matmul_prec`` names, read as torch's ``set_float32_matmul_precision``: the
+*lowest* precision allowed, the hardware picking the fastest it has at or above it): ``"highest"`` fp32 matmuls;
+``"high"`` TF32 on a CUDA GPU, fp32 elsewhere; ``"medium"`` bf16 matmuls where the device multiplies bf16 natively
+(a CUDA GPU with bf16 tensor cores; a CPU with AVX512-BF16 or AMX), fp32 elsewhere (a CPU without bf16 hardware
+runs bf16 matmul tens of times slower than fp32). The choice is a capability check, not a timing, so that every
+rank of a replicated run takes the same one (each computes every update; they must agree to the bit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from itertools import chain, cycle, islice, repeat
 from typing import Literal
@@ -24,7 +33,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["COEFFICIENT_SETS", "MatmulPrecision", "coefficient_schedule", "matmul_precision", "newton_schulz"]
+__all__ = ["COEFFICIENT_SETS", "MatmulPrecision", "coefficient_schedule", "has_native_bf16_matmul", "matmul_precision",
+           "newton_schulz", "ns_matmul_dtype"]
 
 Triple = tuple[float, float, float]
 Coefficients = str | Sequence[Triple]
@@ -83,12 +93,42 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[Triple]
     return list(islice(source, steps))
 
 
+def has_native_bf16_matmul(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA GPU with bf16 tensor cores (Ampere or
+    later), a CPU with AVX512-BF16 or AMX tiles. Other devices: False (fp32 stays the safe choice)."""
+    return _native_bf16(device.type, device.index)
+
+
+@functools.cache
+def _native_bf16(device_type: str, index: int | None) -> bool:
+    if device_type == "cuda":
+        with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device_type == "cpu":
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up defensively
+        return any(bool(getattr(torch.cpu, probe, lambda: False)()) for probe in probes)
+    return False
+
+
+def ns_matmul_dtype(precision: MatmulPrecision, device: torch.device) -> torch.dtype:
+    """The dtype Newton-Schulz multiplies in at ``precision`` on ``device``: bf16 for ``"medium"`` where the
+    device has native bf16 matmul (``has_native_bf16_matmul``), else fp32 (TF32 for ``"high"`` on CUDA comes from
+    ``matmul_precision``, not from the dtype).
+
+    Raises:
+        ValueError: unknown ``precision``.
+    """
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {list(MATMUL_PRECISIONS)}, got {precision!r}")
+    return torch.bfloat16 if precision == "medium" and has_native_bf16_matmul(device) else torch.float32
+
+
 @contextlib.contextmanager
 def matmul_precision(precision: MatmulPrecision, device: torch.device) -> Iterator[None]:
     """Run fp32 matmuls at ``precision`` for the duration of the block, then restore the global setting.
 
-    On CPU the block always runs at ``"highest"``: reduced-precision fp32 matmul there would go through
-    bf16 paths that common CPUs lack (tens of times slower, and less accurate).
+    On CPU the block always runs at ``"highest"``: reduced-precision *fp32* matmul there is oneDNN's bf16
+    emulation (0.65x fp32's speed measured on a CPU without bf16); bf16 on CPU comes from ``ns_matmul_dtype``.
     """
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {list(MATMUL_PRECISIONS)}, got {precision!r}")
@@ -117,8 +157,8 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: Coefficients = "qu
         steps: number of iterations (>= 1).
         coefficients: named set (``"simple"``, ``"quintic"``, ``"polar_express"``) or ``(a, b, c)`` triples.
         eps: lower bound of the normalising norm, so a zero matrix maps to zero.
-        matmul_dtype: dtype of the iteration's matmuls on an accelerator (e.g. ``torch.bfloat16``); ``None``:
-            fp32. Ignored on CPU, where the iteration always runs in fp32.
+        matmul_dtype: dtype of the iteration's matmuls (e.g. ``torch.bfloat16``, see ``ns_matmul_dtype``);
+            ``None``: fp32. The normalisation is always computed in fp32.
 
     Returns:
         A tensor of ``x``'s shape and dtype.
@@ -129,7 +169,7 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: Coefficients = "qu
     if x.ndim not in (2, 3):
         raise ValueError(f"newton_schulz needs a (m, n) matrix or a (batch, m, n) stack, got shape {tuple(x.shape)}")
     schedule = coefficient_schedule(coefficients, steps)
-    work_dtype = torch.float32 if x.device.type == "cpu" or matmul_dtype is None else matmul_dtype
+    work_dtype = torch.float32 if matmul_dtype is None else matmul_dtype
     transpose = x.size(-2) > x.size(-1)
     X = (x.mT if transpose else x).to(torch.float32)
     X = (X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(eps)).to(work_dtype)

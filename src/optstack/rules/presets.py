@@ -70,7 +70,8 @@ def _is_embedding(param: torch.Tensor, name: str) -> bool:
 EMBEDDING = NamedPredicate(_is_embedding, "embedding")
 #: MuP's vector-like class: 0/1-D parameters and embeddings (their fan-in does not grow with width).
 VECTOR_LIKE = Ndim(le=1) | EMBEDDING
-MUON_MANAGED = Ndim(eq=2) & ~EMBEDDING_OR_OUTPUT
+#: Muon's matrices: 2-D, or 3-D stacks of matrices (grouped experts, per-head blocks); not embedding/output.
+MUON_MANAGED = Ndim(ge=2, le=3) & ~EMBEDDING_OR_OUTPUT
 
 MupFamily = Literal["adam", "adamw", "sgd", "muon", "lion"]
 
@@ -95,7 +96,7 @@ def mup_rules(
       Megatron, an un-embedding output matrix counts as hidden.
     - ``lion``: Adam's LR rule (its sign update has Adam's per-entry scale); no epsilon, ``eps`` is ignored.
     - ``sgd``: vector-like params (ndim <= 1 and embeddings) get ``lr * w``; ``eps`` is ignored (as in Megatron).
-    - ``muon``: 2-D non-embedding/output matrices are Muon's and get nothing (Muon scales its own update);
+    - ``muon``: 2-D and 3-D non-embedding/output matrices are Muon's and get nothing (Muon scales its own update);
       every other hidden param is stepped by the scalar Adam and gets the Adam rules (Megatron applies no
       eps override for Muon, so its face passes ``eps=None``).
 
@@ -138,6 +139,11 @@ def mup_rules(
 
 
 def muon_routing_rule(scalar_algorithm: str = "adamw") -> Rule:
-    """Send what Muon cannot take (not 2-D, or embedding/output) to ``scalar_algorithm``."""
-    not_for_muon = ~Ndim(eq=2) | EMBEDDING_OR_OUTPUT
-    return Rule(not_for_muon, algorithm=scalar_algorithm, why="Muon needs 2-D hidden matrices")
+    """Send what Muon cannot take (vectors, 4-D and higher tensors, embedding/output) to ``scalar_algorithm``.
+
+    2-D matrices and 3-D stacks ``(batch, rows, cols)`` (grouped experts, per-head blocks) stay with Muon, which
+    orthogonalises each matrix of a stack on its own. A 3-D tensor that is not a stack of matrices (a Conv1d
+    kernel ``(out, in, width)``) needs a rule of its own, e.g. ``Rule(Name("*.conv1d.weight"), algorithm="adamw")``.
+    """
+    not_for_muon = Ndim(lt=2) | Ndim(gt=3) | EMBEDDING_OR_OUTPUT
+    return Rule(not_for_muon, algorithm=scalar_algorithm, why="Muon needs hidden matrices (2-D, or 3-D stacks)")

@@ -158,10 +158,11 @@ class Zero1(Placement):
 
 def newton_schulz_cost(shape: Sequence[int]) -> float:
     """One parameter's update cost: ``max(m, n) * min(m, n) ** 2`` for an ``(m, n)`` matrix (a Newton-Schulz
-    iteration's matmuls), the element count otherwise (an element-wise update)."""
-    if len(shape) == 2:
-        m, n = shape
-        return float(max(m, n) * min(m, n) ** 2)
+    iteration's matmuls), ``b`` times that for a ``(b, m, n)`` stack of matrices (grouped experts, heads: one
+    Newton-Schulz per matrix), the element count otherwise (an element-wise update)."""
+    if len(shape) in (2, 3):
+        *batch, m, n = shape
+        return float(math.prod(batch) * max(m, n) * min(m, n) ** 2)
     return float(math.prod(shape))
 
 
