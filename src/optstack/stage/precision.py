@@ -109,6 +109,8 @@ class Precision:
                 ready[i] = self._copy_to[k]
         for tensor, grad in zip(inner, ready, strict=True):
             if tensor.grad is not grad:
+                if grad is not None and grad.dtype != tensor.dtype and hasattr(tensor, "grad_dtype"):
+                    tensor.grad_dtype = None  # copy_grads=False: the algorithm reads the gradient's dtype itself
                 tensor.grad = grad
         return ready
 
@@ -168,9 +170,10 @@ class Remainders(Precision):
 
     def _wants_master(self, piece: Piece) -> bool:
         if piece.value.dtype == torch.float16:
-            raise ValueError(f"store_param_remainders: parameter {piece.name!r} is torch.float16; remainders "
-                             "split an fp32 master into a bf16 parameter and its low 16 bits, so they need bf16 "
-                             "parameters. Use precision='bf16', or fp32 masters (store_param_remainders=False)")
+            raise ValueError(f"masters.store_remainders (Megatron: store_param_remainders): parameter "
+                             f"{piece.name!r} is torch.float16; remainders split an fp32 master into a bf16 "
+                             "parameter and its low 16 bits, so they need bf16 parameters. Make it bf16, or keep "
+                             "whole fp32 masters (store_remainders=False)")
         return piece.value.dtype == torch.bfloat16
 
     def inner(self, pieces: Sequence[Sequence[Piece]], device: torch.device) -> list[list[torch.Tensor]]:
