@@ -21,7 +21,8 @@ from optstack.offload import offloaded
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import MakeOptimizer
 
-__all__ = ["AdamConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MuonConfig", "OffloadConfig",
+__all__ = ["AdamConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig", "MuonConfig",
+           "OffloadConfig",
            "OptimizerConfig", "SGDConfig", "check_combination", "dtype_from_name"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -148,6 +149,41 @@ class AdamConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MastersConfig:
+    """What the optimizer steps for bf16/fp16 parameters (the precision-aware optimizer; Megatron's
+    ``main_params_dtype``, ``store_param_remainders``, ``main_grads_dtype``). fp32 parameters are always
+    stepped as they are.
+
+    Attributes:
+        dtype: 'fp32': an fp32 master per parameter (4 B/param); 'bf16': no master, the bf16 parameters are
+            stepped directly (math in fp32, rounded back; needs precision='bf16').
+        store_remainders: keep only the low 16 bits of each fp32 master (2 B/param): the bf16 parameter is
+            the high half, and every step is bit for bit the fp32-master step (needs precision='bf16' and
+            dtype='fp32').
+        stochastic_rounding: with dtype='bf16', round the stepped values into the parameters stochastically
+            (unbiased: small updates are not lost); needs an Adam-family algorithm.
+        grad_dtype: 'fp32': low-precision gradients are copied into fp32 buffers for the step; 'bf16': the
+            algorithm reads them as they are (no copy: needs an Adam-family algorithm, which converts in its
+            kernel).
+    """
+
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    store_remainders: bool = False
+    stochastic_rounding: bool = False
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+
+    def __post_init__(self) -> None:
+        _validate("masters.", self, dtype=_one_of("fp32", "bf16"), store_remainders=_flag,
+                  stochastic_rounding=_flag, grad_dtype=_one_of("fp32", "bf16"))
+        if self.store_remainders and self.dtype != "fp32":
+            raise ValueError(f"masters.store_remainders=True needs masters.dtype='fp32' (it stores the low half of "
+                             f"fp32 masters), got dtype={self.dtype!r}; set one of them back")
+        if self.stochastic_rounding and self.dtype != "bf16":
+            raise ValueError("masters.stochastic_rounding=True needs masters.dtype='bf16' (it rounds the step into "
+                             f"bf16 parameters), got dtype={self.dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SGDConfig:
     momentum: float = 0.9
     nesterov: bool = False
@@ -254,7 +290,8 @@ class OptimizerConfig:
         weight_decay: base weight decay; each group gets it times its ``wd_mult``.
         decoupled_lr / decoupled_min_lr: LR for embedding/output parameters (standard rules).
         mup_width_mult: MuP width multiplier (1 = no MuP rules).
-        precision: dtype of the model parameters; bf16/fp16 keep fp32 master weights.
+        precision: dtype of the model parameters; bf16/fp16 keep fp32 master weights (see ``masters``).
+        masters: what is stepped for bf16/fp16 parameters (fp32 masters, their remainders, or none).
         clip_grad: clip the global grad norm to this; 0 (the default, as torch's AdamW) = no clipping.
         grad_norm_skip_threshold: skip the step when the grad norm exceeds this (None = never).
         log_num_zeros_in_grad: count zero gradient elements each step.
@@ -280,6 +317,7 @@ class OptimizerConfig:
     muon: MuonConfig = field(default_factory=MuonConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    masters: MastersConfig = field(default_factory=MastersConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the sections: the fields whose default their class builds
@@ -335,6 +373,18 @@ def check_combination(config: OptimizerConfig, spec_of: Callable[[str], Algorith
         raise ValueError("distributed.overlap_param_gather needs distributed.sharding='zero1' (only sharded "
                          f"parameters are gathered), got sharding={distributed.sharding!r}; set "
                          "overlap_param_gather=False or sharding='zero1'")
+    masters = config.masters
+    for name, value in (("store_remainders", masters.store_remainders), ("dtype", masters.dtype == "bf16")):
+        if value and precision != "bf16":
+            why = "fp32 parameters have no master to split" if precision == "fp32" else "bf16 parameters only"
+            raise ValueError(f"masters.{name}={'True' if name == 'store_remainders' else repr('bf16')} needs "
+                             f"precision='bf16', got precision={precision!r} ({why}); set precision='bf16' or "
+                             f"leave masters.{name} at its default")
+    adam_only = (("stochastic_rounding", masters.stochastic_rounding), ("grad_dtype", masters.grad_dtype != "fp32"))
+    for name, value in adam_only:
+        if value and spec().family != "adam":
+            raise ValueError(f"masters.{name} needs an Adam-family algorithm (AdamW converts through fp32 in its "
+                             f"kernel), got algorithm={algorithm!r}; leave masters.{name} at its default")
     if config.offload.enabled:
         _check_offloadable(spec())
         if distributed.sharding == "layerwise":

@@ -25,7 +25,7 @@ from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
 from optstack.rules import Resolved, Rule, check_names_available, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
-from optstack.stage import Stage, layerwise_stage, replicated_stage, zero1_stage
+from optstack.stage import Direct, Masters, Precision, Remainders, Stage, layerwise_stage, replicated_stage, zero1_stage
 
 __all__ = ["BuiltOptimizer", "algorithm_kwargs", "build_optimizer", "default_rules", "wrap_data_parallel"]
 
@@ -206,6 +206,16 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
     return ddp
 
 
+def _stage_precision(config: OptimizerConfig, family: str) -> Precision:
+    """What a stage of an algorithm of ``family`` steps for low-precision parameters (``config.masters``):
+    gradients are read as they are only by an Adam-family algorithm (the others get fp32 copies)."""
+    masters = config.masters
+    copy_grads = masters.grad_dtype == "fp32" or family != "adam"
+    if masters.dtype == "bf16":
+        return Direct(copy_grads=copy_grads)
+    return Remainders(copy_grads=copy_grads) if masters.store_remainders else Masters(copy_grads=copy_grads)
+
+
 def _build_stages(
     groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None
 ) -> list[Stage]:
@@ -228,8 +238,9 @@ def _build_stages(
         spec = get_algorithm(name)
         # CPU offload lives inside the inner optimizer.
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
+        precision = _stage_precision(config, spec.family) if masters else Direct()
         if ddp is None:
-            stage = replicated_stage(kind_groups, make, masters=masters, grad_of=grad_of)
+            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision)
         elif sharding == "zero1" and spec.family == "muon":
             # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank (the layer-wise
             # placement); a bucket range would cut matrices, and Newton-Schulz needs them whole.
@@ -238,13 +249,13 @@ def _build_stages(
                                  "reduced gradients, but the wrapper reduce-scatters them (config.algorithm is "
                                  f"{config.algorithm!r}); set algorithm={name!r} (the rest routed to its scalar "
                                  "optimizer) before wrap_data_parallel, or use distributed.sharding='layerwise'")
-            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert)
+            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
         elif sharding == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
-                                overlap_param_gather=config.distributed.overlap_param_gather)
+                                overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
         elif sharding == "layerwise" and spec.family == "muon":
-            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert)
+            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
         else:
-            stage = replicated_stage(kind_groups, make, masters=masters, ddp=ddp, expert=expert)
+            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
         stages.append(stage)
     return stages

@@ -230,6 +230,18 @@ class ChainedOptimizer(torch.optim.Optimizer):
         for stage in self._stages:
             stage.zero_grad(set_to_none)
 
+    def offload_states(self) -> int:
+        """Move every stage's masters, remainders and optimizer state to host memory (pinned and asynchronous
+        on CUDA) and free their device memory, e.g. while the device serves generation between steps. The
+        model's parameters and gradients stay. Returns the bytes moved (this rank)."""
+        return sum(stage.offload_states() for stage in self._stages)
+
+    def reload_states(self) -> None:
+        """Bring back what ``offload_states`` moved, bit for bit (the next step is what it would have been).
+        A step, ``state_dict`` or a load reloads by itself; call this to start the copies early."""
+        for stage in self._stages:
+            stage.reload_states()
+
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's format, for this rank: ``{"state": {i: {key: value}}, "param_groups": [{settings...,

@@ -5,6 +5,9 @@ Reusing the scratch keeps the copies in cache and allocates nothing per step: a 
 the fp32 one (fresh temporaries ~8x, mostly page faults; 20M params, 1 thread). Large tensors are cut into
 ``CHUNK``-element pieces (exact: the math is element-wise). The fp16 second moment is stored as
 ``grad_rms = sqrt(v / (1 - beta2**step))`` (see ``adamw.py``), decoded on the way in, encoded on the way out.
+With ``stochastic=True`` bf16 parameters are rounded back stochastically: random low 16 bits are added to the
+fp32 result before truncation, so a value rounds up with probability equal to its distance from the lower bf16
+neighbour (unbiased; updates far below a bf16 ulp still move the parameter on average).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK", "rms_to_v", "run_staged", "v_to_rms"]
+__all__ = ["CHUNK", "rms_to_v", "round_stochastic_", "run_staged", "v_to_rms"]
 
 CHUNK = 1 << 20  # elements per operand per batch: 4 MiB of fp32, about a cache (measured best of 2^16..2^20)
 
@@ -35,7 +38,7 @@ def v_to_rms(v: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
 
 def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor], values: list[float],
                *, as_rms: bool, hyper: dict[str, Any],
-               scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> None:
+               scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor], stochastic: bool = False) -> None:
     """Run ``kernel`` over math-dtype copies of (param, grad, exp_avg, exp_avg_sq) and round the results back.
 
     Args:
@@ -45,6 +48,7 @@ def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: lis
         as_rms: exp_avg_sq holds the fp16 ``grad_rms`` form.
         hyper: the kernel's hyperparameters (``beta2`` decodes ``grad_rms``).
         scratch: the optimizer's reusable buffers by (math dtype, device); filled on first use.
+        stochastic: round bf16 parameters back stochastically (``round_stochastic_``).
     """
     pending: dict[tuple[torch.dtype, torch.device], _Batch] = {}  # by scratch key: (math dtype, device)
     filled: dict[tuple[torch.dtype, torch.device], int] = {}  # scratch elements the pending pieces take
@@ -54,13 +58,13 @@ def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: lis
             scratch[key] = torch.empty(4, CHUNK, dtype=key[0], device=key[1])
         for piece in _pieces(quad):
             if key in pending and filled[key] + piece[0].numel() > CHUNK:
-                _run_batch(kernel, pending.pop(key), scratch[key], as_rms, hyper)
+                _run_batch(kernel, pending.pop(key), scratch[key], as_rms, hyper, stochastic)
             if key not in pending:
                 pending[key], filled[key] = [], 0
             pending[key].append((piece, step, value))
             filled[key] += min(piece[0].numel(), CHUNK)
     for key, batch in pending.items():
-        _run_batch(kernel, batch, scratch[key], as_rms, hyper)
+        _run_batch(kernel, batch, scratch[key], as_rms, hyper, stochastic)
 
 
 def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -71,7 +75,15 @@ def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]
         yield from zip(*(t.view(-1).split(CHUNK) for t in quad), strict=True)
 
 
-def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: bool, hyper: dict[str, Any]) -> None:
+def round_stochastic_(stored: torch.Tensor, math: torch.Tensor) -> None:
+    """Round fp32 ``math`` into bf16 ``stored`` stochastically (``math`` is used as scratch and changed)."""
+    bits = math.view(torch.int32)
+    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)).bitwise_and_(-(1 << 16))
+    stored.copy_(math)  # exact: the low 16 bits are zero
+
+
+def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: bool, hyper: dict[str, Any],
+               stochastic: bool = False) -> None:
     """``kernel`` over ``batch``'s (quad, step, value), each tensor it cannot take as it is copied into a slice of
     ``scratch`` (4, CHUNK), a row per operand. The copies are batched into ``torch._foreach_*`` calls: per-tensor
     dispatch, not bytes, is the cost for many small tensors."""
@@ -79,6 +91,7 @@ def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: boo
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored), plain operands
     results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
     rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
+    rounded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) bf16 params, rounded stochastically
     offset = 0
     for quad, _, value in batch:
         numel = quad[0].numel()
@@ -96,7 +109,9 @@ def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: boo
                 rms.append((math, t, value))
             else:
                 copies.append((math, t))
-                if k != 1:  # the grad is only read
+                if k == 0 and stochastic and t.dtype == torch.bfloat16:
+                    rounded.append((math, t))
+                elif k != 1:  # the grad is only read
                     results.append((math, t))
         offset += min(numel, CHUNK)
     if copies:
@@ -114,3 +129,5 @@ def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: boo
         torch._foreach_copy_(encoded_rms, decoded)
     if results:
         torch._foreach_copy_([t for _, t in results], [m for m, _ in results])
+    for math, stored in rounded:
+        round_stochastic_(stored, math)

@@ -65,8 +65,10 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
     """``AdamW``'s kwargs from an ``OptimizerConfig``'s ``adam`` section (the registry adds the base ones)."""
     adam = config.adam
     exp_avg_dtype, exp_avg_sq_dtype = adam.state_dtypes
+    masters = getattr(config, "masters", None)
     return {"betas": (adam.beta1, adam.beta2), "eps": adam.eps,
-            "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
+            "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype,
+            "stochastic_rounding": bool(masters is not None and masters.stochastic_rounding)}
 
 
 class AdamW(PerDeviceOptimizer):
@@ -84,6 +86,8 @@ class AdamW(PerDeviceOptimizer):
         decoupled: True: AdamW; False: Adam with L2 weight decay.
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments (fp32, bf16, fp16, fp64); math is fp32.
         impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
+        stochastic_rounding: round results into bf16 parameters stochastically (fused/foreach paths; the
+            reference rounds to nearest).
     """
 
     _checked = ("lr", "betas", "eps", "weight_decay")
@@ -92,13 +96,15 @@ class AdamW(PerDeviceOptimizer):
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
                  decoupled: bool = True, exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32, impl: Impl = "auto") -> None:
+                 exp_avg_sq_dtype: torch.dtype = torch.float32, impl: Impl = "auto",
+                 stochastic_rounding: bool = False) -> None:
         self._name = "AdamW" if decoupled else "Adam"
         for field, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in _STATE_DTYPES:
                 raise ValueError(f"{self._name}: {field} must be one of torch.float32, torch.bfloat16, "
                                  f"torch.float16, torch.float64; got {dtype!r}")
         self.decoupled = decoupled
+        self.stochastic_rounding = bool(stochastic_rounding)
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self._sq_key = _RMS_KEY if exp_avg_sq_dtype == torch.float16 else "exp_avg_sq"
         # fp32 scratch for low-precision tensors, by (math dtype, device): reused, not part of the state
@@ -154,7 +160,7 @@ class AdamW(PerDeviceOptimizer):
                 kernel(*merged, run_steps, run_values, hyper)
             else:
                 run_staged(kernel, list(zip(*merged, strict=True)), run_steps, run_values, as_rms=as_rms,
-                           hyper=hyper, scratch=self._scratch)
+                           hyper=hyper, scratch=self._scratch, stochastic=self.stochastic_rounding)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW`` / ``Adam``.

@@ -7,7 +7,7 @@ the only config the rest of optstack reads. A field set to a value optstack does
 mutates configs after construction); it is never silently ignored.
 
 Fields that are accepted but change nothing, because they only tune Megatron's implementation or its
-logging: ``store_param_remainders``, ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
+logging: ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
 ``pin_cpu_params``, ``barrier_with_L1_time``, ``timers``, ``config_logger_dir``; the ``soap_*`` and
 ``adaptive_muon_*`` fields (their optimizers are rejected); ``muon_tp_mode`` (optstack has no tensor
 parallelism, where the three modes coincide); ``optimizer_offload_fraction`` while
@@ -18,6 +18,14 @@ either one set True turns Nesterov momentum on.
 
 Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precision Adam moments) does not need
 ``use_distributed_optimizer`` here.
+
+The precision-aware optimizer (``use_precision_aware_optimizer=True``, as in Megatron the switch for the
+fields below): ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` -> ``adam``; ``main_params_dtype`` torch.float32 (fp32
+masters) or torch.bfloat16 (bf16 parameters stepped directly) -> ``masters.dtype``; ``main_grads_dtype``
+torch.bfloat16 -> ``masters.grad_dtype`` (gradients read without an fp32 copy); ``store_param_remainders``
+(default True, as Megatron) -> ``masters.store_remainders`` for bf16 parameters with fp32 masters (ignored
+otherwise, as in Megatron). Without the switch masters are whole fp32 and ``store_param_remainders`` does
+nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ _CORE_TO_MEGATRON = {
     "loss_scale.initial": "initial_loss_scale (or loss_scale)", "loss_scale.min_scale": "min_loss_scale",
     "loss_scale.window": "loss_scale_window", "loss_scale.hysteresis": "hysteresis",
     "offload.fraction": "optimizer_offload_fraction", "offload.enabled": "optimizer_cpu_offload",
+    "masters.dtype": "main_params_dtype", "masters.store_remainders": "store_param_remainders",
+    "masters.grad_dtype": "main_grads_dtype",
 }
 
 
@@ -178,13 +188,12 @@ def _unsupported(field: str, value: object, fix: str) -> ValueError:
 _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("fp8_recipe", None, "FP8 training is not implemented; leave it None"),
     ("reuse_grad_buf_for_mxfp8_param_ag", False, "it belongs to MXFP8 training, which is not implemented"),
-    ("main_params_dtype", torch.float32, "master weights are always fp32 (set it to torch.float32)"),
-    ("main_grads_dtype", torch.float32, "main gradients are always fp32 (set it to torch.float32)"),
     ("overlap_param_gather_with_optimizer_step", False,
      "overlapping the first bucket's all-gather with the step is not implemented; set it False"),
     ("offload_optimizer_states", False,
-     "moving all optimizer state to the host between steps is not implemented; use "
-     "optimizer_cpu_offload=True with optimizer_offload_fraction instead"),
+     "call optimizer.offload_states() after a step and optimizer.reload_states() before the next "
+     "(every master and moment to host memory and back, exact), or optimizer_cpu_offload=True to step "
+     "part of the state on the host"),
     ("optimizer_cuda_graph", False, "CUDA-graph capture of the step is not implemented; set it False"),
 )
 
@@ -206,10 +215,11 @@ def check_supported(config: OptimizerConfig) -> None:
             f"bf16={config.bf16}; allowed: torch.float32 or {precision_dtype} (set bf16=True for bfloat16 "
             "params, fp16=True for float16 params)"
         )
-    for field in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+    for field, allowed in (("exp_avg_dtype", _DTYPE_NAMES), ("exp_avg_sq_dtype", _DTYPE_NAMES),
+                           ("main_params_dtype", _MAIN_DTYPES), ("main_grads_dtype", _MAIN_DTYPES)):
         value = getattr(config, field)
-        if value not in _DTYPE_NAMES:
-            raise _unsupported(field, value, "allowed: torch.float32, torch.bfloat16 or torch.float16")
+        if value not in allowed:
+            raise _unsupported(field, value, f"allowed: {', '.join(map(str, allowed))}")
         if value != torch.float32 and not config.use_precision_aware_optimizer:
             raise ValueError(
                 f"OptimizerConfig.{field}={value} needs use_precision_aware_optimizer=True (as in Megatron); "
@@ -239,6 +249,21 @@ def check_supported(config: OptimizerConfig) -> None:
             f"OptimizerConfig: optimizer={config.optimizer!r} with fp16=True is not supported "
             "(as in Megatron); use bf16=True"
         )
+
+
+_MAIN_DTYPES = (torch.float32, torch.bfloat16)  # main params / grads: fp32, or bf16 without a copy
+
+
+def _masters(config: OptimizerConfig) -> core.MastersConfig:
+    """``masters`` from the precision-aware fields (Megatron reads them only under the switch)."""
+    if not config.use_precision_aware_optimizer:
+        return core.MastersConfig()
+    bf16_main = config.main_params_dtype == torch.bfloat16
+    return core.MastersConfig(
+        dtype="bf16" if bf16_main else "fp32",
+        store_remainders=config.store_param_remainders and config.bf16 and not bf16_main,
+        grad_dtype="bf16" if config.main_grads_dtype == torch.bfloat16 else "fp32",
+    )
 
 
 def _precision_dtype(config: OptimizerConfig) -> torch.dtype:
@@ -353,6 +378,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
             distributed=core.DistributedConfig(
                 sharding=sharding, overlap_param_gather=config.overlap_param_gather
             ),
+            masters=_masters(config),
             offload=core.OffloadConfig(
                 enabled=config.optimizer_cpu_offload,
                 fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,

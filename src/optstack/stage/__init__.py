@@ -22,11 +22,12 @@ from optstack.stage.placement import (
     assign_params,
     newton_schulz_cost,
 )
-from optstack.stage.precision import Direct, Masters, Precision
+from optstack.stage.precision import Direct, Masters, Precision, Remainders
 from optstack.stage.stage import Stage
 
 __all__ = [
-    "Direct", "GradOf", "LayerWise", "Masters", "Piece", "Placement", "Precision", "Stage", "Whole", "Zero1",
+    "Direct", "GradOf", "LayerWise", "Masters", "Piece", "Placement", "Precision", "Remainders", "Stage", "Whole",
+    "Zero1",
     "assign_params", "layerwise_stage", "newton_schulz_cost", "replicated_stage", "zero1_stage",
 ]
 
@@ -38,33 +39,39 @@ def _precision(masters: bool) -> Precision:
 def replicated_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *,
                      masters: bool = True, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (),
                      tp_rank: int = 0, device: Any = None, ddp: DataParallel | None = None,
-                     expert: bool = False) -> Stage:
+                     expert: bool = False, precision: Precision | None = None) -> Stage:
     """Whole parameters on every rank. With ``ddp``, gradients come from its buffers and expert norms also
-    reduce over the expert-parallel group; ``masters=False`` steps bf16/fp16 parameters directly."""
+    reduce over the expert-parallel group; ``masters=False`` steps bf16/fp16 parameters directly; a
+    ``precision`` given replaces the one ``masters`` picks."""
     if ddp is not None:
         g = ddp.groups
         grad_of, reduce_over, tp_rank = ddp.main_grad, ([g.ep, g.mp] if expert else [g.mp]), g.tp.rank
         device = ddp.device
     placement = Whole(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
-    return Stage(param_groups, make_optimizer, placement=placement, precision=_precision(masters))
+    return Stage(param_groups, make_optimizer, placement=placement,
+                 precision=precision if precision is not None else _precision(masters))
 
 
 def zero1_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, ddp: DataParallel,
                 expert: bool = False, overlap_param_gather: bool = False,
-                param_gather: Literal["auto", "all_gather", "broadcast"] = "auto") -> Stage:
-    """ZeRO-1 over ``ddp``'s buffers: masters and state only for this rank's ranges (see ``Zero1``)."""
+                param_gather: Literal["auto", "all_gather", "broadcast"] = "auto",
+                precision: Precision | None = None) -> Stage:
+    """ZeRO-1 over ``ddp``'s buffers: masters and state only for this rank's ranges (see ``Zero1``);
+    ``precision`` defaults to ``Masters()``."""
     if not isinstance(ddp, DataParallel):
         raise ValueError(f"a ZeRO-1 stage: ddp must be an optstack DataParallel, got {type(ddp).__name__}")
     params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
     layout = ddp.sharded_layout(params, expert=expert, overlap_param_gather=overlap_param_gather,
                                 param_gather=param_gather)
-    return Stage(param_groups, make_optimizer, placement=Zero1(layout), precision=Masters())
+    return Stage(param_groups, make_optimizer, placement=Zero1(layout),
+                 precision=precision if precision is not None else Masters())
 
 
 def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *,
                     ddp: DataParallel | None = None, comm: Comm | NullComm | None = None, expert: bool = False,
                     grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (), tp_rank: int = 0,
-                    cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> Stage:
+                    cost: Callable[[Sequence[int]], float] = newton_schulz_cost,
+                    precision: Precision | None = None) -> Stage:
     """Whole parameters stepped by owner ranks of ``comm`` (or of ``ddp``'s data-parallel group: gradients
     from its buffers, which must not be sharded), then broadcast (see ``LayerWise``)."""
     if ddp is not None:
@@ -78,4 +85,5 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
         raise ValueError("layerwise_stage needs comm= (the data-parallel group) or ddp=")
     placement = LayerWise(comm=comm, grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank,
                           device=ddp.device if ddp is not None else None, cost=cost)
-    return Stage(param_groups, make_optimizer, placement=placement, precision=Masters())
+    return Stage(param_groups, make_optimizer, placement=placement,
+                 precision=precision if precision is not None else Masters())

@@ -5,11 +5,14 @@ ready, and how the stepped values reach the model.
 - ``Masters``: bf16/fp16 pieces get fp32 master copies (one flat fp32 tensor per group, so the fused kernels
   step a group's masters as one run); fp32 pieces are stepped directly (Megatron's fp32-from-fp32 groups).
   After a step the masters are rounded into the model storage in place.
+- ``Remainders``: bf16 pieces keep only the low 16 bits of their fp32 master (int16, 2 B/element): the bf16
+  parameter is the high half, so parameter + remainder is the master bit for bit. The algorithm steps fp32
+  masters rebuilt into a workspace for the step only (freed between steps); fp32 pieces are stepped directly.
 
 A gradient becomes the stepped tensor's ``.grad`` as it is when its dtype is the stepped tensor's (no copy:
-an fp32 gradient buffer under fp32 masters), else it is copied into an fp32 buffer allocated once (laid out
-back to back where the stepped tensors are). A remainder-stored master (bf16 parameter + its low 16 bits)
-is one more precision.
+an fp32 gradient buffer under fp32 masters), or always with ``copy_grads=False`` (an algorithm that reads
+low-precision gradients itself, e.g. AdamW), else it is copied into an fp32 buffer allocated once (laid out
+back to back where the stepped tensors are).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from optstack.stage.placement import Piece
 
-__all__ = ["Direct", "Masters", "Precision"]
+__all__ = ["Direct", "Masters", "Precision", "Remainders", "join_remainder", "split_remainder"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -30,7 +33,8 @@ class Precision:
 
     kind = "direct"
 
-    def __init__(self) -> None:
+    def __init__(self, *, copy_grads: bool = True) -> None:
+        self.copy_grads = copy_grads
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model storage, its master)
         self._inner: list[torch.Tensor] = []
         self._copy_to: list[torch.Tensor] = []  # fp32 grads of the pieces whose grads are copied
@@ -67,14 +71,36 @@ class Precision:
         """The fp32 masters, in group order."""
         return [m for _, m in self._pairs]
 
+    def master_ids(self) -> set[int]:
+        """``id``s of the stepped tensors that are fp32 masters (not the model's own storage)."""
+        return {id(m) for _, m in self._pairs}
+
+    def held(self) -> list[torch.Tensor]:
+        """The state this precision allocates besides the model's (masters, remainders): what
+        ``offload_states`` moves and memory accounting counts."""
+        return [m for _, m in self._pairs]
+
+    def readable(self, stepped: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``stepped`` with their values readable between steps: each tensor itself, or (for a master held
+        as a remainder) a fresh fp32 copy of the master it stands for."""
+        return list(stepped)
+
+    def materialize(self) -> None:
+        """Make the stepped tensors hold their values (before a step or a load writes them)."""
+
+    def release(self) -> None:
+        """Drop what ``materialize`` made without writing it back (a skipped step changed nothing)."""
+
     def ready(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Make ``grads`` (the model gradients, one per piece) the stepped tensors' ``.grad``; returns them.
         Gradients are used as they are (loss scale and clip factor are applied in the step)."""
         inner = self._inner
+        self.materialize()
         dtypes = [None if g is None else g.dtype for g in grads]
         if dtypes != self._dtypes:  # planned on the first step (and again if a gradient's dtype changes)
             self._dtypes = dtypes
-            self._copied = [i for i, d in enumerate(dtypes) if d is not None and d != inner[i].dtype]
+            self._copied = [i for i, d in enumerate(dtypes)
+                            if d is not None and d != inner[i].dtype and self.copy_grads]
             self._copy_to = _back_to_back([inner[i] for i in self._copied])
         ready: list[torch.Tensor | None] = list(grads)
         if self._copied:
@@ -83,6 +109,8 @@ class Precision:
                 ready[i] = self._copy_to[k]
         for tensor, grad in zip(inner, ready, strict=True):
             if tensor.grad is not grad:
+                if grad is not None and grad.dtype != tensor.dtype and hasattr(tensor, "grad_dtype"):
+                    tensor.grad_dtype = None  # copy_grads=False: the algorithm reads the gradient's dtype itself
                 tensor.grad = grad
         return ready
 
@@ -116,6 +144,122 @@ class Masters(Precision):
 
     def _wants_master(self, piece: Piece) -> bool:
         return piece.value.dtype in _LOW_PRECISION
+
+
+class Remainders(Precision):
+    """bf16 pieces: the fp32 master is the bf16 parameter (high 16 bits) + an int16 remainder (low 16 bits);
+    fp32 pieces are stepped directly. fp16 pieces cannot be split this way (a ``ValueError`` names them).
+
+    Between steps only the remainders exist (2 B per element); ``ready`` rebuilds the fp32 masters into a
+    workspace (one flat tensor per group, so fused kernels step it as one run) whose storage ``publish``
+    frees after splitting the stepped masters back. The split is Megatron's / TransformerEngine's
+    ``store_param_remainders``: the parameter is the master's high half rounded to nearest by the remainder's
+    top bit (half away from zero: it differs from ``master.to(bfloat16)`` only on exact ties), and the
+    remainder is the master's low 16 bits read as a signed int16, so ``master_bits = param_bits << 16 +
+    remainder`` exactly.
+    """
+
+    kind = "remainders"
+
+    def __init__(self, *, copy_grads: bool = True) -> None:
+        super().__init__(copy_grads=copy_grads)
+        self._remainders: list[torch.Tensor] = []  # one flat int16 tensor per group (views: in _splits)
+        self._workspaces: list[torch.Tensor] = []  # one flat fp32 tensor per group, storage freed between steps
+        self._splits: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (model value, master, remainder)
+        self._live = False
+
+    def _wants_master(self, piece: Piece) -> bool:
+        if piece.value.dtype == torch.float16:
+            raise ValueError(f"masters.store_remainders (Megatron: store_param_remainders): parameter "
+                             f"{piece.name!r} is torch.float16; remainders split an fp32 master into a bf16 "
+                             "parameter and its low 16 bits, so they need bf16 parameters. Make it bf16, or keep "
+                             "whole fp32 masters (store_remainders=False)")
+        return piece.value.dtype == torch.bfloat16
+
+    def inner(self, pieces: Sequence[Sequence[Piece]], device: torch.device) -> list[list[torch.Tensor]]:
+        self.materialize()  # earlier groups' workspaces: their values must survive the release below
+        before = len(self._pairs)
+        out = super().inner(pieces, device)
+        new = self._pairs[before:]
+        by_flat: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        for value, master in new:  # each group's masters are views of its one flat tensor
+            by_flat.setdefault(id(master._base), (master._base, []))[1].append((value, master))
+        for flat, members in by_flat.values():
+            remainders = torch.zeros(flat.numel(), dtype=torch.int16, device=device)  # exact bf16: low bits 0
+            self._workspaces.append(flat)
+            self._remainders.append(remainders)
+            for (value, master), rem in zip(members, remainders.split([m.numel() for _, m in members]), strict=True):
+                self._splits.append((value, master, rem.view(master.shape)))
+        self._live = True
+        self.release()
+        return out
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The fp32 masters, in group order: fresh copies rebuilt from parameter + remainder."""
+        return [_join(v, r) for v, _, r in self._splits] if not self._live else super().masters
+
+    def held(self) -> list[torch.Tensor]:
+        return list(self._remainders) + (list(self._workspaces) if self._live else [])
+
+    def readable(self, stepped: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self._live:
+            return list(stepped)
+        rebuilt = {id(m): (v, r) for v, m, r in self._splits}
+        return [_join(*rebuilt[id(t)]) if id(t) in rebuilt else t for t in stepped]
+
+    def materialize(self) -> None:
+        if self._live:
+            return
+        for flat in self._workspaces:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        with torch.no_grad():
+            for value, master, rem in self._splits:
+                join_remainder(value, rem, out=master)
+        self._live = True
+
+    def release(self) -> None:
+        if not self._live:
+            return
+        for flat in self._workspaces:  # views keep their shapes; nothing reads them until materialize
+            flat.untyped_storage().resize_(0)
+        self._live = False
+
+    def publish(self) -> None:
+        """Split the stepped masters into parameter + remainder, then free the workspace."""
+        if not self._live:
+            return
+        with torch.no_grad():
+            for value, master, rem in self._splits:
+                split_remainder(master, value, rem)
+        self.release()
+
+    def clear(self, set_to_none: bool) -> None:
+        super().clear(set_to_none)
+        self.release()  # after a skipped step: the parameters and remainders are still the masters
+
+
+def join_remainder(param: torch.Tensor, remainder: torch.Tensor, *, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The fp32 master of a bf16 ``param`` and its int16 ``remainder`` (same shape): bits ``param << 16 +
+    remainder`` (into ``out`` when given)."""
+    bits = (param.view(torch.int16).to(torch.int32) << 16).add_(remainder.to(torch.int32))
+    if out is None:
+        return bits.view(torch.float32)
+    out.view(torch.int32).copy_(bits)
+    return out
+
+
+def split_remainder(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write fp32 ``master`` as bf16 ``param`` (high half, rounded by the low half's top bit) and int16
+    ``remainder`` (low half, signed), in place; ``join_remainder`` gives ``master`` back bit for bit."""
+    bits = master.view(torch.int32)
+    remainder.copy_(bits.to(torch.int16))  # the low 16 bits (two's complement wrap)
+    param.view(torch.int16).copy_((bits - remainder.to(torch.int32)) >> 16)
+
+
+def _join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    return join_remainder(param.detach(), remainder)
 
 
 def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

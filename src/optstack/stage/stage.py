@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from optstack.clip import counts_toward_norm, norm_pows, zero_count
+from optstack.offload.states import HostCopy
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
@@ -118,6 +119,7 @@ class Stage:
         self._counts = [counts_toward_norm(p, tp) for p in self.placement.norm_params(self.pieces)]
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
+        self._host: HostCopy | None = None  # the state while offload_states() holds it on the host
 
     def __repr__(self) -> str:
         return f"Stage({type(self.optimizer).__name__}, {self.kind}, {len(self.pieces)} pieces)"
@@ -130,6 +132,7 @@ class Stage:
     @property
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 masters, in group order."""
+        self.reload_states()
         return self.precision.masters
 
     def add_param_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
@@ -166,6 +169,7 @@ class Stage:
         """Make the gradients ready and return ``[sum |g|^p (max |g| for inf), non-finite count]`` over
         this stage's gradients as they are (loss-scaled), reduced over the placement's groups: a
         2-element fp32 tensor, the same on every rank. Collective."""
+        self.reload_states()
         self.placement.finish()
         self._ready = self.precision.ready(self.placement.grads(self.pieces))
         pows = norm_pows(self.placement.norm_grads(self._ready), norm_type, self.device)
@@ -221,19 +225,41 @@ class Stage:
                     else:
                         param.grad.detach_().zero_()
 
+    # -- moving the state off the device between steps --------------------------------------------------
+    def offload_states(self) -> int:
+        """Move every master, remainder and optimizer state tensor of this stage to host memory (pinned and
+        asynchronous on CUDA) and free its device memory; the tensor objects stay. Anything that reads the
+        state (a step, ``state_dict``, a load) first calls ``reload_states``. Returns the bytes moved."""
+        if self._host is not None:
+            return self._host.nbytes
+        self.placement.finish()
+        self.precision.release()  # after a skipped step; the parameters and remainders hold the masters
+        state = [v for t in self._stepped for v in (self.optimizer.state.get(t) or {}).values()
+                 if isinstance(v, torch.Tensor)]
+        self._host = HostCopy(self.precision.held() + state, self.device)
+        return self._host.nbytes
+
+    def reload_states(self) -> None:
+        """Bring back what ``offload_states`` moved (bit for bit; nothing when nothing is offloaded)."""
+        if self._host is not None:
+            self._host.reload()
+            self._host = None
+
     # -- state as torch.optim keeps it -----------------------------------------------------------------
     def torch_state(self) -> dict[int, dict[str, Any]]:
         """This rank's optimizer state by ``id`` of the model parameter, as ``torch.optim`` keeps it: the live
         state tensors, shaped as stepped (the parameter's shape when held whole, the flat range
         ``[start, end)`` otherwise), and for a parameter with an fp32 master that master as ``"master"``.
         Only parameters this rank steps and that have state (after a first step, or a load)."""
+        self.reload_states()
         self.placement.finish()
-        masters = {id(m) for m in self.precision.masters}
+        masters = self.precision.master_ids()
+        readable = self.precision.readable(self._stepped)
         out = {}
-        for piece, inner in zip(self.pieces, self._stepped, strict=True):
+        for piece, inner, value in zip(self.pieces, self._stepped, readable, strict=True):
             entry = self.optimizer.state.get(inner)
             if entry:
-                out[id(piece.param)] = {**entry, "master": inner.detach()} if id(inner) in masters else entry
+                out[id(piece.param)] = {**entry, "master": value.detach()} if id(inner) in masters else entry
         return out
 
     def sharded_torch_state(self) -> dict[int, dict[str, Any]]:
@@ -275,9 +301,16 @@ class Stage:
 
     # -- state: the one name-keyed format ------------------------------------------------------------
     def param_shards(self) -> dict[str, ParamShard]:
-        """What this rank holds of each parameter it steps, by name (flat views of the live tensors)."""
+        """What this rank holds of each parameter it steps, by name (flat views of the live tensors; a master
+        held as a remainder is a fresh fp32 copy: checkpoints hold whole fp32 masters whatever the precision)."""
+        self.reload_states()
         self.placement.finish()
-        return shards_of(self.optimizer, self.pieces, self.param_groups)
+        shards = shards_of(self.optimizer, self.pieces, self.param_groups)
+        for piece, inner, value in zip(self.pieces, self._stepped, self.precision.readable(self._stepped),
+                                       strict=True):
+            if value is not inner:
+                shards[piece.name].tensors["param"] = value.reshape(-1)
+        return shards
 
     def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
         """Load name-keyed state (each shard must cover this rank's range of its parameter; the range is cut
@@ -286,7 +319,10 @@ class Stage:
         Raises:
             ValueError: a parameter this rank steps is missing or does not fit; nothing changes then.
         """
+        self.reload_states()
         self.placement.finish()
+        load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
+        self.precision.materialize()  # a remainder-held master is written whole, then split by the publish
         load_into(self.name, self.optimizer, self.pieces, shards)
         self._publish()
         self.placement.finish()
@@ -309,7 +345,7 @@ class Stage:
         """The shards and group settings of ``state_dict`` after checking they fit (``ValueError`` naming
         what differs); changes nothing."""
         if isinstance(state_dict, dict) and "kind" in state_dict:
-            ids = {id(m) for m in self.precision.masters}
+            ids = self.precision.master_ids()
             masters = [id(t) in ids for t in self._stepped]
             state_dict = migrate(state_dict, self.pieces, self._stepped, masters)
         shards = from_plain(self.name, state_dict, self.param_groups)

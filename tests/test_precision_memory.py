@@ -1,0 +1,267 @@
+"""Precision-aware optimizer state (issue 13), single process: fp32 masters held as bf16 parameter + int16
+remainder step bit for bit like whole fp32 masters; bf16 masters (stochastic rounding) and low-precision
+moments; checkpoints across state precisions; ``offload_states`` / ``reload_states``; bad input.
+(ZeRO-1 and layer-wise: ``tests/distributed/test_precision_memory.py``.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from optstack.algorithms._staging import round_stochastic_
+from optstack.algorithms.adamw import AdamW
+from optstack.checkpoint import load_checkpoint, save_checkpoint
+from optstack.config import AdamConfig, MastersConfig, OffloadConfig, OptimizerConfig
+from optstack.factory import BuiltOptimizer, build_optimizer
+from optstack.megatron.config import OptimizerConfig as MegatronConfig
+from optstack.megatron.config import to_core
+from optstack.stage import Masters, Remainders, Stage
+from optstack.stage.precision import join_remainder, split_remainder
+
+STEPS = 6
+
+
+def _model(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 5)).to(dtype)
+
+
+def _build(model: nn.Module, *, precision: str = "bf16", **changes: Any) -> BuiltOptimizer:
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, precision=precision, clip_grad=1.0, **changes)
+    return build_optimizer(config, model)
+
+
+def _train(model: nn.Module, built: BuiltOptimizer, steps: range) -> list[float]:
+    losses = []
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 12, generator=gen), torch.randn(32, 5, generator=gen)
+        loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
+        loss.backward()
+        built.optimizer.step()
+        built.optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _stage(built: BuiltOptimizer) -> Stage:
+    [stage] = built.optimizer.stages
+    return stage
+
+
+def _live_bytes(tensors: list[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+# -- remainders ---------------------------------------------------------------------------------------
+def test_split_and_join_are_exact_and_round_like_megatron() -> None:
+    torch.manual_seed(0)
+    master = torch.randn(100_000) * torch.logspace(-20, 20, 100_000)
+    tie = torch.tensor([1.0, -3.0, 5.0]).view(torch.int32).add(0x8000).view(torch.float32)  # exact halfway
+    master = torch.cat([master, tie, torch.tensor([0.0, -0.0, 3.4e38])])
+    param, rem = torch.empty(master.shape, dtype=torch.bfloat16), torch.empty(master.shape, dtype=torch.int16)
+    split_remainder(master, param, rem)
+    assert torch.equal(join_remainder(param, rem).view(torch.int32), master.view(torch.int32))
+    nearest = master.to(torch.bfloat16)
+    differ = (param.view(torch.int16) != nearest.view(torch.int16)).nonzero().flatten().tolist()
+    # only exact ties differ from round-to-nearest-even: there the remainder's sign bit rounds away from zero
+    ties = ((master.view(torch.int32) & 0xFFFF) == 0x8000).nonzero().flatten().tolist()
+    assert set(differ) <= set(ties) and {100_000, 100_001} <= set(differ)
+    assert param[100_000].item() > 1.0 and param[100_001].item() == -3.0 - 2**-6  # away from zero, not to even
+
+
+def test_remainders_step_bit_for_bit_like_fp32_masters() -> None:
+    runs = {}
+    for remainders in (False, True):
+        model = _model()
+        built = _build(model, masters=MastersConfig(store_remainders=remainders))
+        runs[remainders] = (_train(model, built, range(STEPS)), model, _stage(built))
+    (loss_a, model_a, a), (loss_b, model_b, b) = runs[False], runs[True]
+    assert b.kind == "whole+remainders" and a.kind == "whole+masters"
+    assert loss_a == loss_b
+    for x, y in zip(a.master_params, b.master_params, strict=True):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for x, y in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(x, y)
+    # between steps the master costs 2 B per element: the int16 remainders; the fp32 workspace is freed
+    numel = sum(p.numel() for p in model_b.parameters())
+    assert _live_bytes(b.precision.held()) == 2 * numel
+    assert _live_bytes(a.precision.held()) == 4 * numel
+    state = b.optimizer.state_dict()["state"]
+    assert all(s["exp_avg"].dtype == torch.float32 for s in state.values())
+
+
+def test_remainders_keep_fp32_params_whole_and_refuse_fp16() -> None:
+    torch.manual_seed(0)
+    low, high = torch.randn(6, 4).bfloat16(), torch.randn(5)  # an fp32 parameter beside a bf16 one: stepped as is
+    stage = Stage([{"params": [low, high], "param_names": ["w", "norm"], "lr": 0.1}], lambda g: AdamW(g),
+                  precision=Remainders())
+    before = high.clone()
+    low.grad, high.grad = torch.randn(6, 4).bfloat16(), torch.randn(5)
+    stage.grad_stats(2.0)
+    stage.step()
+    [master] = stage.master_params
+    assert master.shape == low.shape and not torch.equal(high, before) and stage.optimizer.state[high]
+    fp16 = _model(torch.float16)
+    with pytest.raises(ValueError, match=r"store_remainders.*'0.weight' is torch.float16"):
+        Stage([{"params": list(fp16.parameters()), "param_names": ["0.weight", "0.bias", "2.weight", "2.bias"]}],
+              lambda g: AdamW(g), precision=Remainders())
+
+
+def test_a_skipped_step_leaves_remainders_untouched() -> None:
+    model = _model()
+    built = _build(model, masters=MastersConfig(store_remainders=True))
+    _train(model, built, range(2))
+    before = [p.clone() for p in model.parameters()], [r.clone() for r in _stage(built).precision.held()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    built.optimizer.step()
+    assert not built.optimizer.last_result.applied
+    built.optimizer.zero_grad()
+    after = list(model.parameters()), _stage(built).precision.held()
+    assert all(torch.equal(x, y) for x, y in zip(before[0] + before[1], after[0] + after[1], strict=True))
+
+
+# -- bf16 masters, low-precision moments --------------------------------------------------------------
+def test_stochastic_rounding_is_unbiased_and_bf16_masters_step_the_params() -> None:
+    torch.manual_seed(0)
+    value = torch.full((200_000,), 1.0 + 2**-9)  # a quarter of a bf16 ulp (2**-7) above 1
+    out = torch.empty(value.shape, dtype=torch.bfloat16)
+    round_stochastic_(out, value.clone())
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(out.float().mean().item() - (1.0 + 2**-9)) < 2e-5  # nearest rounding would give exactly 1.0
+
+    model = _model()
+    built = _build(model, masters=MastersConfig(dtype="bf16", stochastic_rounding=True),
+                   adam=AdamConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"))
+    losses = _train(model, built, range(STEPS))
+    stage = _stage(built)
+    assert stage.kind == "whole+direct" and stage.master_params == [] and losses[-1] < losses[0]
+    assert {s["exp_avg"].dtype for s in stage.optimizer.state.values()} == {torch.bfloat16}
+
+
+def test_bf16_grads_are_read_without_an_fp32_copy() -> None:
+    model = _model()
+    built = _build(model, masters=MastersConfig(grad_dtype="bf16", store_remainders=True))
+    reference_model = _model()
+    reference = _build(reference_model, masters=MastersConfig(store_remainders=True))
+    assert _train(model, built, range(3)) == _train(reference_model, reference, range(3))
+    assert _stage(built).precision._copy_to == [] and len(_stage(reference).precision._copy_to) == 4
+
+
+# -- checkpoints across precisions ----------------------------------------------------------------------
+@pytest.mark.parametrize("saved, loaded", [("remainders", "masters"), ("masters", "remainders"),
+                                           ("bf16_moments", "masters"), ("masters", "fp16_moments")])
+def test_checkpoints_load_across_state_precisions(tmp_path: Path, saved: str, loaded: str) -> None:
+    settings = {"remainders": {"masters": MastersConfig(store_remainders=True)}, "masters": {},
+                "bf16_moments": {"adam": AdamConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")},
+                "fp16_moments": {"adam": AdamConfig(exp_avg_dtype="fp16", exp_avg_sq_dtype="fp16")}}
+    model = _model()
+    built = _build(model, **settings[saved])
+    _train(model, built, range(3))
+    save_checkpoint(tmp_path, built.optimizer, step=3, model=model)
+    saved_masters = [m.clone() for m in _stage(built).master_params]
+    fresh_model = _model(seed=1)
+    fresh = _build(fresh_model, **settings[loaded])
+    load_checkpoint(tmp_path, fresh.optimizer, model=fresh_model)
+    for x, y in zip(saved_masters, _stage(fresh).master_params, strict=True):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))  # masters exact across precisions
+    state = next(iter(_stage(fresh).optimizer.state.values()))
+    assert state["exp_avg"].dtype == (torch.float16 if loaded == "fp16_moments" else torch.float32)
+    if {saved, loaded} == {"masters", "remainders"}:  # and the next steps are the same too
+        assert _train(fresh_model, fresh, range(3, 6)) == _train(model, built, range(3, 6))
+    else:
+        assert _train(fresh_model, fresh, range(3, 5))[-1] < 10
+
+
+# -- offload_states / reload_states --------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["masters", "remainders", "fp32", "hybrid"])
+def test_offload_then_reload_gives_the_same_next_step(kind: str) -> None:
+    settings: dict[str, Any] = {"masters": {}, "remainders": {"masters": MastersConfig(store_remainders=True)},
+                                "fp32": {"precision": "fp32"},
+                                "hybrid": {"offload": OffloadConfig(enabled=True, fraction=0.5)}}[kind]
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    runs = []
+    for offload in (False, True):
+        model = _model(dtype)
+        built = _build(model, **settings)
+        _train(model, built, range(3))
+        stage = _stage(built)
+        if offload:
+            state = {k: v for s in stage.optimizer.state.values() for k, v in s.items()}
+            ids = [id(t) for s in stage.optimizer.state.values() for t in s.values()]
+            moved = built.optimizer.offload_states()
+            numel = sum(p.numel() for p in model.parameters())
+            assert moved >= 8 * numel  # at least both moments
+            assert state["exp_avg"].untyped_storage().nbytes() == 0  # the memory is really given up
+            assert all(t.untyped_storage().nbytes() == 0 for t in stage.precision.held())
+            assert built.optimizer.offload_states() == moved  # twice is once
+            built.optimizer.reload_states()
+            assert ids == [id(t) for s in stage.optimizer.state.values() for t in s.values()]  # same objects
+        runs.append((_train(model, built, range(3, 5)), [p.clone() for p in model.parameters()],
+                     [m.clone() for m in stage.master_params]))
+    (loss_a, params_a, masters_a), (loss_b, params_b, masters_b) = runs
+    assert loss_a == loss_b
+    assert all(torch.equal(x, y) for x, y in zip(params_a + masters_a, params_b + masters_b, strict=True))
+
+
+def test_reading_state_while_offloaded_reloads_it_first() -> None:
+    model = _model()
+    built = _build(model, masters=MastersConfig(store_remainders=True))
+    _train(model, built, range(2))
+    expected = {k: v.clone() for k, v in built.optimizer.state_dict()["state"][0].items()}
+    built.optimizer.offload_states()
+    got = built.optimizer.state_dict()["state"][0]  # reloads: reading an emptied storage would crash
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, match", [
+    ({"precision": "fp32", "masters": MastersConfig(store_remainders=True)},
+     r"masters.store_remainders=True needs precision='bf16', got precision='fp32'"),
+    ({"precision": "fp16", "masters": MastersConfig(dtype="bf16")}, r"masters.dtype='bf16' needs precision='bf16'"),
+    ({"algorithm": "sgd", "precision": "bf16", "masters": MastersConfig(dtype="bf16", stochastic_rounding=True)},
+     r"masters.stochastic_rounding needs an Adam-family algorithm"),
+])
+def test_combinations_that_cannot_be_honoured_are_named(changes: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OptimizerConfig(**changes)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"store_remainders": True, "dtype": "bf16"}, r"masters.store_remainders=True needs masters.dtype='fp32'"),
+    ({"stochastic_rounding": True}, r"masters.stochastic_rounding=True needs masters.dtype='bf16'"),
+    ({"dtype": "fp8"}, r"masters.dtype must be one of"),
+    ({"store_remainders": 1}, r"masters.store_remainders must be a bool"),
+])
+def test_masters_config_checks_its_fields(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MastersConfig(**fields)
+
+
+def test_masters_is_a_stage_precision_for_every_combination() -> None:
+    assert Masters().kind == "masters" and Remainders().kind == "remainders"
+
+
+# -- the Megatron face ---------------------------------------------------------------------------------
+def test_megatron_precision_aware_fields_translate() -> None:
+    base = {"lr": 1e-3, "bf16": True, "params_dtype": torch.bfloat16}
+    core = to_core(MegatronConfig(**base, use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                                  exp_avg_sq_dtype=torch.bfloat16))
+    assert core.masters == MastersConfig(store_remainders=True)  # Megatron's default store_param_remainders=True
+    assert core.adam.exp_avg_dtype == "bf16"
+    core = to_core(MegatronConfig(**base, use_precision_aware_optimizer=True, main_params_dtype=torch.bfloat16,
+                                  main_grads_dtype=torch.bfloat16))
+    assert core.masters == MastersConfig(dtype="bf16", grad_dtype="bf16")
+    assert to_core(MegatronConfig(**base)).masters == MastersConfig()  # not precision-aware: whole fp32 masters
+    assert to_core(MegatronConfig(lr=1e-3, use_precision_aware_optimizer=True)).masters == MastersConfig()
+    with pytest.raises(ValueError, match=r"main_params_dtype=torch.bfloat16 needs use_precision_aware_optimizer"):
+        MegatronConfig(**base, main_params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"main_params_dtype"):
+        MegatronConfig(**base, use_precision_aware_optimizer=True, main_params_dtype=torch.int8)
