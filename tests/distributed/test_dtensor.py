@@ -4,6 +4,8 @@ matrices, and the refusals (Partial placements, optstack's data-parallel wrapper
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ from optstack import OptimizerConfig, build_optimizer
 from optstack.config import DistributedConfig
 from optstack.distributed.comm import world_comm
 
-ROWS, IN, HIDDEN, OUT = 8, 6, 7, 5  # 7 and 5 rows split unevenly over 2 ranks (FSDP2 pads the last shard)
+ROWS, IN, HIDDEN, OUT = 8, 6, 8, 5  # 5 rows split unevenly over 2 ranks (FSDP2 pads the last shard)
 STEPS = 3
 
 
@@ -65,29 +67,47 @@ def _config(algorithm: str, precision: str) -> OptimizerConfig:
     return OptimizerConfig(algorithm=algorithm, lr=0.05, weight_decay=0.1, precision=precision, clip_grad=0.3)
 
 
-def fsdp_vs_single(algorithm: str, precision: str, mp: bool = False) -> dict[str, float]:
-    """On every rank: FSDP2 dp=2 (each rank half of every batch) and a single-process run on whole batches."""
-    dtype = torch.bfloat16 if precision == "bf16" and not mp else torch.float32
+def _tensor_parallel(model: nn.Module) -> nn.Module:
+    """Megatron's MLP split over 2 ranks: layer 0 column-wise (Shard(0) weight and bias), layer 2 row-wise
+    (Shard(1) weight, Replicate() bias), layer 4 left plain (replicated on both ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def parallel_vs_single(algorithm: str, precision: str, layout: str = "fsdp") -> dict[str, Any]:
+    """On every rank: the model under ``layout`` (``fsdp``: FSDP2 dp=2, each rank half of every batch;
+    ``hsdp``: 2 replicas x 1 shard, halves too; ``tp``: tensor parallel, whole batches) and a single-process
+    run on whole batches."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     config = _config(algorithm, precision)
     ref = _model(dtype)
     ref_norms = _train(ref, config, slice(None))
     rank, size = world_comm().rank, world_comm().size
-    model = _fully_shard(_model(dtype), mp=mp)
-    half = ROWS // size
-    norms = _train(model, config, slice(rank * half, (rank + 1) * half))
+    if layout == "tp":
+        model, rows = _tensor_parallel(_model(dtype)), slice(None)
+    else:
+        model = _fully_shard(_model(dtype), (2, 1) if layout == "hsdp" else (2,))
+        rows = slice(rank * ROWS // size, (rank + 1) * ROWS // size)
+    norms = _train(model, config, rows)
     got, want = _full(model), _full(ref)
-    sharded = {type(p).__name__ for p in model.parameters()}
-    local_dtypes = {str(p.to_local().dtype) for p in model.parameters()}
     return {"param": max((got[n] - want[n]).abs().max().item() for n in want),
             "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
             "moved": max((got[n] - _full(_model(dtype))[n]).abs().max().item() for n in want),
-            "types": sorted(sharded), "local_dtypes": sorted(local_dtypes)}
+            "placements": sorted({str(getattr(p, "placements", "plain")) for p in model.parameters()}),
+            "local_dtypes": sorted({str(_local(p).dtype) for p in model.parameters()})}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 @pytest.mark.parametrize("algorithm", ["adamw", "sgd", "lion", "muon"])
 def test_fsdp2_fp32_matches_one_process(world2, algorithm: str) -> None:
-    for out in world2.run(fsdp_vs_single, algorithm, "fp32"):
-        assert out["types"] == ["DTensor"]
+    for out in world2.run(parallel_vs_single, algorithm, "fp32"):
+        assert out["placements"] == ["(Shard(dim=0),)"]
         assert out["moved"] > 1e-3  # the steps did something
         assert out["param"] <= 1e-6, out
         assert out["norm"] <= 1e-6, out
@@ -95,13 +115,33 @@ def test_fsdp2_fp32_matches_one_process(world2, algorithm: str) -> None:
 
 @pytest.mark.parametrize("algorithm", ["adamw", "lion", "muon"])
 def test_fsdp2_bf16_params_step_fp32_masters(world2, algorithm: str) -> None:
-    for out in world2.run(fsdp_vs_single, algorithm, "bf16"):
+    for out in world2.run(parallel_vs_single, algorithm, "bf16"):
         assert out["local_dtypes"] == ["torch.bfloat16"]
         assert out["moved"] > 1e-2
         # the replicated bf16 run's own tolerance: one bf16 rounding of the parameters (Lion's signs may flip
         # on grads that differ in the last bits between a split and a whole batch)
         assert out["param"] <= 2e-2, out
         assert out["norm"] <= 2e-2, out
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_hsdp_replicas_count_once_in_the_norm(world2, algorithm: str) -> None:
+    # 2 replicas x 1 shard: every rank holds every element; the norm still counts each once
+    for out in world2.run(parallel_vs_single, algorithm, "fp32", "hsdp"):
+        assert out["placements"] == ["(Replicate(), Shard(dim=0))"]
+        assert out["moved"] > 1e-3
+        assert out["param"] <= 1e-6, out
+        assert out["norm"] <= 1e-6, out
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_tensor_parallel_with_plain_params_matches_one_process(world2, algorithm: str) -> None:
+    # Shard(0), Shard(1) and Replicate() DTensors beside plain (replicated) parameters in one model
+    for out in world2.run(parallel_vs_single, algorithm, "fp32", "tp"):
+        assert out["placements"] == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)", "plain"]
+        assert out["moved"] > 1e-3
+        assert out["param"] <= 1e-6, out
+        assert out["norm"] <= 1e-6, out
 
 
 def mp_policy_vs_torch() -> dict[str, object]:
