@@ -16,7 +16,7 @@ from torch import nn
 
 from optstack.algorithms import get_algorithm
 from optstack.config import OptimizerConfig, check_combination, dtype_from_name
-from optstack.distributed.comm import is_initialized, world_comm
+from optstack.distributed.comm import Comm, NullComm, is_initialized, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
@@ -26,6 +26,7 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.rules import Resolved, Rule, check_names_available, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Direct, Masters, Precision, Remainders, Stage, layerwise_stage, replicated_stage, zero1_stage
+from optstack.stage.dtensor import check_dtensor_params, dtensor_stage, is_dtensor
 
 __all__ = ["BuiltOptimizer", "algorithm_kwargs", "build_optimizer", "default_rules", "wrap_data_parallel"]
 
@@ -62,6 +63,7 @@ def wrap_data_parallel(
     world as data-parallel (a single process without torch.distributed works too). Under ZeRO-1 with Muon the
     gradients are all-reduced, not reduce-scattered: each matrix is stepped whole by its owner rank."""
     d = config.distributed
+    _refuse_dtensor(named_parameters(model), "wrap_data_parallel")
     if groups is None:
         groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
     return DataParallel(
@@ -123,29 +125,37 @@ def build_optimizer(
 
     A model wrapped by ``wrap_data_parallel`` gets the distributed stages ``config.distributed.sharding``
     names: replicated, ZeRO-1 (``zero1``) or layer-wise (``layerwise``, for Muon's matrices).
+
+    A model with DTensor parameters (FSDP2's ``fully_shard``, ``parallelize_module``, HSDP) gets DTensor stages
+    (``stage/dtensor.py``): each rank steps its local shards, Muon steps whole matrices on owner ranks. Plain
+    parameters beside them are taken as replicated (their gradients must agree on every rank, as for torch's
+    optimizers). Building is collective over the world.
     """
     check_combination(config)
     if rules is not None and resolved is not None:
         raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
     source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
-    ddp = _data_parallel_of(source, config)
     named = named_parameters(source)
     if not named:
         raise ValueError("the model has no trainable parameters (none given, or every parameter has "
                          "requires_grad=False)")
     _check_dtypes(named, config)
+    dtensor = any(is_dtensor(p) for _, p in named)
+    if dtensor:
+        _check_dtensor_model(named, config, source)
+    ddp = None if dtensor else _data_parallel_of(source, config)
     if resolved is None:
         if rules is not None:
             check_names_available(source, rules, exempt=default_rules(config))
         resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
     keys = group_keys(resolved)
-    if ddp is not None:
+    if ddp is not None or dtensor:
         # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
         # parallelism where ranks hold different layers.
         keys = union_group_keys(keys, world_comm("group-keys"))
     groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys)
     optimizer = ChainedOptimizer(
-        _build_stages(groups, config, grad_of, ddp),
+        _build_stages(groups, config, grad_of, ddp, world_comm("dtensor") if dtensor else None),
         scaler=config.loss_scale.build(config.precision),  # dynamic by default for fp16, else none
         clip_grad=config.clip_grad,
         norm_type=config.norm_type,
@@ -173,6 +183,29 @@ def _shard_grads(config: OptimizerConfig) -> bool:
     """Whether the wrapper reduce-scatters: ZeRO-1, but not for Muon, whose matrices are stepped whole (by an
     owner rank each, as layer-wise) and so need whole reduced gradients."""
     return config.distributed.sharding == "zero1" and get_algorithm(config.algorithm).family != "muon"
+
+
+def _refuse_dtensor(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+    for name, p in named:
+        if is_dtensor(p):
+            raise ValueError(
+                f"{what}: parameter {name!r} is a DTensor (placements {tuple(p.placements)}): the model is already "
+                "sharded or replicated by FSDP2 / tensor parallelism, which reduce its gradients; optstack's "
+                "data-parallel wrapper is for plain modules. Build the optimizer on the DTensor model directly: "
+                "build_optimizer(config, model) with distributed.sharding='replicated'")
+
+
+def _check_dtensor_model(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerConfig,
+                         source: nn.Module | list[Any]) -> None:
+    check_dtensor_params(named)
+    if any(isinstance(c, DataParallel) for c in ([source] if isinstance(source, nn.Module) else source)):
+        _refuse_dtensor(named, "build_optimizer")
+    if config.distributed.sharding == "zero1":
+        name, p = next((n, p) for n, p in named if is_dtensor(p))
+        raise ValueError(
+            f"distributed.sharding='zero1' does not apply to DTensor parameters ({name!r} has placements "
+            f"{tuple(p.placements)}): FSDP2 already shards them and optstack steps each rank's shard; leave "
+            "distributed.sharding='replicated' (Muon steps whole matrices on owner ranks by itself)")
 
 
 def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:
@@ -217,10 +250,12 @@ def _stage_precision(config: OptimizerConfig, family: str) -> Precision:
 
 
 def _build_stages(
-    groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None
+    groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None,
+    dtensor: Comm | NullComm | None = None,
 ) -> list[Stage]:
     """One stage per (algorithm, dense/expert), in first-appearance order of the groups; ``ddp`` (the wrapped
-    model) makes them distributed as ``config.distributed.sharding`` says."""
+    model) makes them distributed as ``config.distributed.sharding`` says; ``dtensor`` (the ranks of a DTensor
+    model) makes them DTensor stages."""
     kinds: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for group in groups:
         name = group.get("algorithm", config.algorithm)
@@ -233,13 +268,16 @@ def _build_stages(
     stages: list[Stage] = []
     masters, sharding = config.precision != "fp32", config.distributed.sharding
     for (name, expert), kind_groups in kinds.items():
-        if ddp is None and not any(g["params"] for g in kind_groups):
+        if ddp is None and dtensor is None and not any(g["params"] for g in kind_groups):
             continue
         spec = get_algorithm(name)
         # CPU offload lives inside the inner optimizer.
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
         precision = _stage_precision(config, spec.family) if masters else Direct()
-        if ddp is None:
+        if dtensor is not None:
+            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=precision,
+                                  whole_matrices=spec.family == "muon")
+        elif ddp is None:
             stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision)
         elif sharding == "zero1" and spec.family == "muon":
             # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank (the layer-wise

@@ -62,6 +62,15 @@ def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
 _NOT_SETTINGS = ("params", "param_names")
 
 
+def _norm_counts(placement: Placement, params: Sequence[torch.Tensor]) -> list[bool]:
+    """Which norm terms count on this rank, fixed with the parameters: the placement's own rule where it has
+    one (DTensor shards: once across replicas, ``stage/dtensor.py``), else ``counts_toward_norm``."""
+    own = getattr(placement, "norm_counts", None)
+    if own is not None:
+        return own(params)
+    return [counts_toward_norm(p, placement.tp_rank) for p in params]
+
+
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
 
@@ -115,8 +124,7 @@ class Stage:
             for g, inner, n in zip(groups, optimizer.param_groups, names, strict=True)]
         self._stepped = [t for group in stepped for t in group]
         self._ready: list[torch.Tensor | None] = []
-        tp = self.placement.tp_rank  # which norm terms count is fixed with the parameters
-        self._counts = [counts_toward_norm(p, tp) for p in self.placement.norm_params(self.pieces)]
+        self._counts = _norm_counts(self.placement, self.placement.norm_params(self.pieces))
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
         self._host: HostCopy | None = None  # the state while offload_states() holds it on the host
@@ -160,7 +168,7 @@ class Stage:
                                   "param_names": names})
         self.pieces += pieces
         self._stepped += stepped
-        self._counts += [counts_toward_norm(p, self.placement.tp_rank) for p in self.placement.norm_params(pieces)]
+        self._counts += _norm_counts(self.placement, self.placement.norm_params(pieces))
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         return self.param_groups[-1]
 

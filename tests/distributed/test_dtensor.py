@@ -1,0 +1,204 @@
+"""DTensor models on real gloo ranks: FSDP2 (``fully_shard`` on a CPU DeviceMesh) against a single-process reference
+on the same global batch: the parameters after a few steps, the reported grad norm, bf16 masters, Muon's whole
+matrices, and the refusals (Partial placements, optstack's data-parallel wrapper, ZeRO-1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from optstack import OptimizerConfig, build_optimizer
+from optstack.config import DistributedConfig
+from optstack.distributed.comm import world_comm
+
+ROWS, IN, HIDDEN, OUT = 8, 6, 8, 5  # 5 rows split unevenly over 2 ranks (FSDP2 pads the last shard)
+STEPS = 3
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT)).to(dtype)
+
+
+def _batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, IN, generator=g).to(dtype), torch.randn(ROWS, OUT, generator=g).to(dtype)
+
+
+def _fully_shard(model: nn.Module, mesh_shape: tuple[int, ...] = (2,), mp: bool = False) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _train(model: nn.Module, config: OptimizerConfig, rows: slice) -> list[float]:
+    """STEPS steps on ``rows`` of each global batch; the reported grad norms."""
+    opt = build_optimizer(config, model).optimizer
+    dtype = next(model.parameters()).dtype
+    norms = []
+    for step in range(STEPS):
+        x, y = _batch(step, dtype)
+        loss = (model(x[rows]).float() - y[rows].float()).pow(2).mean()
+        loss.backward()
+        opt.step()
+        norms.append(opt.last_result.grad_norm)
+        opt.zero_grad()
+    return norms
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def _config(algorithm: str, precision: str) -> OptimizerConfig:
+    # clip_grad below the norms: the clip factor (hence the global norm) shapes every update
+    return OptimizerConfig(algorithm=algorithm, lr=0.05, weight_decay=0.1, precision=precision, clip_grad=0.3)
+
+
+def _tensor_parallel(model: nn.Module) -> nn.Module:
+    """Megatron's MLP split over 2 ranks: layer 0 column-wise (Shard(0) weight and bias), layer 2 row-wise
+    (Shard(1) weight, Replicate() bias), layer 4 left plain (replicated on both ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def parallel_vs_single(algorithm: str, precision: str, layout: str = "fsdp") -> dict[str, Any]:
+    """On every rank: the model under ``layout`` (``fsdp``: FSDP2 dp=2, each rank half of every batch;
+    ``hsdp``: 2 replicas x 1 shard, halves too; ``tp``: tensor parallel, whole batches) and a single-process
+    run on whole batches."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    config = _config(algorithm, precision)
+    ref = _model(dtype)
+    ref_norms = _train(ref, config, slice(None))
+    rank, size = world_comm().rank, world_comm().size
+    if layout == "tp":
+        model, rows = _tensor_parallel(_model(dtype)), slice(None)
+    else:
+        model = _fully_shard(_model(dtype), (2, 1) if layout == "hsdp" else (2,))
+        rows = slice(rank * ROWS // size, (rank + 1) * ROWS // size)
+    norms = _train(model, config, rows)
+    got, want = _full(model), _full(ref)
+    return {"param": max((got[n] - want[n]).abs().max().item() for n in want),
+            "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
+            "moved": max((got[n] - _full(_model(dtype))[n]).abs().max().item() for n in want),
+            "placements": sorted({str(getattr(p, "placements", "plain")) for p in model.parameters()}),
+            "local_dtypes": sorted({str(_local(p).dtype) for p in model.parameters()})}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "sgd", "lion", "muon"])
+def test_fsdp2_fp32_matches_one_process(world2, algorithm: str) -> None:
+    for out in world2.run(parallel_vs_single, algorithm, "fp32"):
+        assert out["placements"] == ["(Shard(dim=0),)"]
+        assert out["moved"] > 1e-3  # the steps did something
+        assert out["param"] <= 1e-6, out
+        assert out["norm"] <= 1e-6, out
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "lion", "muon"])
+def test_fsdp2_bf16_params_step_fp32_masters(world2, algorithm: str) -> None:
+    for out in world2.run(parallel_vs_single, algorithm, "bf16"):
+        assert out["local_dtypes"] == ["torch.bfloat16"]
+        assert out["moved"] > 1e-2
+        # the replicated bf16 run's own tolerance: one bf16 rounding of the parameters (Lion's signs may flip
+        # on grads that differ in the last bits between a split and a whole batch)
+        assert out["param"] <= 2e-2, out
+        assert out["norm"] <= 2e-2, out
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_hsdp_replicas_count_once_in_the_norm(world2, algorithm: str) -> None:
+    # 2 replicas x 1 shard: every rank holds every element; the norm still counts each once
+    for out in world2.run(parallel_vs_single, algorithm, "fp32", "hsdp"):
+        assert out["placements"] == ["(Replicate(), Shard(dim=0))"]
+        assert out["moved"] > 1e-3
+        assert out["param"] <= 1e-6, out
+        assert out["norm"] <= 1e-6, out
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_tensor_parallel_with_plain_params_matches_one_process(world2, algorithm: str) -> None:
+    # Shard(0), Shard(1) and Replicate() DTensors beside plain (replicated) parameters in one model
+    for out in world2.run(parallel_vs_single, algorithm, "fp32", "tp"):
+        assert out["placements"] == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)", "plain"]
+        assert out["moved"] > 1e-3
+        assert out["param"] <= 1e-6, out
+        assert out["norm"] <= 1e-6, out
+
+
+def mp_policy_vs_torch() -> dict[str, object]:
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16): optstack's AdamW and torch's on the same model and data."""
+    rank = world_comm().rank
+    rows = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
+    ours, theirs = _fully_shard(_model(), mp=True), _fully_shard(_model(), mp=True)
+    opt = build_optimizer(OptimizerConfig(lr=0.05, weight_decay=0.1), ours, rules=[]).optimizer  # wd on all, as torch
+    ref = torch.optim.AdamW(theirs.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = _batch(step, torch.float32)
+        for model, optimizer in ((ours, opt), (theirs, ref)):
+            (model(x[rows]).float() - y[rows]).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    got, want = _full(ours), _full(theirs)
+    return {"param": max((got[n] - want[n]).abs().max().item() for n in want),
+            "moved": max((got[n] - _full(_model())[n]).abs().max().item() for n in want),
+            "local_dtypes": sorted({str(p.to_local().dtype) for p in ours.parameters()}),
+            "masters": any("master" in opt.state[p] for p in ours.parameters())}
+
+
+def test_fsdp2_mixed_precision_policy_steps_fp32_shards_as_torch(world2) -> None:
+    # MixedPrecisionPolicy(param_dtype=bf16): the sharded parameters stay fp32 (stepped directly, no masters);
+    # only the gathered compute copies are bf16. optstack's AdamW follows torch's AdamW on the same DTensors.
+    for out in world2.run(mp_policy_vs_torch):
+        assert out["local_dtypes"] == ["torch.float32"] and not out["masters"]
+        assert out["moved"] > 1e-2
+        assert out["param"] <= 1e-6, out
+
+
+def refusals() -> list[str]:
+    from torch.distributed.tensor import DTensor, Partial
+
+    from optstack import wrap_data_parallel
+
+    errors = []
+    model = _fully_shard(_model())
+    for attempt in (lambda: wrap_data_parallel(OptimizerConfig(), model),
+                    lambda: build_optimizer(OptimizerConfig(distributed=DistributedConfig(sharding="zero1")), model)):
+        try:
+            attempt()
+        except ValueError as exc:
+            errors.append(str(exc))
+    mesh = next(model.parameters()).device_mesh
+    odd = nn.Linear(2, 2)
+    odd.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
+    try:
+        build_optimizer(OptimizerConfig(), odd)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_unsupported_dtensor_models_are_refused_naming_the_parameter(world2) -> None:
+    for errors in world2.run(refusals):
+        assert len(errors) == 3, errors
+        assert "wrap_data_parallel" in errors[0] and "'0.weight'" in errors[0] and "Shard(dim=0)" in errors[0]
+        assert "sharding='zero1'" in errors[1] and "'0.weight'" in errors[1]
+        assert "'weight'" in errors[2] and "Partial" in errors[2]
