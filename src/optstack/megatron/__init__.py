@@ -22,7 +22,21 @@ from optstack.megatron.keys import (
     param_group_override_to_tuple,
     to_rules,
 )
-from optstack.megatron.optimizer import MegatronOptimizer, get_megatron_optimizer
+from optstack.megatron.optimizer import get_megatron_muon_optimizer, get_megatron_optimizer
+from optstack.megatron.optimizers import (
+    ChainedOptimizer,
+    ConstantGradScaler,
+    DistributedOptimizer,
+    DynamicGradScaler,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    LayerWiseDistributedOptimizer,
+    MegatronGradScaler,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+    ProxyDict,
+)
+from optstack.megatron.process_groups import ProcessGroupCollection
 from optstack.megatron.scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
 
 __all__ = [
@@ -31,6 +45,9 @@ __all__ = [
     "combine_param_group_overrides", "param_group_override_to_tuple", "get_standard_config_overrides",
     "get_mup_config_overrides", "check_config_overrides_consistency", "to_rules", "get_param_groups",
     "OptimizerParamScheduler", "get_canonical_lr_for_logging",
-    "MegatronOptimizer", "get_megatron_optimizer",
+    "MegatronOptimizer", "get_megatron_optimizer", "get_megatron_muon_optimizer",
+    "ChainedOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
+    "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "ProcessGroupCollection",
     "DistributedDataParallel", "DistributedDataParallelConfig",
 ]
