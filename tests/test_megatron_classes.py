@@ -17,10 +17,15 @@ from optstack.megatron import (
     DistributedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
+    HybridDeviceOptimizer,
+    MegatronOptimizer,
     OptimizerConfig,
     ProcessGroupCollection,
+    TensorParallelMuon,
+    _get_param_groups,
     get_megatron_muon_optimizer,
     get_megatron_optimizer,
+    param_group_identifier_keys,
 )
 
 
@@ -222,3 +227,60 @@ def test_muon_getter_checks_the_layer_wise_name() -> None:
                                     layer_wise_distributed_optimizer=True)
     opt = get_megatron_muon_optimizer(OptimizerConfig(lr=1e-3, optimizer="muon"), [mlp()])
     assert len(opt.chained_optimizers) == 2  # Muon's matrices and the scalar optimizer's rest
+
+
+def test_hybrid_device_optimizer_matches_the_plain_one() -> None:
+    model, ref = mlp(), mlp()
+    hybrid = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.7, cpu_optimizer_cls=torch.optim.AdamW,
+                                   gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=False,
+                                   lr=1e-2, bias_correction=True)  # a TE-only argument is left out for torch
+    assert 0 < len(hybrid.offloaded) < 4
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for opt, m in ((hybrid, model), (plain, ref)):
+        for _ in range(2):
+            opt.zero_grad()
+            backward(m)
+            opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    with pytest.raises(ValueError, match="param_update_in_fp32"):
+        HybridDeviceOptimizer(mlp(torch.bfloat16).parameters(), offload_fraction=1.0, param_update_in_fp32=True)
+
+
+def test_tensor_parallel_muon_is_muon_with_megatrons_defaults() -> None:
+    from optstack.algorithms.muon import Muon
+
+    model, ref = mlp(), mlp()
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    tpm = TensorParallelMuon(mats, lr=0.02)
+    assert tpm.defaults["nesterov"] is True and tpm.defaults["weight_decay"] == 0.01
+    muon = Muon([p for p in ref.parameters() if p.dim() == 2], lr=0.02, nesterov=True, weight_decay=0.01,
+                matmul_precision="medium")
+    for opt, m in ((tpm, model), (muon, ref)):
+        opt.zero_grad()
+        backward(m)
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    split = TensorParallelMuon(mats, split_qkv=True, is_qkv_fn=lambda p: p.shape[0] == 8, qkv_split_shapes=[2, 1, 1])
+    assert [g.get("qkv_split_shapes") for g in split.param_groups] == [None, (2, 1, 1)]
+    with pytest.raises(ValueError, match="use_decoupled_weight_decay"):
+        TensorParallelMuon(mats, use_decoupled_weight_decay=False)
+
+
+def test_param_group_identifiers_match_saved_groups() -> None:
+    assert {"max_lr", "min_lr", "start_wd", "end_wd", "wd_mult", "optimizer"} <= set(param_group_identifier_keys)
+    assert not {"lr", "weight_decay", "step"} & set(param_group_identifier_keys)
+    current = [{"params": [], "wd_mult": 1.0, "max_lr": 2e-5}, {"params": [], "wd_mult": 1.0, "max_lr": 1e-4}]
+    saved = [{"params": [0], "wd_mult": 1.0, "max_lr": 1e-4, "lr": 7.0},
+             {"params": [1], "pre_wd_mult": 1.0, "max_lr": 2e-5, "lr": 3.0}]
+    matched = MegatronOptimizer._filter_and_reorder_param_groups(current, saved)
+    assert [g["lr"] for g in matched] == [3.0, 7.0] and [g["params"] for g in matched] == [[0], [1]]
+    with pytest.raises(ValueError, match="Could not find parameter group"):
+        MegatronOptimizer._filter_and_reorder_param_groups([{"params": [], "max_lr": 9.0}], saved)
+
+
+def test_private_get_param_groups_has_megatrons_keys() -> None:
+    groups = _get_param_groups([mlp()], OptimizerConfig(lr=0.01), {})
+    assert groups[0].keys() == {"params", "is_expert_parallel", "default_config", "wd_mult", "lr_mult",
+                                "is_decoupled_lr", "max_lr", "min_lr"}

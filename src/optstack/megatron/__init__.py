@@ -9,7 +9,7 @@
 
 from optstack.megatron.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig
-from optstack.megatron.groups import get_param_groups
+from optstack.megatron.groups import _get_param_groups, get_param_groups
 from optstack.megatron.keys import (
     ParamGroupOverride,
     ParamKey,
@@ -35,9 +35,11 @@ from optstack.megatron.optimizers import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
     ProxyDict,
+    param_group_identifier_keys,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection
 from optstack.megatron.scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+from optstack.megatron.torch_optimizers import HybridDeviceOptimizer, TensorParallelMuon
 
 __all__ = [
     "OptimizerConfig", "AdamOptimizerConfig", "SGDOptimizerConfig", "to_core",
@@ -49,5 +51,6 @@ __all__ = [
     "ChainedOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
     "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "ProcessGroupCollection",
+    "param_group_identifier_keys", "HybridDeviceOptimizer", "TensorParallelMuon", "_get_param_groups",
     "DistributedDataParallel", "DistributedDataParallelConfig",
 ]

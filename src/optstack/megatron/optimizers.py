@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from optstack.distributed.ddp import DataParallel, is_expert_param
+from optstack.megatron.keys import ParamGroupOverride
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
@@ -36,10 +37,22 @@ from optstack.stage.placement import LayerWise
 __all__ = [
     "MegatronOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer", "ChainedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
-    "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler",
+    "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "param_group_identifier_keys",
 ]
 
 _NOT_SETTINGS = ("params", "param_names")
+
+
+def _param_group_override_keys() -> tuple[str, ...]:
+    """Every field ``ParamGroupOverride`` declares (sorted)."""
+    return tuple(sorted(ParamGroupOverride.__annotations__))
+
+
+#: The group fields that tell saved param groups apart when a state dict is matched to the current groups
+#: (Megatron's name): every ``ParamGroupOverride`` field and the structural flags; never ``lr``,
+#: ``weight_decay`` or ``step``, which change every step.
+param_group_identifier_keys: tuple[str, ...] = (
+    *_param_group_override_keys(), "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 #: Megatron's grad scalers are optstack's loss scalers (same arithmetic, same state).
@@ -233,6 +246,34 @@ class MegatronOptimizer:
         ``optstack.checkpoint.OptimizerState`` saves it with the scheduler). Parameters are matched by name,
         so ``model_sharded_state_dict`` and Megatron's ``metadata`` sharding types are not needed."""
         return {"optimizer": self.state_dict()}
+
+    @staticmethod
+    def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]
+                                         ) -> list[dict]:
+        """Megatron's matching of saved groups to the current ones by ``param_group_identifier_keys`` (a missing
+        key reads as None; NeMo's ``pre_<key>`` aliases count): per current group, the saved group with its
+        identifier, holding the ``params`` of the saved group at the same position.
+
+        Raises:
+            ValueError: a current group's identifier is not among the saved ones.
+        """
+        def identifier(group: dict) -> tuple:
+            return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+
+        loaded = {identifier(g): g for g in state_dict_groups}
+        saved_params = [g["params"] for g in state_dict_groups]  # before the matches below replace them
+        out = []
+        for group, params in zip(current_groups, saved_params, strict=False):
+            key = identifier(group)
+            if key not in loaded:
+                available = "\n".join(str(k) for k in loaded)
+                raise ValueError(f"Could not find parameter group with key {key} in loaded checkpoint.\n"
+                                 f"Available keys:\n{available}\n"
+                                 f"Parameter group key definition: {param_group_identifier_keys}")
+            match = loaded[key]
+            match["params"] = params
+            out.append(match)
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._stage!r})"
