@@ -55,6 +55,13 @@ def train(opt, model: nn.Module, steps: int) -> list[tuple]:
     return results
 
 
+def named_groups(opt) -> list[tuple[list[str], dict]]:
+    """(parameter names, group) for each of the face's groups: Megatron's group dicts carry no names, the
+    core's groups (in the same order) do."""
+    return [(core["param_names"], g) for g, core in zip(opt.param_groups, opt.built.optimizer.param_groups,
+                                                        strict=True)]
+
+
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -144,7 +151,7 @@ def test_scheduler_drives_the_groups() -> None:
                                     lr_decay_steps=10, lr_decay_style="linear", start_wd=0.1, end_wd=0.1,
                                     wd_incr_steps=10, wd_incr_style="constant")
     sched.step(1)
-    by_name = {n: g for g in opt.param_groups for n in g["param_names"]}
+    by_name = {n: g for names, g in named_groups(opt) for n in names}
     assert by_name["fc.weight"]["lr"] == pytest.approx(5e-3)
     assert by_name["embedding.weight"]["lr"] == pytest.approx(2.5e-2)  # warmup to the decoupled max_lr
     assert by_name["fc.bias"]["weight_decay"] == 0.0 and by_name["fc.weight"]["weight_decay"] == 0.1
@@ -174,7 +181,7 @@ def test_dump_param_group_map(tmp_path) -> None:
     mapping = json.loads(path.read_text())
     assert sorted(mapping) == sorted(n for n, _ in tiny().named_parameters())
     for name, index in mapping.items():
-        assert name in opt.param_groups[index]["param_names"]
+        assert name in named_groups(opt)[index][0]
     assert mapping["fc.bias"] != mapping["fc.weight"]
 
 
@@ -183,13 +190,13 @@ def test_experts_and_muon_get_their_own_optimizers() -> None:
     model.fc.weight.allreduce = False
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), model)
     assert len(opt.built.optimizer.stages) == 2
-    assert [g["is_expert_parallel"] for g in opt.param_groups if "fc.weight" in g["param_names"]] == [True]
+    assert [g["is_expert_parallel"] for names, g in named_groups(opt) if "fc.weight" in names] == [True]
 
     muon_model = tiny()
     overrides: dict = {ParamKey(name="*.bias"): {"wd_mult": 0.0}}
     muon = get_megatron_optimizer(OptimizerConfig(lr=2e-2, optimizer="muon"), muon_model, overrides)
     assert overrides == {ParamKey(name="*.bias"): {"wd_mult": 0.0}}  # not modified (Megatron mutates it)
-    algorithms = {n: g.get("algorithm", "muon") for g in muon.param_groups for n in g["param_names"]}
+    algorithms = {n: g.get("algorithm", "muon") for names, g in named_groups(muon) for n in names}
     assert algorithms["fc.weight"] == "muon"
     assert {algorithms[n] for n in ("fc.bias", "norm.weight", "embedding.weight", "output_layer.weight")} == {
         "adamw"}
@@ -201,7 +208,6 @@ def test_experts_and_muon_get_their_own_optimizers() -> None:
     [
         (dict(pg_collection=object()), "pg_collection"),
         (dict(config_overrides={ParamKey(name="*"): {"optimizer": "sgd"}}), "should not be overridden"),
-        (dict(config=OptimizerConfig()), "lr is None"),
     ],
 )
 def test_bad_input(kwargs: dict, match: str) -> None:
@@ -209,6 +215,22 @@ def test_bad_input(kwargs: dict, match: str) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         get_megatron_optimizer(**args)  # type: ignore[arg-type]
+
+
+def test_lr_none_builds_and_the_scheduler_must_set_it() -> None:
+    # Megatron builds with OptimizerConfig(lr=None); its scheduler sets every group's lr before the first step.
+    model = tiny()
+    opt = get_megatron_optimizer(OptimizerConfig(), [model])
+    assert all(g["lr"] is None for g in opt.param_groups)
+    loss_of(model).backward()
+    with pytest.raises(ValueError, match="lr is None"):
+        opt.step()
+    OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+                            lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
+                            wd_incr_style="constant").step(1)
+    before = params_of(model)
+    assert opt.step()[0] is True
+    assert not torch.equal(before["fc.weight"], model.fc.weight)
 
 
 def test_works_inside_a_one_rank_process_group(tmp_path) -> None:

@@ -9,7 +9,7 @@
 
 from optstack.megatron.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig
-from optstack.megatron.groups import get_param_groups
+from optstack.megatron.groups import _get_param_groups, get_param_groups
 from optstack.megatron.keys import (
     ParamGroupOverride,
     ParamKey,
@@ -22,8 +22,24 @@ from optstack.megatron.keys import (
     param_group_override_to_tuple,
     to_rules,
 )
-from optstack.megatron.optimizer import MegatronOptimizer, get_megatron_optimizer
+from optstack.megatron.optimizer import get_megatron_muon_optimizer, get_megatron_optimizer
+from optstack.megatron.optimizers import (
+    ChainedOptimizer,
+    ConstantGradScaler,
+    DistributedOptimizer,
+    DynamicGradScaler,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    LayerWiseDistributedOptimizer,
+    MegatronGradScaler,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+    ProxyDict,
+    param_group_identifier_keys,
+)
+from optstack.megatron.process_groups import ProcessGroupCollection
 from optstack.megatron.scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+from optstack.megatron.torch_optimizers import HybridDeviceOptimizer, TensorParallelMuon
 
 __all__ = [
     "OptimizerConfig", "AdamOptimizerConfig", "SGDOptimizerConfig", "to_core",
@@ -31,6 +47,10 @@ __all__ = [
     "combine_param_group_overrides", "param_group_override_to_tuple", "get_standard_config_overrides",
     "get_mup_config_overrides", "check_config_overrides_consistency", "to_rules", "get_param_groups",
     "OptimizerParamScheduler", "get_canonical_lr_for_logging",
-    "MegatronOptimizer", "get_megatron_optimizer",
+    "MegatronOptimizer", "get_megatron_optimizer", "get_megatron_muon_optimizer",
+    "ChainedOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
+    "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "ProcessGroupCollection",
+    "param_group_identifier_keys", "HybridDeviceOptimizer", "TensorParallelMuon", "_get_param_groups",
     "DistributedDataParallel", "DistributedDataParallelConfig",
 ]

@@ -27,7 +27,7 @@ from optstack.megatron.keys import ConfigOverrides, get_standard_config_override
 from optstack.names import named_parameters
 from optstack.rules import Resolved, Rule, resolve
 
-__all__ = ["get_param_groups", "resolve_chunks", "as_chunks"]
+__all__ = ["get_param_groups", "_get_param_groups", "resolve_chunks", "as_chunks"]
 
 
 def as_chunks(model_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -113,6 +113,17 @@ def get_param_groups(
     except TypeError:
         pass  # override values that do not compare (e.g. None and a float): keep the core's repr order
     return [g for g, _ in groups]
+
+
+def _get_param_groups(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    config: OptimizerConfig,
+    config_overrides: ConfigOverrides | None,
+) -> list[dict[str, Any]]:
+    """Megatron's ``_get_param_groups``: ``get_param_groups`` without optstack's ``param_names`` key, so the
+    group dicts have exactly Megatron's keys."""
+    return [{k: v for k, v in g.items() if k != "param_names"}
+            for g in get_param_groups(model_chunks, config, config_overrides)]
 
 
 def _to_megatron(

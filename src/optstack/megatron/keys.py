@@ -112,7 +112,8 @@ class ParamGroupOverride(TypedDict, total=False):
     """Settings for the parameters a ``ParamKey`` selects (any further key is allowed, e.g. ``eps``).
 
     ``max_lr`` / ``min_lr``: this group's schedule bounds; ``start_wd`` / ``end_wd``: its weight-decay
-    schedule bounds; ``wd_mult``: multiplier on the weight decay.
+    schedule bounds; ``wd_mult``: multiplier on the weight decay; ``optimizer``: the group's optimizer
+    (Megatron's current main; it may only repeat ``OptimizerConfig.optimizer``, as there).
     """
 
     max_lr: float
@@ -120,6 +121,7 @@ class ParamGroupOverride(TypedDict, total=False):
     start_wd: float
     end_wd: float
     wd_mult: float
+    optimizer: str
 
 
 def param_group_override_to_tuple(

@@ -1,13 +1,16 @@
 """Megatron's ``get_megatron_optimizer``: the Megatron config and overrides in, optstack's stack underneath.
 
 ``get_megatron_optimizer`` groups parameters exactly as ``get_param_groups`` does (Megatron's name matching,
-its override semantics), hands the settings it resolved to ``optstack.factory.build_optimizer``, and wraps the
-chained optimizer it returns in ``MegatronOptimizer``, whose ``step()`` returns Megatron's
+its override semantics), hands the settings it resolved to ``optstack.factory.build_optimizer``, and returns
+what Megatron returns: a ``ChainedOptimizer`` (a ``LayerWiseDistributedOptimizer`` for the layer-wise one) over
+one Megatron optimizer per core stage (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+``DistributedOptimizer``), sharing the core chain's one norm, clip and skip; ``step()`` returns Megatron's
 ``(update_successful, grad_norm, num_zeros_in_grad)`` tuple.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -31,74 +34,18 @@ from optstack.megatron.keys import (
     get_standard_config_overrides,
     to_rules,
 )
+from optstack.megatron.optimizers import (
+    ChainedOptimizer,
+    DistributedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    LayerWiseDistributedOptimizer,
+    MegatronOptimizer,
+)
+from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
 from optstack.rules import muon_routing_rule
 
-__all__ = ["MegatronOptimizer", "get_megatron_optimizer"]
-
-
-class MegatronOptimizer:
-    """What ``get_megatron_optimizer`` returns: Megatron's optimizer interface over optstack's stack.
-
-    Attributes:
-        config: the Megatron ``OptimizerConfig`` it was built from.
-        built: optstack's ``BuiltOptimizer`` (``built.optimizer`` is the chained optimizer doing the work).
-    """
-
-    def __init__(self, built: BuiltOptimizer, config: OptimizerConfig) -> None:
-        self.built = built
-        self.config = config
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """Every chained optimizer's param groups (live dicts: the scheduler writes lr and weight_decay)."""
-        return self.built.optimizer.param_groups
-
-    def get_parameters(self) -> list[torch.nn.Parameter]:
-        """The model parameters being optimized."""
-        return [p for group in self.built.param_groups for p in group["params"]]
-
-    def step(self) -> tuple[bool, float | None, int | None]:
-        """Unscale, check for inf/nan, clip and step, all optimizers together.
-
-        Returns:
-            ``(update_successful, grad_norm, num_zeros_in_grad)``: a non-finite gradient gives
-            ``(False, None, None)``; a norm above ``grad_norm_skip_threshold`` gives ``(False, norm, None)``;
-            ``num_zeros_in_grad`` is None unless ``log_num_zeros_in_grad``.
-        """
-        self.built.optimizer.step()
-        result = self.built.optimizer.last_result
-        return result.applied, result.grad_norm, result.num_zeros
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the data-parallel wrapper's grad buffers (if the model is wrapped) and the stages' grads."""
-        self.built.optimizer.zero_grad(set_to_none)
-
-    def finish_param_sync(self) -> None:
-        """Wait for the parameter gathers that ``overlap_param_gather`` leaves in flight after ``step()``
-        (the next forward waits for them itself; call this before reading the parameters otherwise).
-        optstack's addition: Megatron does this with ``model.disable_forward_pre_hook()``."""
-        self.built.optimizer.finish_param_sync()
-
-    def get_loss_scale(self) -> torch.Tensor:
-        """The current loss scale as a 1-element fp32 tensor on the parameters' device (Megatron's form)."""
-        params = self.get_parameters()
-        device = params[0].device if params else torch.device("cpu")
-        return torch.tensor([self.built.optimizer.loss_scale], dtype=torch.float32, device=device)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale, to call ``backward()`` on (shape ``[1]``, as in Megatron)."""
-        return self.get_loss_scale() * loss
-
-    def state_dict(self) -> dict[str, Any]:
-        """optstack's chained state dict (stages and loss scaler); loads back with ``load_state_dict``."""
-        return self.built.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """All or nothing; a state dict from another model or group layout is a ``ValueError``."""
-        self.built.optimizer.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"MegatronOptimizer(optimizer={self.config.optimizer!r}, {self.built.optimizer!r})"
+__all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
 
 
 def get_megatron_optimizer(
@@ -108,25 +55,33 @@ def get_megatron_optimizer(
     use_gloo_process_groups: bool = True,
     pg_collection: Any = None,
     dump_param_to_param_group_map: str | None = None,
-) -> MegatronOptimizer:
+) -> ChainedOptimizer:
     """Build the optimizer for the model chunks, with Megatron Core's semantics.
 
     Args:
-        config: the Megatron ``OptimizerConfig`` (``lr`` must be set).
+        config: the Megatron ``OptimizerConfig``. ``lr=None`` builds, with every group's ``lr`` None until a
+            scheduler sets it (a step before is a ``ValueError``). bf16/fp16 parameters with ``bf16=False`` and
+            ``fp16=False`` are stepped through fp32 masters (Megatron steps them in their own dtype).
         model_chunks: the model chunks (or one module).
         config_overrides: ``{ParamKey: ParamGroupOverride}``; None means the standard overrides, ``{}`` none.
             They may not change ``optimizer``, ``optimizer_cpu_offload`` or
             ``overlap_param_gather_with_optimizer_step``. For Muon, matrices Muon cannot take go to
             ``muon_scalar_optimizer`` as in Megatron. The caller's dict is not modified.
-        use_gloo_process_groups: accepted for compatibility; optstack's communicator needs no extra groups.
-        pg_collection: None, or the optstack ``ParallelGroups`` the ``DistributedDataParallel`` model was
-            built with (the distributed optimizer always uses the wrapped model's groups).
+        use_gloo_process_groups: optstack's communicator needs no extra groups; with a
+            ``ProcessGroupCollection`` it must be False, as in Megatron.
+        pg_collection: None, a Megatron ``ProcessGroupCollection`` (Megatron's checks: ``dp``, ``expt_dp``,
+            ``intra_dist_opt``, ``mp`` and ``tp_ep_pp`` set; its data-parallel group must be the wrapped
+            model's), or the optstack ``ParallelGroups`` the ``DistributedDataParallel`` model was built with
+            (the optimizer always uses the wrapped model's groups).
         dump_param_to_param_group_map: a file path; the parameter name -> index into
             ``optimizer.param_groups`` map is written there as JSON (by rank 0, all ranks' names).
 
     Returns:
-        A ``MegatronOptimizer``; expert parameters (``allreduce=False``) get an optimizer of their own,
-        chained with the dense one (one grad norm, one skip decision).
+        A ``ChainedOptimizer`` (``LayerWiseDistributedOptimizer`` for the layer-wise optimizer) over one
+        Megatron optimizer per algorithm and kind: ``DistributedOptimizer`` (``use_distributed_optimizer``),
+        ``Float16OptimizerWithFloat16Params`` (bf16/fp16) or ``FP32Optimizer``; expert parameters
+        (``allreduce=False``) get their own, chained with the dense one (one grad norm, one skip decision).
+        ``.built`` is optstack's ``BuiltOptimizer`` (its ``param_groups`` carry the parameter names).
 
     Data parallelism: pass the model wrapped in ``optstack.megatron.DistributedDataParallel`` (one chunk).
     ``use_distributed_optimizer`` builds the ZeRO-1 optimizer over its gradient buffers (parameters
@@ -146,32 +101,87 @@ def get_megatron_optimizer(
         raise ValueError(
             f"config must be an optstack.megatron.OptimizerConfig, got {type(config).__name__}"
         )
+    if isinstance(pg_collection, ProcessGroupCollection):
+        check_optimizer_groups(pg_collection, use_gloo_process_groups)
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
     check_config_overrides_consistency(config, config_overrides)
-    core_config = to_core(config)
+    chunks = as_chunks(model_chunks)
+    # lr=None (Megatron's default; its training script's scheduler sets every group's lr before the first
+    # step): build with a placeholder, then leave lr None in the groups so a step before it is set is an error.
+    core_config = to_core(_with_model_precision(
+        config if config.lr is not None else dataclasses.replace(config, lr=0.0), chunks))
     rules = to_rules(config, config_overrides)
     if core_config.algorithm == "muon":
         rules.append(muon_routing_rule(core_config.muon.scalar_algorithm))
-    chunks = as_chunks(model_chunks)
     _check_data_parallel(config, chunks, pg_collection)
     _, resolved = resolve_chunks(chunks, rules)  # Megatron's matching, on each chunk's own names
     built = build_optimizer(core_config, chunks, resolved=resolved)
     if dump_param_to_param_group_map is not None:
         _dump_group_map(built, dump_param_to_param_group_map)
-    return MegatronOptimizer(built, config)
+    return _as_megatron(built, config)
+
+
+def _with_model_precision(config: OptimizerConfig, chunks: list[nn.Module]) -> OptimizerConfig:
+    """Megatron builds bf16/fp16 parameters with ``bf16=False, fp16=False`` (an fp32-configured optimizer over
+    them); optstack steps them through fp32 masters, so the core config takes the parameters' dtype."""
+    if config.fp16 or config.bf16:
+        return config
+    dtypes = {p.dtype for c in chunks for p in c.parameters() if p.requires_grad}
+    if torch.bfloat16 in dtypes and torch.float16 not in dtypes:  # fp16 would need a loss scaler: say so
+        return dataclasses.replace(config, bf16=True)
+    return config
+
+
+def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptimizer:
+    """Megatron's classes over the core chain's stages: one Megatron optimizer per stage, chained."""
+    chain = built.optimizer
+    members: list[MegatronOptimizer] = []
+    for stage in chain.stages:
+        kind = stage.placement.kind
+        cls = (DistributedOptimizer if kind == "zero1" else
+               Float16OptimizerWithFloat16Params if stage.precision.masters else FP32Optimizer)
+        members.append(cls._over(stage, config, chain))
+    if config.lr is None:
+        for member in members:
+            for group in member.param_groups:
+                group["lr"] = None  # the placeholder must not train: set by the scheduler
+                if group.get("max_lr") == 0.0 and not group.get("is_decoupled_lr"):
+                    group["max_lr"] = None
+    layer_wise = any(s.placement.kind == "layerwise" for s in chain.stages)
+    out = LayerWiseDistributedOptimizer(members, config) if layer_wise else ChainedOptimizer(members)
+    out.built = built
+    return out
+
+
+def get_megatron_muon_optimizer(*args: Any, layer_wise_distributed_optimizer: bool = False,
+                                **kwargs: Any) -> ChainedOptimizer:
+    """Megatron's deprecated Muon getter: ``get_megatron_optimizer`` with the same arguments.
+
+    Raises:
+        ValueError: ``layer_wise_distributed_optimizer=True`` with an optimizer name not starting with
+            ``dist_`` (Megatron's rule: the layer-wise optimizer is named ``dist_muon`` there).
+    """
+    config = kwargs["config"] if "config" in kwargs else args[0]
+    if layer_wise_distributed_optimizer and not config.optimizer.startswith("dist_"):
+        raise ValueError("Layer-wise distributed optimizer is enabled by dist_ prefix in optimizer name "
+                         "(OptimizerConfig(optimizer='dist_muon'))")
+    return get_megatron_optimizer(*args, **kwargs)
 
 
 def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_collection: Any) -> None:
     """The optimizer config must agree with how the model was wrapped (Megatron's training script derives
     both configs from the same arguments; here they are built separately, so say which one to change)."""
     wrapped = [c for c in chunks if isinstance(c, DataParallel)]
-    if pg_collection is not None and not (
+    if isinstance(pg_collection, ProcessGroupCollection):
+        _check_same_dp(pg_collection, wrapped)
+    elif pg_collection is not None and not (
         isinstance(pg_collection, ParallelGroups) and any(c.groups is pg_collection for c in wrapped)
     ):
         raise ValueError(
-            "get_megatron_optimizer(pg_collection=...) must be None or the optstack ParallelGroups the "
-            "DistributedDataParallel model was built with (the optimizer uses the wrapped model's groups); "
+            "get_megatron_optimizer(pg_collection=...) must be None, a ProcessGroupCollection, or the optstack "
+            "ParallelGroups the DistributedDataParallel model was built with (the optimizer uses the wrapped "
+            "model's groups); "
             f"got {type(pg_collection).__name__}; pass pg_collection=None"
         )
     layer_wise = config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"
@@ -201,6 +211,21 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
                 f"DistributedDataParallelConfig.overlap_param_gather={ddp_config.overlap_param_gather}; "
                 "set both the same"
             )
+
+
+def _check_same_dp(pg_collection: ProcessGroupCollection, wrapped: list[DataParallel]) -> None:
+    """The optimizer steps over the wrapped model's groups: a collection naming another data-parallel group
+    would be silently ignored, so it is an error."""
+    group = pg_collection.dp_cp if pg_collection.dp_cp is not None else pg_collection.dp
+    if not wrapped or group is None or not torch.distributed.is_initialized():
+        return
+    ranks = list(torch.distributed.get_process_group_ranks(group))
+    for ddp in wrapped:
+        if list(ddp.groups.dp.global_ranks) != ranks:
+            raise ValueError(
+                f"pg_collection's data-parallel group has ranks {ranks} but the DistributedDataParallel model "
+                f"reduces over {list(ddp.groups.dp.global_ranks)}; build the model with the same "
+                "pg_collection (DistributedDataParallel(..., pg_collection=pg_collection))")
 
 
 def _dump_group_map(built: BuiltOptimizer, path: str) -> None:

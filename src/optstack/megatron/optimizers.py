@@ -1,0 +1,582 @@
+"""Megatron's optimizer classes, class for class, over optstack's stages.
+
+``from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, ...`` becomes
+``from optstack.megatron import ...``. Each class is what Megatron's is to its caller, translated to the core:
+
+- a Megatron optimizer over one torch optimizer is one core ``Stage`` whose inner optimizer is that torch
+  optimizer: ``FP32Optimizer`` steps the parameters directly (``Whole`` + ``Direct``),
+  ``Float16OptimizerWithFloat16Params`` steps fp32 masters of the bf16/fp16 ones (``Whole`` + ``Masters``;
+  the torch optimizer's groups then hold the masters, as in Megatron), ``DistributedOptimizer`` steps this
+  rank's ranges of a ``DistributedDataParallel`` model's buckets (``Zero1`` + ``Masters``);
+- the step (finite check, one global norm, clip, skip, inner step, publish) is the core
+  ``optstack.optimizer.ChainedOptimizer``'s over those stages; ``ChainedOptimizer`` here joins the stages of
+  every optimizer it is given into one core chain, so they share one norm, one clip factor and one skip
+  decision, as in Megatron.
+
+What Megatron callers read is Megatron's: ``param_groups`` and ``state`` are the inner torch optimizer's (the
+groups hold the tensors stepped: masters, or flat shards under the distributed optimizer; the scheduler's
+writes there reach the step), ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``,
+``get_loss_scale()`` a 1-element tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from optstack.distributed.ddp import DataParallel, is_expert_param
+from optstack.megatron.keys import ParamGroupOverride
+from optstack.optimizer import ChainedOptimizer as CoreChained
+from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
+from optstack.protocol import StepResult
+from optstack.stage import Direct, Masters, Stage, Whole, zero1_stage
+from optstack.stage.placement import LayerWise
+
+__all__ = [
+    "MegatronOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer", "ChainedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
+    "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "param_group_identifier_keys",
+]
+
+_NOT_SETTINGS = ("params", "param_names")
+
+
+def _param_group_override_keys() -> tuple[str, ...]:
+    """Every field ``ParamGroupOverride`` declares (sorted)."""
+    return tuple(sorted(ParamGroupOverride.__annotations__))
+
+
+#: The group fields that tell saved param groups apart when a state dict is matched to the current groups
+#: (Megatron's name): every ``ParamGroupOverride`` field and the structural flags; never ``lr``,
+#: ``weight_decay`` or ``step``, which change every step.
+param_group_identifier_keys: tuple[str, ...] = (
+    *_param_group_override_keys(), "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+#: Megatron's grad scalers are optstack's loss scalers (same arithmetic, same state).
+MegatronGradScaler = LossScaler
+
+
+def ConstantGradScaler(initial_scale: float) -> ConstantScaler:  # noqa: N802 (Megatron's class name)
+    """Megatron's ``ConstantGradScaler``: optstack's ``ConstantScaler``."""
+    return ConstantScaler(initial_scale)
+
+
+def DynamicGradScaler(  # noqa: N802 (Megatron's class name)
+    initial_scale: float, min_scale: float, growth_factor: float, backoff_factor: float,
+    growth_interval: int, hysteresis: int,
+) -> DynamicScaler:
+    """Megatron's ``DynamicGradScaler`` (same arguments): optstack's ``DynamicScaler``."""
+    return DynamicScaler(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=int(growth_interval), hysteresis=hysteresis)
+
+
+def _scaler(grad_scaler: Any, owner: str) -> LossScaler:
+    if grad_scaler is None:
+        return NoScaler()
+    if not isinstance(grad_scaler, LossScaler):
+        raise ValueError(f"{owner}: grad_scaler must be None, ConstantGradScaler(...) or DynamicGradScaler(...) "
+                         f"(optstack LossScalers), got {type(grad_scaler).__name__}")
+    return grad_scaler
+
+
+def _skip_threshold(config: Any) -> float | None:
+    skip = getattr(config, "grad_norm_skip_threshold", None)
+    return None if skip is None or skip == float("inf") else skip
+
+
+def _core_chain(stages: Sequence[Stage], config: Any, scaler: LossScaler, grad_syncs: Sequence[Any] = ()
+                ) -> CoreChained:
+    """The core chain stepping ``stages`` with ``config``'s clip, skip and zero counting (Megatron's fields)."""
+    return CoreChained(stages, scaler=scaler, clip_grad=getattr(config, "clip_grad", 0.0),
+                       grad_norm_skip_threshold=_skip_threshold(config),
+                       log_num_zeros_in_grad=getattr(config, "log_num_zeros_in_grad", False),
+                       grad_syncs=list(grad_syncs))
+
+
+def _rebind(optimizer: torch.optim.Optimizer, owner: str) -> Callable[[list[dict[str, Any]]], Any]:
+    """A ``make_optimizer`` handing the stage ``optimizer`` itself, its groups' ``params`` replaced by the
+    tensors the stage steps (masters, shard views), as Megatron replaces them; state moves along when the
+    stepped tensor has the parameter's shape."""
+    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"{owner}: the optimizer has {len(optimizer.param_groups)} param groups, "
+                             f"the stage {len(groups)}")
+        for mine, given in zip(optimizer.param_groups, groups, strict=True):
+            for old, new in zip(list(mine["params"]), given["params"], strict=False):
+                if old is not new and old in optimizer.state:
+                    entry = optimizer.state.pop(old)
+                    if any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != new.shape
+                           for v in entry.values()):
+                        raise ValueError(f"{owner}: the optimizer already has state for a parameter of shape "
+                                         f"{tuple(old.shape)}; build it before its first step")
+                    optimizer.state[new] = entry
+            mine["params"] = list(given["params"])
+        return optimizer
+    return make
+
+
+def _plain_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str, Any]]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"{owner}: optimizer must be a torch.optim.Optimizer (or None on a rank without "
+                         f"parameters), got {type(optimizer).__name__}")
+    return [{k: v for k, v in g.items() if k != "param_names"} for g in optimizer.param_groups]
+
+
+class MegatronOptimizer:
+    """Megatron's optimizer interface over one core stage (``None``: a stub, a rank without parameters).
+
+    Args:
+        optimizer: the torch optimizer (what Megatron calls the base optimizer).
+        config: the Megatron ``OptimizerConfig`` (its ``clip_grad``, ``grad_norm_skip_threshold`` and
+            ``log_num_zeros_in_grad`` drive the step).
+        init_state_fn: kept as ``self.init_state_fn`` (Megatron calls it to create state before a load;
+            optstack's loads create state themselves).
+
+    Attributes:
+        optimizer: the torch optimizer, whose ``param_groups`` hold the tensors stepped.
+        config, init_state_fn: as given. is_stub_optimizer: True without an optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: Any,
+                 init_state_fn: Callable | None = lambda x: None) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.init_state_fn = init_state_fn
+        self.is_stub_optimizer = optimizer is None
+        self._stage: Stage | None = None
+        self._chain = _core_chain([], config, NoScaler())
+
+    def _attach(self, stage: Stage | None, chain: CoreChained) -> None:
+        """Step through ``chain`` (over ``stage``); the inner groups lose optstack's ``param_names`` key."""
+        self._stage, self._chain = stage, chain
+        if stage is not None:
+            self.optimizer = stage.optimizer
+            self.is_stub_optimizer = False
+            for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
+                group.pop("param_names", None)
+
+    @classmethod
+    def _over(cls, stage: Stage, config: Any, chain: CoreChained) -> MegatronOptimizer:
+        """This class over a stage the core built (``get_megatron_optimizer``)."""
+        out = cls.__new__(cls)
+        MegatronOptimizer.__init__(out, stage.optimizer, config)
+        if isinstance(out, MixedPrecisionOptimizer):
+            out.grad_scaler = chain.scaler
+        out._attach(stage, chain)
+        return out
+
+    # -- views ---------------------------------------------------------------------------------------
+    @property
+    def stages(self) -> list[Stage]:
+        """optstack's stages doing the work (one, or none for a stub)."""
+        return [self._stage] if self._stage is not None else []
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's groups (live: write ``lr`` / ``weight_decay`` here)."""
+        return [] if self.optimizer is None else self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        if self.optimizer is not None:
+            self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The torch optimizer's state (keyed by the tensors stepped)."""
+        return {} if self.optimizer is None else self.optimizer.state
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """The tensors the torch optimizer steps (masters / shards where there are, as in Megatron)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The loss scale as a 1-element fp32 tensor on the parameters' device."""
+        device = self._stage.device if self._stage is not None else torch.device("cpu")
+        return torch.tensor([self._chain.loss_scale], dtype=torch.float32, device=device)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (shape ``[1]``)."""
+        return self.get_loss_scale() * loss
+
+    # -- the step ------------------------------------------------------------------------------------
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Unscale, check for inf/nan, clip and step.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``: ``(False, None, None)`` on a non-finite
+            gradient, ``(False, norm, None)`` above ``grad_norm_skip_threshold``.
+
+        Raises:
+            ValueError: a param group's ``lr`` is None (``OptimizerConfig.lr=None`` and no scheduler set it).
+        """
+        result = _step(self._chain, self.param_groups)
+        return result.applied, result.grad_norm, result.num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (and the data-parallel wrapper's buffers when the model is wrapped)."""
+        self._chain.zero_grad(set_to_none)
+
+    def finish_param_sync(self) -> None:
+        """Wait for parameter gathers left in flight by ``overlap_param_gather`` (optstack's addition)."""
+        self._chain.finish_param_sync()
+
+    def reload_model_params(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Copy the model's values (or ``state_dict``'s, by parameter name) into the fp32 masters, e.g. after
+        loading model weights without the optimizer. Parameters stepped directly need nothing."""
+        _reload(self.stages, state_dict)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format, optstack's core chain's (state keyed by position, ``"optstack"``: the scaler)."""
+        _pull(self._chain)
+        return self._chain.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a ``state_dict()`` (all or nothing; a mismatch is a ``ValueError``)."""
+        self._chain.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """The optimizer's part of a distributed checkpoint: ``{"optimizer": state dict}`` whose state of a
+        sharded optimizer is ``ShardedTensor``s of whole parameters (torch.distributed.checkpoint reshards it;
+        ``optstack.checkpoint.OptimizerState`` saves it with the scheduler). Parameters are matched by name,
+        so ``model_sharded_state_dict`` and Megatron's ``metadata`` sharding types are not needed."""
+        return {"optimizer": self.state_dict()}
+
+    @staticmethod
+    def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]
+                                         ) -> list[dict]:
+        """Megatron's matching of saved groups to the current ones by ``param_group_identifier_keys`` (a missing
+        key reads as None; NeMo's ``pre_<key>`` aliases count): per current group, the saved group with its
+        identifier, holding the ``params`` of the saved group at the same position.
+
+        Raises:
+            ValueError: a current group's identifier is not among the saved ones.
+        """
+        def identifier(group: dict) -> tuple:
+            return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+
+        loaded = {identifier(g): g for g in state_dict_groups}
+        saved_params = [g["params"] for g in state_dict_groups]  # before the matches below replace them
+        out = []
+        for group, params in zip(current_groups, saved_params, strict=False):
+            key = identifier(group)
+            if key not in loaded:
+                available = "\n".join(str(k) for k in loaded)
+                raise ValueError(f"Could not find parameter group with key {key} in loaded checkpoint.\n"
+                                 f"Available keys:\n{available}\n"
+                                 f"Parameter group key definition: {param_group_identifier_keys}")
+            match = loaded[key]
+            match["params"] = params
+            out.append(match)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._stage!r})"
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """Megatron's fp32 optimizer: the torch optimizer steps the parameters themselves, no loss scaling.
+
+    Args: as ``MegatronOptimizer`` (``optimizer`` over fp32 parameters, or None).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: Any,
+                 init_state_fn: Callable | None = None) -> None:
+        super().__init__(optimizer, config, init_state_fn)
+        if optimizer is not None:
+            owner = type(self).__name__
+            stage = Stage(_plain_groups(optimizer, owner), lambda groups: optimizer, placement=Whole(),
+                          precision=Direct())
+            self._attach(stage, _core_chain([stage], config, NoScaler()))
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Megatron's base of the fp16/bf16 optimizers: a loss scaler (``grad_scaler``) and fp32 masters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: Any, grad_scaler: Any,
+                 init_state_fn: Callable | None) -> None:
+        super().__init__(optimizer, config, init_state_fn)
+        self.grad_scaler = _scaler(grad_scaler, type(self).__name__)
+        if grad_scaler is None and getattr(config, "fp16", False):
+            raise ValueError(f"{type(self).__name__}: fp16 needs a grad scaler (ConstantGradScaler or "
+                             "DynamicGradScaler), as in Megatron")
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """Megatron's fp16/bf16 optimizer: fp32 masters of the bf16/fp16 parameters replace them in the torch
+    optimizer's groups (fp32 parameters stay as they are); gradients are copied to the masters, the step
+    runs on them and they are rounded back into the model.
+
+    Args:
+        optimizer: a torch optimizer over the model parameters, not stepped yet (or None).
+        config: the Megatron ``OptimizerConfig``.
+        grad_scaler: None (no loss scaling; not with fp16), ``ConstantGradScaler`` or ``DynamicGradScaler``.
+        init_state_fn: kept, as in ``MegatronOptimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: Any, grad_scaler: Any,
+                 init_state_fn: Callable | None = None) -> None:
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        if optimizer is not None:
+            owner = type(self).__name__
+            stage = Stage(_plain_groups(optimizer, owner), _rebind(optimizer, owner), placement=Whole(),
+                          precision=Masters())
+            self._attach(stage, _core_chain([stage], config, self.grad_scaler))
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """Megatron's distributed optimizer (ZeRO-1): each rank keeps fp32 masters and optimizer state only for
+    its range of every bucket of the ``DistributedDataParallel`` model's buffers; the step reduce-scatters
+    (or all-reduces) the gradients, steps the ranges, and gathers the parameters.
+
+    Args:
+        optimizer: a torch optimizer over the model parameters, not stepped yet (its groups then hold this
+            rank's flat fp32 shards, as in Megatron).
+        config, grad_scaler, init_state_fn: as ``Float16OptimizerWithFloat16Params``.
+        model_chunks: the one ``DistributedDataParallel`` model (built with ``use_distributed_optimizer=True``)
+            holding the parameters, or a list of it.
+        per_model_buffers, data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx,
+        distributed_optimizer_instance_id: accepted for Megatron's signature; the buffers and groups are the
+            model's.
+
+    Raises:
+        ValueError: no wrapped model, a wrapper without sharded gradients, or parameters of both kinds
+            (dense and expert: build one optimizer per kind, as Megatron does).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: Any, grad_scaler: Any,
+                 init_state_fn: Callable | None = None, model_chunks: Any = None, per_model_buffers: Any = None,
+                 data_parallel_group: Any = None, data_parallel_group_gloo: Any = None,
+                 data_parallel_group_idx: int | None = None, distributed_optimizer_instance_id: int = 0) -> None:
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        if optimizer is None:
+            return
+        owner = type(self).__name__
+        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks or [])
+        wrapped = [c for c in chunks if isinstance(c, DataParallel)]
+        if len(wrapped) != 1 or not wrapped[0].shard_grads:
+            raise ValueError(f"{owner}: model_chunks must be the one DistributedDataParallel model, built with "
+                             "DistributedDataParallelConfig(use_distributed_optimizer=True)")
+        groups = _plain_groups(optimizer, owner)
+        kinds = {is_expert_param(p) for g in groups for p in g["params"]}
+        if len(kinds) > 1:
+            raise ValueError(f"{owner}: the optimizer holds dense and expert (allreduce=False) parameters; build "
+                             "one optimizer per kind and chain them with ChainedOptimizer")
+        stage = zero1_stage(groups, _rebind(optimizer, owner), ddp=wrapped[0], expert=kinds == {True},
+                            overlap_param_gather=wrapped[0].ddp_config.overlap_param_gather
+                            if hasattr(wrapped[0], "ddp_config") else False)
+        self._attach(stage, _core_chain([stage], config, self.grad_scaler, [wrapped[0]]))
+
+
+def _step(chain: CoreChained, groups: Sequence[dict[str, Any]]) -> StepResult:
+    for index, group in enumerate(groups):
+        if group.get("lr") is None:
+            raise ValueError(
+                f"param group {index} has lr=None (OptimizerConfig.lr is None): set it before stepping, e.g. "
+                "with OptimizerParamScheduler(...).step(1), or build with OptimizerConfig(lr=...)")
+    _pull(chain)
+    chain.step()
+    assert chain.last_result is not None
+    return chain.last_result
+
+
+def _pull(chain: CoreChained) -> None:
+    """Megatron's truth is the torch optimizer's groups: copy their settings into the core's model-side
+    groups, which the stage copies back into the torch optimizer at the step."""
+    for stage in chain.stages:
+        for outer, inner in zip(stage.param_groups, stage.optimizer.param_groups, strict=True):
+            outer.update({k: v for k, v in inner.items() if k not in _NOT_SETTINGS})
+
+
+def _reload(stages: Sequence[Stage], state_dict: Mapping[str, torch.Tensor] | None) -> None:
+    with torch.no_grad():
+        for stage in stages:
+            stepped = [t for g in stage.optimizer.param_groups for t in g["params"]]
+            for piece, tensor in zip(stage.pieces, stepped, strict=True):
+                if tensor is piece.value:
+                    continue  # stepped directly: the model's values are the optimizer's
+                if state_dict is None:
+                    tensor.copy_(piece.value.reshape(tensor.shape))
+                    continue
+                if piece.name not in state_dict:
+                    raise ValueError(
+                        f"reload_model_params: the state dict has no {piece.name!r} (it has "
+                        f"{sorted(state_dict)[:8]}); values are matched by parameter name, which only an optimizer "
+                        "built by get_megatron_optimizer knows (Megatron's own reloads only from the model)")
+                source = state_dict[piece.name].detach().reshape(-1)[piece.start:piece.end]
+                tensor.copy_(source.reshape(tensor.shape))
+
+
+class ProxyDict(Mapping[tuple[int, Any], Any]):
+    """Megatron's view of several optimizers' ``state`` as one mapping keyed ``(optimizer index, key)``."""
+
+    def __init__(self, inner_dicts: Sequence[Any]) -> None:
+        self._inner_dicts = list(inner_dicts)
+
+    def __getitem__(self, key: tuple[int, Any]) -> Any:
+        index, inner_key = key
+        return self._inner_dicts[index].get(inner_key)
+
+    def __setitem__(self, key: tuple[int, Any], value: Any) -> None:
+        index, inner_key = key
+        self._inner_dicts[index][inner_key] = value
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._inner_dicts)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return ((i, k) for i, d in enumerate(self._inner_dicts) for k in d)
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Megatron's ``ChainedOptimizer``: several optimizers stepped as one (one global grad norm, one clip
+    factor, one skip decision; dense and expert optimizers, or Muon and its scalar optimizer).
+
+    Args:
+        chained_optimizers: the optimizers: this module's (their stages join one core chain, with the first
+            one's loss scaler and config), or plain ``torch.optim`` optimizers (stepped as an
+            ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` by their dtype would step them, with
+            the chain's config; without any Megatron optimizer in the chain: no clipping, no loss scaling).
+            Other objects with ``param_groups`` are listed and zeroed but cannot be stepped. Empty on a rank
+            without parameters.
+
+    Attributes:
+        chained_optimizers: as given. config: the first Megatron optimizer's config (None without one).
+        built: optstack's ``BuiltOptimizer`` when ``get_megatron_optimizer`` built it, else None.
+    """
+
+    def __init__(self, chained_optimizers: Sequence[Any]) -> None:
+        self.chained_optimizers = list(chained_optimizers)
+        self.built: Any = None
+        configs = [o.config for o in self.chained_optimizers if isinstance(o, MegatronOptimizer)]
+        config = configs[0] if configs else None
+        self.config = config
+        self.init_state_fn = None
+        self.optimizer = None
+        self.is_stub_optimizer = all(getattr(o, "is_stub_optimizer", False) for o in self.chained_optimizers)
+        self._stage = None
+        self._members = [self._member(o, config) for o in self.chained_optimizers]
+        stages = [s for m in self._members if m is not None for s in m.stages]
+        chains = [m._chain for m in self._members if m is not None and m.stages]
+        shared = chains[0] if chains and all(c is chains[0] for c in chains) else None
+        if shared is not None and shared.stages == stages:
+            self._chain = shared  # built together (get_megatron_optimizer): one chain already
+        else:
+            scaler = chains[0].scaler if chains else NoScaler()
+            syncs = list({id(s): s for c in chains for s in c._grad_syncs}.values())
+            self._chain = _core_chain(stages, config if config is not None else _NO_CLIP, scaler, syncs)
+
+    @staticmethod
+    def _member(optimizer: Any, config: Any) -> MegatronOptimizer | None:
+        if isinstance(optimizer, MegatronOptimizer):
+            return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            low = any(p.dtype in _LOW_PRECISION for g in optimizer.param_groups for p in g["params"])
+            cfg = config if config is not None else _NO_CLIP
+            return (Float16OptimizerWithFloat16Params(optimizer, cfg, None) if low
+                    else FP32Optimizer(optimizer, cfg))
+        return None
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self._chain.stages
+
+    @property
+    def optimizer(self) -> Any:  # type: ignore[override]
+        """The one chained optimizer's torch optimizer (Megatron's backward-compatible accessor)."""
+        if len(self.chained_optimizers) != 1:
+            raise ValueError(f"ChainedOptimizer.optimizer needs exactly one chained optimizer, there are "
+                             f"{len(self.chained_optimizers)}; use chained_optimizers[i].optimizer")
+        only = self.chained_optimizers[0]
+        return only if isinstance(only, torch.optim.Optimizer) else only.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        pass  # MegatronOptimizer.__init__'s assignment; the chained optimizers hold theirs
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Every chained optimizer's groups, in order (live dicts)."""
+        return [g for o in self.chained_optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> ProxyDict:  # type: ignore[override]
+        """``(index into chained_optimizers, tensor) -> state``, Megatron's ``ProxyDict``."""
+        return ProxyDict([o.state for o in self.chained_optimizers])
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for o in self.chained_optimizers:
+            out += o.get_parameters() if hasattr(o, "get_parameters") else [
+                p for g in o.param_groups for p in g["params"]]
+        return out
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        unsteppable = [type(o).__name__ for o, m in zip(self.chained_optimizers, self._members, strict=True)
+                       if m is None]
+        if unsteppable:
+            raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
+                             "torch.optim optimizers; chain those only")
+        result = _step(self._chain, self.param_groups)
+        return result.applied, result.grad_norm, result.num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._chain.zero_grad(set_to_none)
+        for o, m in zip(self.chained_optimizers, self._members, strict=True):
+            if m is None and hasattr(o, "zero_grad"):
+                o.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        device = self.stages[0].device if self.stages else torch.device("cpu")
+        return torch.tensor([self._chain.loss_scale], dtype=torch.float32, device=device)
+
+    def reload_model_params(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        _reload(self.stages, state_dict)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({[type(o).__name__ for o in self.chained_optimizers]})"
+
+
+class LayerWiseDistributedOptimizer(ChainedOptimizer):
+    """Megatron's layer-wise distributed optimizer: whole parameters stepped by owner ranks of the
+    data-parallel group (balanced by Newton-Schulz cost), then broadcast; what Muon needs.
+
+    ``get_megatron_optimizer(OptimizerConfig(optimizer='muon', use_layer_wise_distributed_optimizer=True),
+    [model])`` builds it over the ``DistributedDataParallel`` model; its chained optimizers are Muon's
+    (layer-wise) and the scalar optimizer's (replicated).
+
+    Args:
+        optimizers: the chained optimizers (built by ``get_megatron_optimizer``, whose stages are already
+            placed layer-wise).
+        config: the Megatron ``OptimizerConfig``.
+        pg_collection, init_state_fn_list, model_chunks: accepted for Megatron's signature.
+
+    Raises:
+        ValueError: none of the optimizers is placed layer-wise (build through ``get_megatron_optimizer``).
+    """
+
+    def __init__(self, optimizers: Sequence[Any], config: Any, pg_collection: Any = None,
+                 init_state_fn_list: Sequence[Callable] | None = None, model_chunks: Any = None) -> None:
+        super().__init__(optimizers)
+        self.config = config
+        self.pg_collection = pg_collection
+        if not any(isinstance(s.placement, LayerWise) for s in self.stages):
+            raise ValueError("LayerWiseDistributedOptimizer: none of the optimizers is placed layer-wise; build it "
+                             "with get_megatron_optimizer(OptimizerConfig(optimizer='muon', "
+                             "use_layer_wise_distributed_optimizer=True), [ddp_model])")
+
+
+class _NoClip:
+    """The config of a chain of plain torch optimizers: stepped as they would be alone."""
+
+    clip_grad = 0.0
+    grad_norm_skip_threshold = float("inf")
+    log_num_zeros_in_grad = False
+
+
+_NO_CLIP = _NoClip()

@@ -1,0 +1,73 @@
+"""Megatron's ``ProcessGroupCollection`` and its translation to optstack's ``ParallelGroups``.
+
+Megatron hands process groups around as a ``ProcessGroupCollection`` (``pg_collection``): attributes named
+``dp``, ``dp_cp``, ``tp``, ``pp``, ``mp``, ``ep``, ``expt_dp``, ... set by keyword or one by one. optstack's
+core takes ``ParallelGroups`` (``optstack.distributed.parallel``); ``to_parallel_groups`` translates: the
+data-parallel group is ``dp_cp`` when set (context-parallel ranks reduce gradients together), else ``dp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optstack.distributed.parallel import ParallelGroups
+
+__all__ = ["ProcessGroupCollection", "to_parallel_groups", "check_optimizer_groups"]
+
+#: The attributes Megatron's collection declares (others are an error, as in Megatron).
+FIELDS = (
+    "tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "hcp", "ep", "expt_tp", "tp_ep", "tp_ep_pp",
+    "tp_ep_pp_with_egtp_remat", "tp_dp_cp", "dp", "dp_cp", "dp_cp_gtp_remat", "expt_dp", "expt_dp_gtp_remat",
+    "intra_dp_cp", "intra_expt_dp", "inter_dist_opt", "intra_dist_opt", "gtp_remat", "expt_gtp_remat",
+)
+
+
+class ProcessGroupCollection:
+    """Megatron's collection of process groups: ``ProcessGroupCollection(tp=..., dp=...)`` or attributes set
+    afterwards. A declared attribute never set reads as None (Megatron's current behaviour); ``is_set(name)``
+    tells the two apart.
+
+    Raises:
+        ValueError: an attribute Megatron does not declare.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in FIELDS:
+            raise ValueError(f"Unknown attribute: {name} (ProcessGroupCollection has {list(FIELDS)})")
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes never set
+        if name in FIELDS:
+            return None
+        raise AttributeError(f"'ProcessGroupCollection' object has no attribute '{name}'")
+
+    def is_set(self, name: str) -> bool:
+        """Whether ``name`` was given (even as None)."""
+        return name in vars(self)
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupCollection({', '.join(k for k in FIELDS if self.is_set(k))})"
+
+
+def to_parallel_groups(pg_collection: ProcessGroupCollection) -> ParallelGroups:
+    """optstack's ``ParallelGroups`` over the collection's groups (unset ones: size 1)."""
+    g = pg_collection
+    return ParallelGroups.from_process_groups(
+        dp=g.dp_cp if g.dp_cp is not None else g.dp, tp=g.tp, pp=g.pp, ep=g.ep, expert_dp=g.expt_dp, mp=g.mp)
+
+
+def check_optimizer_groups(pg_collection: ProcessGroupCollection, use_gloo_process_groups: bool) -> None:
+    """Megatron's checks of a ``pg_collection`` given to ``get_megatron_optimizer``, with its messages."""
+    for name in ("dp", "expt_dp", "intra_dist_opt", "mp", "tp_ep_pp"):
+        if not pg_collection.is_set(name):
+            raise ValueError(f"{name} process group is required when passing pg_collection "
+                             f"(set pg_collection.{name}; None is allowed where the group is unused)")
+    if pg_collection.dp is None:
+        raise ValueError("dp process group is required when passing pg_collection (got None)")
+    if use_gloo_process_groups:
+        raise ValueError("Gloo process groups are not supported when pg_collection is provided; pass "
+                         "use_gloo_process_groups=False")
