@@ -1,8 +1,8 @@
 """torch.distributed.checkpoint (DCP) for optstack optimizers: a ``Stateful`` to put beside the model.
 
     dcp.save({"model": model.state_dict(), "optim": OptimizerState(model, optimizer, scheduler)}, checkpoint_id=d)
-    dcp.load({"model": model.state_dict(), "optim": OptimizerState(model, optimizer, scheduler)}, checkpoint_id=d,
-             planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+    dcp.load({"model": model.state_dict(), "optim": OptimizerState(model, optimizer, scheduler)},
+             storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
 
 It goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (state keyed by parameter
 name; a fresh optimizer's state is made first, so ``dcp.load`` has a tensor to read each entry into), and adds
@@ -12,12 +12,10 @@ between placements, use ``optstack.checkpoint.save_checkpoint`` / ``load_checkpo
 ZeRO-1 and layer-wise state with ``DefaultLoadPlanner(flatten_sharded_tensors=False)``: the default planner's
 flattening (meant for FSDP's nested ShardedTensors) fails on ranks that hold no part of some parameter.
 
-DCP's own ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and bytes items with
-``torch.load(weights_only=False)``: loading a checkpoint from anyone else can run their code. Read through
-``SafeFileSystemReader`` (``safe.py``), which deserialises data only and refuses anything else with a
-``ValueError`` naming the file (inside torch's ``CheckpointException``)::
-
-    dcp.load(state, storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+DCP's own ``FileSystemReader`` (``checkpoint_id=d``) unpickles ``.metadata`` with ``pickle.load`` and bytes
+items with ``torch.load(weights_only=False)``: loading a checkpoint from anyone else can run their code.
+``SafeFileSystemReader`` (from ``optstack.checkpoint``; ``safe.py``) deserialises data only and refuses anything
+else with a ``ValueError`` naming the file (inside torch's ``CheckpointException``).
 """
 
 from __future__ import annotations

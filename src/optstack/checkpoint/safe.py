@@ -251,9 +251,11 @@ class _DataOnlyBytes:
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # torch's message is long; its "WeightsUnpickler error:" line names what was refused.
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+            why = next((ln.split(". ")[0] for ln in lines if "WeightsUnpickler error" in ln), lines[0])
             raise ValueError(f"{self._where(read_item)}: item {read_item.storage_index.fqn!r} is not plain data "
-                             f"({first}); refusing to load it (loading a checkpoint never runs code from it)"
+                             f"({why}); refusing to load it (loading a checkpoint never runs code from it)"
                              ) from None
         clean = io.BytesIO()
         torch.save(obj, clean)

@@ -42,6 +42,8 @@ __all__ = ["RunDir", "TrainState", "TRAIN_STATE_VERSION"]
 
 TRAIN_STATE_VERSION = 1
 _STATE = re.compile(r"(step_\d+)\.train_state\.json")
+_TYPES = {"step": (int,), "model": (dict,), "data_rng": (str,), "torch_rng": (str,), "skipped_steps": (int,),
+          "train_seconds": (int, float), "world_size": (int,), "best_val_loss": (int, float, type(None))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,9 @@ class TrainState:
             data = json.loads(text)
             if data.pop("version") != TRAIN_STATE_VERSION:
                 raise ValueError("another format version")
+            for field, kinds in _TYPES.items():  # JSON is data only; still, each field must be of its kind
+                if not isinstance(data.get(field), kinds) or isinstance(data.get(field), bool):
+                    raise ValueError(f"{field} is {data.get(field)!r}, expected {'/'.join(k.__name__ for k in kinds)}")
             best = data.pop("best_val_loss")
             return cls(**data | {
                 "data_rng": _unb64(data["data_rng"]), "torch_rng": _unb64(data["torch_rng"]),

@@ -4,6 +4,10 @@ Every wait is bounded by the Comm's ``timeout`` (gloo per call; NCCL through the
 sets alike) and fails with a ``CommError`` naming the operation and group: a dead peer gives a message, not a
 hang. PyTorch 2.13 renamed the flat collectives (``reduce_scatter_single``, ``all_gather_single``; the old names
 warn); a backend without a native reduce-scatter gets an all-reduce.
+
+``all_gather_object`` / ``broadcast_object`` pickle objects and unpickle what other ranks send: a rank can run
+code on every other. The trust boundary is the cluster (every process in the group, and the network between them
+and the rendezvous store); checkpoints, which cross it, are read as data only (``checkpoint/safe.py``).
 """
 
 from __future__ import annotations
