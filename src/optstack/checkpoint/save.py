@@ -175,10 +175,16 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
                f"checkpoint {target} IS committed (complete and loadable), but then updating '{io.LATEST}' or "
                f"pruning failed; '{io.LATEST}' may still name an earlier checkpoint (loads take the newest "
                "committed one regardless)", target, storage=True, committed=True)
+    except (CheckpointError, ValueError):  # agreed: every rank is here
+        if not committed:
+            if temp is not None:
+                shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
+            comm.barrier()  # so that no rank sees the error while the temporary files still exist
+        raise
     finally:
         if temp is not None:
             if not committed:
-                shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
+                shutil.rmtree(path, ignore_errors=True)  # also after a failed collective (a rank died)
             temp.release()
     return target
 
