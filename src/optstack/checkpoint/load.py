@@ -27,9 +27,10 @@ from torch import nn
 
 from optstack.checkpoint import io
 from optstack.checkpoint.format import MANIFEST, decode_scalar, dtype_from_name, migrate, model_key, optim_key, unseal
+from optstack.checkpoint.pack import read_packed
 from optstack.checkpoint.save import check_optimizer, local_state, together
 from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
-from optstack.checkpoint.storage import Chunk, rank_dir_name, read_chunks
+from optstack.checkpoint.storage import Chunk, rank_dir_name
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.schedule import Scheduler
@@ -113,7 +114,7 @@ def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[st
                 if lo < hi:
                     by_rank.setdefault(rank, []).append(Chunk(optim_key(name, key), dest[lo - start : hi - start],
                                                               lo, numel))
-    read_chunks(directory, by_rank)
+    read_packed(directory, manifest.get("packs"), by_rank)
     return out
 
 
@@ -125,7 +126,7 @@ def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) ->
         out[key] = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
         flat = out[key].view(-1)
         by_rank.setdefault(entry["rank"], []).append(Chunk(model_key(key), flat, 0, flat.numel()))
-    read_chunks(directory, by_rank)
+    read_packed(directory, manifest.get("packs"), by_rank)
     return out
 
 
