@@ -43,8 +43,11 @@ optim_key = "optim/{}/{}".format  # (parameter name, state key) -> the DCP key o
 model_key = "model/{}".format  # model state-dict key -> its DCP key
 
 
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    if (name := str(dtype).removeprefix("torch.")) not in _DTYPES:
+    if (name := _NAMES.get(dtype)) is None:
         raise ValueError(f"checkpoints store tensors of dtypes {sorted(_DTYPES)}; got {dtype}")
     return name
 

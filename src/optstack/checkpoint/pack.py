@@ -51,7 +51,7 @@ def pack_chunks(chunks: Sequence[Chunk]) -> tuple[list[Chunk], list[Segment]]:
                 size += members[end].tensor.numel() * dtype.itemsize
                 end += 1
             part = members[start:end]
-            flat = torch.cat([c.tensor.reshape(-1) for c in part])
+            flat = torch.cat([c.tensor for c in part])  # chunks are 1-D
             out.append(Chunk(pack_key(len(segments)), flat, 0, flat.numel()))
             segments.append([dtype_name(dtype), [[c.key, c.start, c.tensor.numel()] for c in part]])
             start = end
@@ -67,6 +67,7 @@ def read_packed(directory: Path, packs: Mapping[str, Sequence[Segment]] | None,
         if not segments:
             plain[rank] = chunks
             continue
+        _check(rank, segments)
         where: dict[str, tuple[int, int, int, int]] = {}  # key -> (segment, offset in it, start, numel)
         for index, (_, items) in enumerate(segments):
             offset = 0
@@ -90,3 +91,22 @@ def read_packed(directory: Path, packs: Mapping[str, Sequence[Segment]] | None,
             for c, offset in members:
                 c.tensor.copy_(flats[index][offset : offset + c.tensor.numel()])
     read_chunks(directory, plain)
+
+
+def _check(rank: int, segments: Any) -> None:
+    """The manifest's segments of ``rank`` have the format's types (ValueError naming the first that does not)."""
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = isinstance(segments, list)
+    for segment in segments if ok else ():
+        ok = (isinstance(segment, list) and len(segment) == 2 and isinstance(segment[0], str)
+              and isinstance(segment[1], list)
+              and all(isinstance(i, list) and len(i) == 3 and isinstance(i[0], str) and count(i[1]) and count(i[2])
+                      for i in segment[1]))
+        if not ok:
+            break
+        dtype_from_name(segment[0])
+    if not ok:
+        raise ValueError(f"the manifest's packs of rank {rank} are not [[dtype, [[key, start, numel], ...]], ...]: "
+                         "the manifest was altered or written by something other than optstack")
