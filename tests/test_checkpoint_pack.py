@@ -12,6 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from optstack.checkpoint import load_checkpoint, pack, save_checkpoint
 from optstack.checkpoint.format import FORMAT, migrate, unseal
 from optstack.checkpoint.load import read_manifest, read_model, read_ranges
+from optstack.checkpoint.storage import Chunk
 from optstack.config import OptimizerConfig
 from optstack.factory import BuiltOptimizer, build_optimizer
 
@@ -75,6 +76,13 @@ def test_few_small_tensors_stay_items_of_their_own(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, built.optimizer, step=1)
     assert unseal((path / "manifest.json").read_text(), "manifest")["packs"] == {}
     assert "optim/experts.3/exp_avg" in FileSystemReader(path / "rank_00000").read_metadata().state_dict_metadata
+
+
+@pytest.mark.parametrize("packs", [{"0": "x"}, {"0": [["float32", [["k", -1, 3]]]]}, {"0": [[["float32"], []]]},
+                                   {"0": [["complex32", []]]}])
+def test_damaged_packs_are_refused(tmp_path: Path, packs: dict) -> None:
+    with pytest.raises(ValueError, match="packs of rank 0|unknown dtype"):
+        pack.read_packed(tmp_path, packs, {0: [Chunk("k", torch.empty(3), 0, 3)]})
 
 
 def test_version_1_manifests_migrate_to_no_packs() -> None:

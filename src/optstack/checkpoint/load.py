@@ -157,7 +157,8 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     where = f"cannot load checkpoint {directory}"
     together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size,
                                                _writers(manifest)), f"rank {comm.rank}: ", path=directory)
-    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model, fingerprints=False),
+                                            f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
     for theirs in comm.all_gather_object(held):
         everyone |= {n: h for n, h in theirs.items() if n not in everyone}

@@ -67,13 +67,7 @@ def read_packed(directory: Path, packs: Mapping[str, Sequence[Segment]] | None,
         if not segments:
             plain[rank] = chunks
             continue
-        _check(rank, segments)
-        where: dict[str, tuple[int, int, int, int]] = {}  # key -> (segment, offset in it, start, numel)
-        for index, (_, items) in enumerate(segments):
-            offset = 0
-            for key, start, numel in items:
-                where[key] = (index, offset, start, numel)
-                offset += numel
+        where = _index(rank, segments)
         wanted: dict[int, list[tuple[Chunk, int]]] = {}  # segment -> (chunk, its offset in the segment)
         for c in chunks:
             if (found := where.get(c.key)) is None:
@@ -93,20 +87,32 @@ def read_packed(directory: Path, packs: Mapping[str, Sequence[Segment]] | None,
     read_chunks(directory, plain)
 
 
-def _check(rank: int, segments: Any) -> None:
-    """The manifest's segments of ``rank`` have the format's types (ValueError naming the first that does not)."""
+
+def _index(rank: int, segments: Any) -> dict[str, tuple[int, int, int, int]]:
+    """{DCP key: (segment, offset in it, start, numel)} of ``rank``'s packs; ValueError unless the manifest's
+    entry has the format's types (it is read from disk: checked before use)."""
     def count(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    where: dict[str, tuple[int, int, int, int]] = {}
     ok = isinstance(segments, list)
-    for segment in segments if ok else ():
+    for index, segment in enumerate(segments if ok else ()):
         ok = (isinstance(segment, list) and len(segment) == 2 and isinstance(segment[0], str)
-              and isinstance(segment[1], list)
-              and all(isinstance(i, list) and len(i) == 3 and isinstance(i[0], str) and count(i[1]) and count(i[2])
-                      for i in segment[1]))
+              and isinstance(segment[1], list))
         if not ok:
             break
         dtype_from_name(segment[0])
+        offset = 0
+        for item in segment[1]:
+            ok = (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and count(item[1])
+                  and count(item[2]))
+            if not ok:
+                break
+            where[item[0]] = (index, offset, item[1], item[2])
+            offset += item[2]
+        if not ok:
+            break
     if not ok:
         raise ValueError(f"the manifest's packs of rank {rank} are not [[dtype, [[key, start, numel], ...]], ...]: "
                          "the manifest was altered or written by something other than optstack")
+    return where

@@ -86,13 +86,13 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
     return result  # type: ignore[return-value]
 
 
-def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
+def local_state(optimizer: ChainedOptimizer, model: nn.Module | None, fingerprints: bool = True) -> tuple[
         dict[str, ParamShard], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
     """This rank's shards of all stages and their table, the model's tensors and theirs (None: no model)."""
     shards = {name: shard for per_stage in collect(optimizer.stages) for name, shard in per_stage.items()}
     tensors = model_tensors(model) if model is not None else {}
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
-    return shards, describe(shards), tensors, table
+    return shards, describe(shards, fingerprints), tensors, table
 
 
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:

@@ -66,8 +66,9 @@ def restore_group_settings(shards: Mapping[str, ParamShard], settings: Mapping[s
                     live[key] = value  # type: ignore[index]
 
 
-def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
-    """The data-free table of ``shards``, after checking each is well formed."""
+def describe(shards: Mapping[str, ParamShard], fingerprints: bool = True) -> dict[str, HeldParam]:
+    """The data-free table of ``shards``, after checking each is well formed (``fingerprints``: only a save's
+    plan compares them)."""
     out = {}
     groups: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any]]] = {}  # one identity, settings per group
     for name, s in shards.items():
@@ -85,7 +86,7 @@ def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
         out[name] = HeldParam(
             name, tuple(s.shape), s.start, s.end, {k: dtype_name(t.dtype) for k, t in s.tensors.items()},
             {k: encode_scalar(f"state {k!r} of {name!r}", v) for k, v in s.scalars.items()},
-            *groups[key], _fingerprint(s.tensors["param"]))
+            *groups[key], _fingerprint(s.tensors["param"]) if fingerprints else "")
     return out
 
 
