@@ -178,6 +178,9 @@ class AdamW(PerDeviceOptimizer):
             for position, (pid, p) in enumerate(zip(saved_ids, params, strict=True)):
                 if state_dict["state"].get(pid):
                     restored[position] = self._restore(position, p, state_dict["state"][pid], beta2s[position])
+            # torch's load casts each state value after scanning the groups' parameter lists (quadratic: minutes
+            # for 50,000 parameters); the state is restored here, so it gets only the groups.
+            state_dict = {**state_dict, "state": {}}
         super().load_state_dict(state_dict)
         for position, state in restored.items():
             self.state[params[position]] = state

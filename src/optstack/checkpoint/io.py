@@ -71,9 +71,14 @@ def describe_error(exc: BaseException) -> str:
     return "; ".join(f"{type(e).__name__}: {e}" for e in _causes(exc))
 
 
-def is_storage_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is the storage failing (an ``OSError``, also inside DCP's wrapper), not the data."""
-    return any(isinstance(e, OSError) for e in _causes(exc))
+def is_storage_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is the storage failing (an ``OSError`` but a missing file, which is a damaged checkpoint),
+    also inside DCP's wrapper or as the cause of another error (a ``ValueError`` raised from it)."""
+    while exc is not None:
+        if any(isinstance(e, OSError) and not isinstance(e, FileNotFoundError) for e in _causes(exc)):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def checkpoint_name(step: int) -> str:

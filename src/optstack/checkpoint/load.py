@@ -38,10 +38,11 @@ from optstack.checkpoint.format import (
     optim_key,
     unseal,
 )
+from optstack.checkpoint.pack import read_packed
 from optstack.checkpoint.safe import METADATA, load_metadata_file
 from optstack.checkpoint.save import check_optimizer, local_state, together
 from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
-from optstack.checkpoint.storage import Chunk, rank_dir_name, read_chunks
+from optstack.checkpoint.storage import Chunk, rank_dir_name
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.schedule import Scheduler
@@ -139,7 +140,7 @@ def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[st
                 if lo < hi:
                     by_rank.setdefault(rank, []).append(Chunk(optim_key(name, key), dest[lo - start : hi - start],
                                                               lo, numel))
-    read_chunks(directory, by_rank)
+    read_packed(directory, manifest.get("packs"), by_rank)
     return out
 
 
@@ -151,7 +152,7 @@ def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) ->
         out[key] = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
         flat = out[key].view(-1)
         by_rank.setdefault(entry["rank"], []).append(Chunk(model_key(key), flat, 0, flat.numel()))
-    read_chunks(directory, by_rank)
+    read_packed(directory, manifest.get("packs"), by_rank)
     return out
 
 
@@ -187,7 +188,8 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     where = f"cannot load checkpoint {directory}"
     together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size, key is not None,
                                                _writers(manifest)), f"rank {comm.rank}: ", path=directory)
-    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model, fingerprints=False),
+                                            f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
     for theirs in comm.all_gather_object(held):
         everyone |= {n: h for n, h in theirs.items() if n not in everyone}

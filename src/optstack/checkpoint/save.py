@@ -14,7 +14,6 @@ with the others, as soon as the slowest has finished the step::
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -27,8 +26,19 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from optstack.checkpoint import io
 from optstack.checkpoint.digest import DIGEST, check_key, file_sha256, sign
-from optstack.checkpoint.format import FORMAT, GROUP_MAP, MANIFEST, VERSION, dtype_name, model_key, optim_key, seal
+from optstack.checkpoint.format import (
+    FORMAT,
+    GROUP_MAP,
+    MANIFEST,
+    VERSION,
+    dtype_name,
+    json_lines,
+    model_key,
+    optim_key,
+    seal,
+)
 from optstack.checkpoint.io import FAILURES, CheckpointError
+from optstack.checkpoint.pack import pack_chunks
 from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -77,13 +87,13 @@ def together(comm: Comm | NullComm, what: str, fn: Callable[[], T], prefix: str 
     return result  # type: ignore[return-value]
 
 
-def local_state(optimizer: ChainedOptimizer, model: nn.Module | None) -> tuple[
+def local_state(optimizer: ChainedOptimizer, model: nn.Module | None, fingerprints: bool = True) -> tuple[
         dict[str, ParamShard], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
     """This rank's shards of all stages and their table, the model's tensors and theirs (None: no model)."""
     shards = {name: shard for per_stage in collect(optimizer.stages) for name, shard in per_stage.items()}
     tensors = model_tensors(model) if model is not None else {}
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
-    return shards, describe(shards), tensors, table
+    return shards, describe(shards, fingerprints), tensors, table
 
 
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:
@@ -149,12 +159,12 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             "format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size, "checksum_algorithm": "crc32",
             "params": plan.params, "groups": plan.groups, "scaler": optimizer.scaler.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "model": plan.model,
-            "files": files,
+            "files": files, "packs": packs,
         }
         if key is not None:
             manifest[DIGEST] = sign(manifest, key)
         io.write_synced(path / MANIFEST, seal(manifest))
-        io.write_synced(path / GROUP_MAP, json.dumps(group_map(plan.params, plan.groups), indent=1))
+        io.write_synced(path / GROUP_MAP, json_lines(group_map(plan.params, plan.groups)))
         io.fsync_path(path)
         aside = io.commit_dir(path, target)
         try:  # committed: what fails from here on leaves a complete checkpoint behind
@@ -172,10 +182,11 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     failed = f"saving checkpoint {target} failed; nothing was committed, the previous checkpoints are unchanged"
     committed = False
     try:
-        files = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, shards, tensors,
-                                                     key is not None),
-                         f"rank {comm.rank} could not write its files: ", path=target, storage=True)
-        files = {k: v for mine in comm.all_gather_object(files) for k, v in mine.items()}
+        written = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, shards, tensors, key is not None),
+                           f"rank {comm.rank} could not write its files: ", path=target, storage=True)
+        everyone = comm.all_gather_object(written)
+        files = {k: v for mine, _ in everyone for k, v in mine.items()}
+        packs = {str(rank): segments for rank, (_, segments) in enumerate(everyone) if segments}
         late = together(comm, failed, lambda: commit(files) if comm.rank == 0 else None, "rank 0 could not commit: ",
                         path=target, storage=True)
         committed = True
@@ -183,10 +194,16 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
                f"checkpoint {target} IS committed (complete and loadable), but then updating '{io.LATEST}' or "
                f"pruning failed; '{io.LATEST}' may still name an earlier checkpoint (loads take the newest "
                "committed one regardless)", target, storage=True, committed=True)
+    except (CheckpointError, ValueError):  # agreed: every rank is here
+        if not committed:
+            if temp is not None:
+                shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
+            comm.barrier()  # so that no rank sees the error while the temporary files still exist
+        raise
     finally:
         if temp is not None:
             if not committed:
-                shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
+                shutil.rmtree(path, ignore_errors=True)  # also after a failed collective (a rank died)
             temp.release()
     return target
 
@@ -204,23 +221,25 @@ def _check_written(temp: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
 
 
 def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, ParamShard],
-                tensors: Mapping[str, torch.Tensor], signed: bool = False) -> dict[str, dict[str, Any]]:
+                tensors: Mapping[str, torch.Tensor], signed: bool = False
+                ) -> tuple[dict[str, dict[str, Any]], list[Any]]:
     """Write this rank's share of the plan as one DCP directory; return its files' sizes and checksums (and
-    SHA-256s when ``signed``)."""
+    SHA-256s when ``signed``), and the manifest's ``packs`` entry of this rank (``pack.py``)."""
     chunks = [Chunk(optim_key(name, key), t, start, torch.Size(shards[name].shape).numel())
               for name, start, _ in plan.writes[rank] for key, t in shards[name].tensors.items()]
     for key in plan.model_writes[rank]:
         t = tensors[key].detach().reshape(-1)
         chunks.append(Chunk(model_key(key), t, 0, t.numel()))
     if not any(c.tensor.numel() for c in chunks):
-        return {}
+        return {}, []
+    chunks, segments = pack_chunks(chunks)
     directory = temp / rank_dir_name(rank)
     write_chunks(directory, chunks)
     io.fsync_tree(directory)
     files = {f"{directory.name}/{path.name}": io.file_checksum(path) | ({"sha256": file_sha256(path)} if signed else {})
              for path in sorted(directory.iterdir())}
     _check_named_files(directory, files)
-    return files
+    return files, segments
 
 
 def _check_named_files(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> None:

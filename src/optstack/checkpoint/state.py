@@ -66,9 +66,11 @@ def restore_group_settings(shards: Mapping[str, ParamShard], settings: Mapping[s
                     live[key] = value  # type: ignore[index]
 
 
-def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
-    """The data-free table of ``shards``, after checking each is well formed."""
+def describe(shards: Mapping[str, ParamShard], fingerprints: bool = True) -> dict[str, HeldParam]:
+    """The data-free table of ``shards``, after checking each is well formed (``fingerprints``: only a save's
+    plan compares them)."""
     out = {}
+    groups: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any]]] = {}  # one identity, settings per group
     for name, s in shards.items():
         numel = math.prod(s.shape)
         if not 0 <= s.start <= s.end <= numel or "param" not in s.tensors:
@@ -78,10 +80,13 @@ def describe(shards: Mapping[str, ParamShard]) -> dict[str, HeldParam]:
             if t.dim() != 1 or t.numel() != s.end - s.start:
                 raise ValueError(f"state {key!r} of {name!r} has shape {tuple(t.shape)}; expected 1-D with "
                                  f"{s.end - s.start} elements")
+        key = (id(s.group), s.algorithm)
+        if key not in groups:
+            groups[key] = identity_of(s), settings_of(s.group)
         out[name] = HeldParam(
             name, tuple(s.shape), s.start, s.end, {k: dtype_name(t.dtype) for k, t in s.tensors.items()},
             {k: encode_scalar(f"state {k!r} of {name!r}", v) for k, v in s.scalars.items()},
-            identity_of(s), settings_of(s.group), _fingerprint(s.tensors["param"]))
+            *groups[key], _fingerprint(s.tensors["param"]) if fingerprints else "")
     return out
 
 
@@ -130,6 +135,7 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
         writes[writer].append((name, start, end))
         chunks[name].append([writer, start, end])
     groups: dict[str, dict[str, Any]] = {}  # by identity and settings, in order of first use
+    index: dict[str, int] = {}
     params: dict[str, dict[str, Any]] = {}
     for name, held in first.items():
         ranges, numel = sorted((s, e) for _, s, e in chunks[name]), math.prod(held.shape)
@@ -138,9 +144,11 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
             raise ValueError(f"the ranks' ranges of {name!r} ({ranges}) do not tile its {numel} elements "
                              "exactly once")
         key = json.dumps([held.identity, held.settings], sort_keys=True)
-        groups.setdefault(key, {"identity": held.identity, "settings": held.settings})
+        if key not in index:
+            index[key] = len(groups)
+            groups[key] = {"identity": held.identity, "settings": held.settings}
         params[name] = {"shape": list(held.shape), "dtypes": held.dtypes, "scalars": held.scalars,
-                        "group": list(groups).index(key), "chunks": sorted(chunks[name], key=lambda c: c[1])}
+                        "group": index[key], "chunks": sorted(chunks[name], key=lambda c: c[1])}
     model, model_writes = None, [[] for _ in tables]  # model tensors are replicated: one writer each
     if model_tables is not None:
         ref = dict(model_tables[0])
