@@ -17,6 +17,7 @@ bucket at launch.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
@@ -292,10 +293,10 @@ class DataParallel(nn.Module):
             if slot.name in names:
                 raise ValueError(f"parameter {slot.name!r} appears twice in param_groups")
             names.add(slot.name)
-            for part in buffer.layout.owned_slices(slot.bucket, comm.rank):
-                if part.name == slot.name:
-                    at = slice(part.buffer_start, part.buffer_start + part.numel)
-                    slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
+            part = buffer.layout.owned_slice(slot.name, comm.rank)  # per parameter: linear in the bucket's size
+            if part is not None:
+                at = slice(part.buffer_start, part.buffer_start + part.numel)
+                slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather)
         if overlap_param_gather:
@@ -331,11 +332,18 @@ class DataParallel(nn.Module):
 
 def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
     """A forward pre-hook per submodule waiting for just its buckets (the first layer starts while others travel)."""
-    spans = [(g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g) for g in gather.gathers]
+    # Sorted spans and a binary search per parameter: linear in parameters, whatever the number of buckets.
+    spans = sorted(((g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g)
+                    for g in gather.gathers), key=lambda span: span[0])
+    starts = [lo for lo, _, _ in spans]
+
+    def gather_of(param: torch.Tensor) -> Any:
+        i = bisect.bisect_right(starts, param.data_ptr()) - 1
+        return spans[i][2] if i >= 0 and param.data_ptr() < spans[i][1] else None
+
     hooks = []
     for sub in module.modules():
-        needed = list(dict.fromkeys(g for p in sub.parameters(recurse=False) for lo, hi, g in spans
-                                    if lo <= p.data_ptr() < hi))
+        needed = [g for g in dict.fromkeys(gather_of(p) for p in sub.parameters(recurse=False)) if g is not None]
         if needed:
             hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
     return hooks
@@ -357,7 +365,8 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
     if comm.size == 1:
         return
-    everyone = comm.all_gather_object([(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named])
+    dtype_names = {dtype: str(dtype).removeprefix("torch.") for dtype in {p.dtype for _, p in named}}
+    everyone = comm.all_gather_object([(n, tuple(p.shape), dtype_names[p.dtype]) for n, p in named])
     ref = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == ref:
