@@ -6,7 +6,7 @@ names -> rules -> deterministic groups -> one stage per (algorithm, dense/expert
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -159,13 +159,26 @@ def build_optimizer(
     return BuiltOptimizer(optimizer=optimizer, scheduler=scheduler, param_groups=groups)
 
 
-def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
+def _check_dtypes(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
+    """The parameters' dtypes agree with ``config.precision``: no half-precision parameter under fp32 or of the
+    other half type, and under bf16/fp16 at least one parameter of that dtype (an fp32 model built with a bf16
+    config would train in fp32 with no word; fp32 parameters beside bf16 ones are stepped directly, as in
+    Megatron)."""
+    halves = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     for name, p in named:
-        if config.precision == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
+        if p.dtype in halves and halves[p.dtype] != config.precision:
             raise ValueError(
-                f"parameter {name!r} is {p.dtype} but config.precision is 'fp32'; set precision="
-                f"'{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}' to train it with fp32 master weights"
+                f"parameter {name!r} is {p.dtype} but config.precision is {config.precision!r}; set precision="
+                f"'{halves[p.dtype]}' to train it with fp32 master weights"
             )
+    if config.precision != "fp32" and not any(p.dtype in halves for _, p in named):
+        name, p = named[0]
+        dtype = "torch.bfloat16" if config.precision == "bf16" else "torch.float16"
+        raise ValueError(
+            f"config.precision is {config.precision!r} but every parameter is {p.dtype} (e.g. {name!r}): the model "
+            f"would train in {p.dtype} with no master weights. Convert the model first (model.to({dtype})), or "
+            "set precision='fp32'"
+        )
 
 
 def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:
