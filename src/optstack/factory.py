@@ -17,7 +17,7 @@ from torch import nn
 from optstack.algorithms import get_algorithm
 from optstack.config import OptimizerConfig, check_combination, dtype_from_name
 from optstack.distributed.comm import is_initialized, world_comm
-from optstack.distributed.ddp import DataParallel
+from optstack.distributed.ddp import DataParallel, check_launched_world
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
@@ -62,6 +62,7 @@ def wrap_data_parallel(
     world as data-parallel (a single process without torch.distributed works too)."""
     d = config.distributed
     if groups is None:
+        check_launched_world("wrap_data_parallel")
         groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
     return DataParallel(
         model,
@@ -124,6 +125,7 @@ def build_optimizer(
     names: replicated, ZeRO-1 (``zero1``) or layer-wise (``layerwise``, for Muon's matrices).
     """
     check_combination(config)
+    check_launched_world("build_optimizer")
     if rules is not None and resolved is not None:
         raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
     source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
