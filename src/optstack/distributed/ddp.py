@@ -17,10 +17,13 @@ bucket at launch.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import functools
 import os
+import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -134,6 +137,7 @@ class DataParallel(nn.Module):
         # right after an overlapped step each rank holds only its own updated ranges.
         self._hooks.append(module.register_state_dict_pre_hook(self._finish_param_sync_hook))
         self._grads_exposed = False  # p.grad are views of the reduced buffers (finish_grad_sync)
+        _LIVE.add(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
@@ -284,6 +288,21 @@ class DataParallel(nn.Module):
         for gather in self._param_gathers:
             gather.wait()
 
+    def quiesce(self, timeout_s: float = 5.0) -> None:
+        """Let the collectives this wrapper and its stages' gathers still have in flight complete (up to
+        ``timeout_s``: a peer may be gone or hung) and drop them, results unused: at process exit."""
+        handles = [h for h in self._handles if h is not None]
+        handles += [h for gather in self._param_gathers for bucket in gather.gathers for h in bucket.handles]
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(Exception):
+            while not all(h.is_completed() for h in handles) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self._handles = [None] * len(self._order)
+        for gather in self._param_gathers:
+            for bucket in gather.gathers:
+                bucket.handles, bucket.packets = [], []
+            gather.pending = False
+
     def _finish_param_sync_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self.finish_param_sync()
 
@@ -392,6 +411,19 @@ class DataParallel(nn.Module):
             raise RuntimeError(
                 "the wrapped module's parameters changed after DataParallel was built: "
                 f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model")
+
+
+# Every live wrapper, so that collectives still in flight at exit (an overlapped gather after the last step, a
+# reduction launched by a backward that no step finished) are waited for while the interpreter is whole: a gloo
+# worker thread still holding their tensors during finalisation can abort the process (SIGABRT, "terminate
+# called without an active exception").
+_LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
+
+
+@atexit.register
+def _quiesce_at_exit() -> None:
+    for ddp in list(_LIVE):
+        ddp.quiesce()
 
 
 def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
