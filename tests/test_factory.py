@@ -146,6 +146,16 @@ def test_settings_resolved_elsewhere_are_taken_as_they_are():
         build_optimizer(OptimizerConfig(), m, resolved={k: v for k, v in resolved.items() if k != "2.bias"})
 
 
+def test_precision_must_match_the_model_naming_a_parameter():
+    with pytest.raises(ValueError, match=r"'bf16' but every parameter is torch.float32 \(e.g. '0.weight'\)"):
+        build_optimizer(OptimizerConfig(precision="bf16"), _model())
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is torch.bfloat16 but config.precision is 'fp16'"):
+        build_optimizer(OptimizerConfig(precision="fp16"), _model(torch.bfloat16))
+    mixed = _model(torch.bfloat16)
+    mixed[1].float()  # fp32 norms beside bf16 matrices: stepped directly, as in Megatron
+    build_optimizer(OptimizerConfig(precision="bf16"), mixed)
+
+
 def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="known"):
         build_optimizer(OptimizerConfig(algorithm="adamz"), _model())

@@ -463,3 +463,24 @@ def test_property_conflicts_always_detected(param_specs, rules):
     else:
         out = resolve(params, rules)
         assert set(out) == {n for n, p in params if p.requires_grad}
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 3)
+        self.mid = nn.Linear(3, 3)
+        self.lm_head = nn.Linear(3, 4, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied: named_parameters keeps 'embed.weight' only
+
+
+def test_a_rule_naming_a_tied_alias_applies_to_the_shared_parameter():
+    model = _Tied()
+    resolved = resolve(model, [Rule(Name("lm_head.weight"), lr_mult=0.5)], strict=True)
+    assert dict(resolved["embed.weight"].settings) == {"lr_mult": 0.5}
+    assert "lm_head.weight" not in resolved and dict(resolved["mid.weight"].settings) == {}
+    with pytest.raises(ValueError, match=r"conflicting rules for parameter 'embed.weight'.*lm_head.weight"):
+        resolve(model, [Rule(Name("lm_head.weight"), lr_mult=0.5), Rule(Name("embed.weight"), lr_mult=2.0)])
+    chunks = resolve([model, _Tied()], [Rule(Name("chunk1.lm_head.weight"), lr_mult=0.5)], strict=True)
+    assert dict(chunks["chunk1.embed.weight"].settings) == {"lr_mult": 0.5}
+    assert dict(chunks["chunk0.embed.weight"].settings) == {}

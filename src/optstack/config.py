@@ -82,6 +82,19 @@ def _one_of(*allowed: Any) -> Check:
     return check
 
 
+# p-norms above this underflow in fp32: sum(|g|**p) of gradients ~1e-3 is 0 for p >= 13 (so p=1000 "clips" with a
+# norm of 0.0); 1, 2 and inf are the usual ones, 3 and 4 still sound for any gradient a model trains with.
+_MAX_FINITE_NORM_TYPE = 4.0
+
+
+def _norm_type(name: str, value: Any) -> None:
+    check_norm_type(value)  # a number >= 1 or inf
+    if value != math.inf and value > _MAX_FINITE_NORM_TYPE:
+        raise ValueError(f"{name} must be in [1, {_MAX_FINITE_NORM_TYPE:g}] or float('inf'), got {value!r}: "
+                         f"sum(|g|**p) underflows in fp32 for large p, making the norm 0.0 and clipping nothing "
+                         "(use 2.0 for L2, float('inf') for the largest element)")
+
+
 def _precision(name: str, value: Any) -> None:
     dtype_from_name(value, name)
 
@@ -328,7 +341,7 @@ class OptimizerConfig:
         _validate("", self, algorithm=_registry_name, lr=_NON_NEGATIVE, min_lr=_NON_NEGATIVE,
                   weight_decay=_NON_NEGATIVE, decoupled_lr=_or_none(_NON_NEGATIVE),
                   decoupled_min_lr=_or_none(_NON_NEGATIVE), mup_width_mult=_POSITIVE, precision=_precision,
-                  clip_grad=_NON_NEGATIVE, norm_type=lambda _, value: check_norm_type(value),
+                  clip_grad=_NON_NEGATIVE, norm_type=_norm_type,
                   grad_norm_skip_threshold=_or_none(_POSITIVE), apply_wd_to_qk_layernorm=_flag,
                   log_num_zeros_in_grad=_flag)
         if self.min_lr > self.lr:

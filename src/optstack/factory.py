@@ -17,7 +17,7 @@ from torch import nn
 from optstack.algorithms import get_algorithm
 from optstack.config import OptimizerConfig, check_combination, dtype_from_name
 from optstack.distributed.comm import Comm, NullComm, is_initialized, world_comm
-from optstack.distributed.ddp import DataParallel
+from optstack.distributed.ddp import DataParallel, check_launched_world
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
@@ -65,6 +65,7 @@ def wrap_data_parallel(
     d = config.distributed
     _refuse_dtensor(named_parameters(model), "wrap_data_parallel")
     if groups is None:
+        check_launched_world("wrap_data_parallel")
         groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
     return DataParallel(
         model,
@@ -132,6 +133,7 @@ def build_optimizer(
     optimizers). Building is collective over the world.
     """
     check_combination(config)
+    check_launched_world("build_optimizer")
     if rules is not None and resolved is not None:
         raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
     source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
@@ -170,13 +172,26 @@ def build_optimizer(
     return BuiltOptimizer(optimizer=optimizer, scheduler=scheduler, param_groups=groups)
 
 
-def _check_dtypes(named: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
+def _check_dtypes(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
+    """The parameters' dtypes agree with ``config.precision``: no half-precision parameter under fp32 or of the
+    other half type, and under bf16/fp16 at least one parameter of that dtype (an fp32 model built with a bf16
+    config would train in fp32 with no word; fp32 parameters beside bf16 ones are stepped directly, as in
+    Megatron)."""
+    halves = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     for name, p in named:
-        if config.precision == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
+        if p.dtype in halves and halves[p.dtype] != config.precision:
             raise ValueError(
-                f"parameter {name!r} is {p.dtype} but config.precision is 'fp32'; set precision="
-                f"'{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}' to train it with fp32 master weights"
+                f"parameter {name!r} is {p.dtype} but config.precision is {config.precision!r}; set precision="
+                f"'{halves[p.dtype]}' to train it with fp32 master weights"
             )
+    if config.precision != "fp32" and not any(p.dtype in halves for _, p in named):
+        name, p = named[0]
+        dtype = "torch.bfloat16" if config.precision == "bf16" else "torch.float16"
+        raise ValueError(
+            f"config.precision is {config.precision!r} but every parameter is {p.dtype} (e.g. {name!r}): the model "
+            f"would train in {p.dtype} with no master weights. Convert the model first (model.to({dtype})), or "
+            "set precision='fp32'"
+        )
 
 
 def _shard_grads(config: OptimizerConfig) -> bool:

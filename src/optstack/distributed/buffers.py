@@ -136,14 +136,16 @@ class BufferLayout:
 
     def owned_slices(self, bucket: int, rank: int) -> tuple[OwnedSlice, ...]:
         """Per parameter of ``bucket`` that intersects ``rank``'s owned range, its part of it (buffer order)."""
-        b = self.buckets[bucket]
-        lo, hi = (b.offset + x for x in self.owned_range(bucket, rank))
-        out = []
-        for p in (self._by_name[name] for name in b.param_names):
-            start, end = max(p.offset, lo), min(p.end, hi)
-            if start < end:
-                out.append(OwnedSlice(p.name, start - p.offset, end - p.offset, start, start - lo))
-        return tuple(out)
+        parts = (self.owned_slice(name, rank) for name in self.buckets[bucket].param_names)
+        return tuple(part for part in parts if part is not None)
+
+    def owned_slice(self, name: str, rank: int) -> OwnedSlice | None:
+        """The part of parameter ``name`` inside ``rank``'s owned range of its bucket, or None (no overlap).
+        Constant time, so a caller walking every parameter stays linear in the bucket's size."""
+        p = self.slot(name)
+        lo, hi = (self.buckets[p.bucket].offset + x for x in self.owned_range(p.bucket, rank))
+        start, end = max(p.offset, lo), min(p.end, hi)
+        return OwnedSlice(p.name, start - p.offset, end - p.offset, start, start - lo) if start < end else None
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,13 @@ bucket at launch.
 
 from __future__ import annotations
 
+import atexit
+import bisect
 import contextlib
 import functools
+import os
+import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -26,14 +31,34 @@ import torch
 from torch import nn
 
 from optstack.distributed.buffers import Bucket, ParamAndGradBuffer, build_buffers
-from optstack.distributed.comm import Comm, Handle, NullComm
+from optstack.distributed.comm import Comm, Handle, NullComm, is_initialized
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather_via, plan_bucket_gathers
 
-__all__ = ["DataParallel", "is_expert_param"]
+__all__ = ["DataParallel", "check_launched_world", "is_expert_param"]
 
 # gloo (loopback, 2 ranks): a reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py).
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
+
+
+def check_launched_world(what: str) -> None:
+    """Refuse to start one of several launched processes as an independent run.
+
+    A launcher (torchrun, a Slurm script) that started ``WORLD_SIZE`` > 1 processes, each building an optimizer
+    or a wrapper without ``init_process_group``, gives that many independent runs that each train alone and race
+    on one checkpoint directory, with no word. This raises rather than warns: a warning scrolls past in N
+    interleaved logs, and nothing would stop the runs overwriting each other's checkpoints.
+
+    Raises:
+        RuntimeError: ``WORLD_SIZE`` > 1 in the environment and torch.distributed not initialised.
+    """
+    size = os.environ.get("WORLD_SIZE", "").strip()
+    if size.isdigit() and int(size) > 1 and not is_initialized():
+        raise RuntimeError(
+            f"{what}: WORLD_SIZE={size} in the environment (a launcher such as torchrun started {size} processes) "
+            "but torch.distributed is not initialised, so each process would train and save alone, racing on "
+            "the same checkpoints. Call torch.distributed.init_process_group() first (before wrapping the model "
+            "and building the optimizer), or unset WORLD_SIZE to run one independent process")
 
 
 def is_expert_param(param: nn.Parameter) -> bool:
@@ -74,6 +99,8 @@ class DataParallel(nn.Module):
         if sharded_reduction not in ("auto", "reduce_scatter", "all_reduce"):
             raise ValueError(f"sharded_reduction must be 'auto', 'reduce_scatter' or 'all_reduce', "
                              f"got {sharded_reduction!r}")
+        if groups is None:
+            check_launched_world("DataParallel")
         self.module = module
         self.groups = groups if groups is not None else ParallelGroups.from_world()
         self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
@@ -105,15 +132,28 @@ class DataParallel(nn.Module):
         self._reset_sync_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
         self._gather_hooks: list[Any] = []  # forward pre-hooks waiting for overlapped parameter gathers
+        self._param_gathers: list[ParamGather] = []  # every stage's, so reading the model can finish them
+        # The module's state_dict (read directly, or through this wrapper) waits for overlapped parameter gathers:
+        # right after an overlapped step each rank holds only its own updated ranges.
+        self._hooks.append(module.register_state_dict_pre_hook(self._finish_param_sync_hook))
+        self._grads_exposed = False  # p.grad are views of the reduced buffers (finish_grad_sync)
+        _LIVE.add(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
+        if self._grads_exposed:  # backward must not accumulate into last step's reduced gradients in place
+            self._hide_grads()
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         pos, buf = self._slot_of_param[id(param)]
         if param.grad is None:
             return
+        if param.grad.numel() and param.grad.data_ptr() == self._grad_views[id(param)].data_ptr():
+            raise RuntimeError(f"parameter {buf.name_of(param)!r}: backward accumulated into the last step's reduced "
+                               "gradient (p.grad, a view of the gradient buffer after finish_grad_sync); call "
+                               "optimizer.zero_grad() (or ddp.zero_grad_buffer()) before the next backward, or run "
+                               "the forward through the DataParallel wrapper")
         # Checked before accumulating: the bucket may be in flight, and adding to it would race.
         if self._handles[pos] is not None or (self._sync_enabled and id(param) in self._ready):
             raise RuntimeError(f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
@@ -217,10 +257,54 @@ class DataParallel(nn.Module):
         nonfinite = self._nonfinite
         self._reset_sync_state()
         self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
+        self._expose_grads()
         if nonfinite:
             raise RuntimeError(f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before "
                                f"the reduction, in {nonfinite} (check_for_nan=True); check the loss and inputs on "
                                "this rank")
+
+    def _expose_grads(self) -> None:
+        """Make each ``p.grad`` its reduced gradient (a view of the buffer, no copy, as torch DDP's
+        ``gradient_as_bucket_view``), so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` and other
+        readers of ``.grad`` see the gradient the optimizer steps. Left None where the buffer does not hold the
+        whole reduced gradient in the parameter's dtype: a reduce-scatter (ZeRO-1 off gloo) reduces only this
+        rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
+        optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
+        for buf in self.param_and_grad_buffers:
+            whole = not (self.shard_grads and self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter")
+            if whole and buf.key.grad_dtype == buf.key.param_dtype:
+                for p in buf.params:
+                    p.grad = self._grad_views[id(p)]
+                self._grads_exposed = True
+
+    def _hide_grads(self) -> None:
+        for _, p in self._named:
+            p.grad = None
+        self._grads_exposed = False
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter gathers still in flight after an overlapped ZeRO-1 step, so every rank holds
+        every updated parameter (a no-op when none is in flight). ``state_dict()`` calls it."""
+        for gather in self._param_gathers:
+            gather.wait()
+
+    def quiesce(self, timeout_s: float = 5.0) -> None:
+        """Let the collectives this wrapper and its stages' gathers still have in flight complete (up to
+        ``timeout_s``: a peer may be gone or hung) and drop them, results unused: at process exit."""
+        handles = [h for h in self._handles if h is not None]
+        handles += [h for gather in self._param_gathers for bucket in gather.gathers for h in bucket.handles]
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(Exception):
+            while not all(h.is_completed() for h in handles) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self._handles = [None] * len(self._order)
+        for gather in self._param_gathers:
+            for bucket in gather.gathers:
+                bucket.handles, bucket.packets = [], []
+            gather.pending = False
+
+    def _finish_param_sync_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.finish_param_sync()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -235,8 +319,7 @@ class DataParallel(nn.Module):
         """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written)."""
         self._wait_all()
         self._stale, self._written, self._cleared = True, set(), True
-        for _, p in self._named:
-            p.grad = None
+        self._hide_grads()
         self._reset_sync_state()
 
     @property
@@ -292,12 +375,13 @@ class DataParallel(nn.Module):
             if slot.name in names:
                 raise ValueError(f"parameter {slot.name!r} appears twice in param_groups")
             names.add(slot.name)
-            for part in buffer.layout.owned_slices(slot.bucket, comm.rank):
-                if part.name == slot.name:
-                    at = slice(part.buffer_start, part.buffer_start + part.numel)
-                    slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
+            part = buffer.layout.owned_slice(slot.name, comm.rank)  # per parameter: linear in the bucket's size
+            if part is not None:
+                at = slice(part.buffer_start, part.buffer_start + part.numel)
+                slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather)
+        self._param_gathers.append(gather)
         if overlap_param_gather:
             gather.attach = lambda: self._gather_hooks.extend(_register_wait_hooks(self.module, gather))
         g = self.groups
@@ -329,13 +413,33 @@ class DataParallel(nn.Module):
                 f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model")
 
 
+# Every live wrapper, so that collectives still in flight at exit (an overlapped gather after the last step, a
+# reduction launched by a backward that no step finished) are waited for while the interpreter is whole: a gloo
+# worker thread still holding their tensors during finalisation can abort the process (SIGABRT, "terminate
+# called without an active exception").
+_LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
+
+
+@atexit.register
+def _quiesce_at_exit() -> None:
+    for ddp in list(_LIVE):
+        ddp.quiesce()
+
+
 def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
     """A forward pre-hook per submodule waiting for just its buckets (the first layer starts while others travel)."""
-    spans = [(g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g) for g in gather.gathers]
+    # Sorted spans and a binary search per parameter: linear in parameters, whatever the number of buckets.
+    spans = sorted(((g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g)
+                    for g in gather.gathers), key=lambda span: span[0])
+    starts = [lo for lo, _, _ in spans]
+
+    def gather_of(param: torch.Tensor) -> Any:
+        i = bisect.bisect_right(starts, param.data_ptr()) - 1
+        return spans[i][2] if i >= 0 and param.data_ptr() < spans[i][1] else None
+
     hooks = []
     for sub in module.modules():
-        needed = list(dict.fromkeys(g for p in sub.parameters(recurse=False) for lo, hi, g in spans
-                                    if lo <= p.data_ptr() < hi))
+        needed = [g for g in dict.fromkeys(gather_of(p) for p in sub.parameters(recurse=False)) if g is not None]
         if needed:
             hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
     return hooks
@@ -357,7 +461,8 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
     if comm.size == 1:
         return
-    everyone = comm.all_gather_object([(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named])
+    dtype_names = {dtype: str(dtype).removeprefix("torch.") for dtype in {p.dtype for _, p in named}}
+    everyone = comm.all_gather_object([(n, tuple(p.shape), dtype_names[p.dtype]) for n, p in named])
     ref = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == ref:

@@ -30,12 +30,18 @@ nothing.
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import dataclasses
+import functools
 import math
 import re
+import types
+import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -198,8 +204,59 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
 )
 
 
+# Float fields where inf has a meaning (Megatron's "never skip"); every other float field must be finite.
+_INF_ALLOWED = frozenset({"grad_norm_skip_threshold"})
+
+
+@functools.cache
+def _field_types(cls: type) -> tuple[tuple[str, Any], ...]:
+    return tuple((f.name, typing.get_type_hints(cls)[f.name]) for f in dataclasses.fields(cls))
+
+
+def _type_ok(value: Any, hint: Any, *, inf_allowed: bool) -> bool:
+    """Whether ``value`` is of the annotated type ``hint``: a bool only for bool (bool("false") is True), an int
+    (never a bool) for int, a finite int or float for float (inf where ``inf_allowed``), a str, a torch.dtype, a
+    callable; a union takes any of its members."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg, inf_allowed=inf_allowed) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+                and (inf_allowed or math.isfinite(value)))
+    if hint in (str, torch.dtype):
+        return isinstance(value, hint)
+    if hint is Callable or typing.get_origin(hint) is collections.abc.Callable:
+        return callable(value)
+    return True  # a type this check does not know: left to the field's own check
+
+
+def _type_name(hint: Any, *, inf_allowed: bool) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg, inf_allowed=inf_allowed) for arg in typing.get_args(hint))
+    names = {type(None): "None", bool: "a bool (True or False)", int: "an int", str: "a str",
+             float: "a number" if inf_allowed else "a finite number", torch.dtype: "a torch.dtype"}
+    return names.get(hint, "a callable")
+
+
+def check_types(config: OptimizerConfig) -> None:
+    """Raise a ``ValueError`` naming the first field whose value is not of its annotated type (e.g. ``bf16="false"``,
+    ``initial_loss_scale=None``, ``loss_scale_window=float("inf")``, ``muon_num_ns_steps=True``)."""
+    for name, hint in _field_types(type(config)):
+        value, inf_allowed = getattr(config, name), name in _INF_ALLOWED
+        if not _type_ok(value, hint, inf_allowed=inf_allowed):
+            raise ValueError(f"OptimizerConfig.{name} must be {_type_name(hint, inf_allowed=inf_allowed)}, got "
+                             f"{type(value).__name__} {value!r:.80}")
+
+
 def check_supported(config: OptimizerConfig) -> None:
-    """Raise a ``ValueError`` naming the first field set to a value optstack does not support."""
+    """Raise a ``ValueError`` naming the first field set to a value optstack does not support (or of the wrong
+    type: ``check_types``)."""
+    check_types(config)
     for field, allowed, fix in _FIXED_FIELDS:
         value = getattr(config, field)
         if value != allowed:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from optstack.names import NamedParams, named_parameters
+from optstack.names import NamedParams, look_through, named_parameters
 from optstack.rules.matchers import Matcher, uses_name
 
 __all__ = [
@@ -188,13 +188,16 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
     for r in rules:
         if not isinstance(r, Rule):
             raise ValueError(f"rules must be Rule objects, got {r!r}; e.g. Rule(Name('*.bias'), wd_mult=0.0)")
+    source = named_params if isinstance(named_params, torch.nn.Module) else list(named_params)  # read once
+    named = named_parameters(source)
+    aliases = tied_aliases(source, named)
     unused = dict.fromkeys(range(len(rules)))
     out: dict[str, Resolved] = {}
-    for name, param in named_parameters(named_params):
+    for name, param in named:
         settings: dict[str, Any] = {}
         sources: dict[str, list[Rule]] = {}
         for i, rule in enumerate(rules):
-            if not rule.matcher(param, name):
+            if not any(rule.matcher(param, n) for n in (name, *aliases.get(name, ()))):
                 continue
             unused.pop(i, None)
             for key, value in rule._items:
@@ -219,6 +222,27 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
             "globs/attributes against the model's named_parameters(), or drop the rule, or pass strict=False"
         )
     return out
+
+
+def tied_aliases(source: NamedParams, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, ...]]:
+    """A tied parameter's other names (``lm_head.weight`` for an embedding it shares), keyed by the name
+    ``named_parameters`` keeps (the first): a rule naming any of them applies to the one shared tensor. Only
+    modules and model chunks have aliases; names follow ``named_parameters`` (``_orig_mod`` dropped, ``chunk{i}.``
+    when it prefixes)."""
+    chunks = [source] if isinstance(source, torch.nn.Module) else list(source)  # type: ignore[arg-type]
+    if not chunks or not all(isinstance(m, torch.nn.Module) for m in chunks):
+        return {}
+    kept = {id(p): n for n, p in named}
+    prefixed = len(chunks) > 1 and all(n.startswith("chunk") for n in kept.values())
+    out: dict[str, list[str]] = {}
+    for i, chunk in enumerate(chunks):
+        for n, p in look_through(chunk).named_parameters(remove_duplicate=False):
+            alias = ".".join(part for part in n.split(".") if part != "_orig_mod")
+            alias = f"chunk{i}.{alias}" if prefixed else alias
+            first = kept.get(id(p))
+            if first is not None and alias != first and alias not in out.get(first, ()):
+                out.setdefault(first, []).append(alias)
+    return {n: tuple(a) for n, a in out.items()}
 
 
 @dataclass(frozen=True)
