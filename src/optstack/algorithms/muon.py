@@ -251,8 +251,7 @@ def _chunks(matrices: list[tuple[int, Tensor]], limit: int) -> list[list[tuple[i
     chunks: list[list[tuple[int, Tensor]]] = [[]]
     room = limit
     for i, m in matrices:
-        parts = [m] if m.ndim == 2 else list(m.split(limit)) if m.size(0) > limit else [m]
-        for part in parts:
+        for part in m.split(limit) if m.ndim == 3 else [m]:
             count = 1 if part.ndim == 2 else part.size(0)
             if count > room:
                 chunks.append([])

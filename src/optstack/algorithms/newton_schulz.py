@@ -101,9 +101,8 @@ def has_native_bf16_matmul(device: torch.device) -> bool:
 
 @functools.cache
 def _native_bf16(device_type: str, index: int | None) -> bool:
-    if device_type == "cuda":
-        with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
-            return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device_type == "cuda":  # bf16 tensor cores from compute capability 8.0 (Ampere) on
+        return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())[0] >= 8
     if device_type == "cpu":
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up defensively
         return any(bool(getattr(torch.cpu, probe, lambda: False)()) for probe in probes)
