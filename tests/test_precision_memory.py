@@ -265,3 +265,22 @@ def test_megatron_precision_aware_fields_translate() -> None:
         MegatronConfig(**base, main_params_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"main_params_dtype"):
         MegatronConfig(**base, use_precision_aware_optimizer=True, main_params_dtype=torch.int8)
+
+
+def test_offloaded_elements_keep_their_masters_in_host_memory() -> None:
+    model = _model()
+    built = _build(model, offload=OffloadConfig(enabled=True, fraction=0.8))  # the first weight: 288 of 437
+    reference_model = _model()
+    reference = _build(reference_model)
+    assert _train(model, built, range(3)) == _train(reference_model, reference, range(3))
+    stage = _stage(built)
+    hybrid = stage.optimizer
+    offloaded = {id(t) for t in hybrid.offloaded}
+    masters = stage.master_params
+    assert 0 < len(offloaded) < len(masters)
+    # the offloaded masters are an allocation of their own in host memory: the device flats hold only the rest
+    host = {m.untyped_storage().data_ptr() for m in masters if id(m) in offloaded}
+    device = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for m in masters if id(m) not in offloaded}
+    assert len(host) == 1 and host.isdisjoint(device)
+    assert all(m.device.type == "cpu" for m in masters if id(m) in offloaded)
+    assert sum(device.values()) == sum(m.numel() * 4 for m in masters if id(m) not in offloaded)
