@@ -16,6 +16,9 @@ Megatron's distributed-optimizer table (``d`` = data-parallel size), per rank (r
 - ``+ bf16 moments``: ``adam.exp_avg_dtype = exp_avg_sq_dtype = 'bf16'``                6 + 6/d
 - ``+ bf16 grads``: bf16 gradient buffers read as they are (``masters.grad_dtype``)     4 + 6/d
 
+The last column is the median ``optimizer.step()`` time of a few more steps on rank 0 and its ratio to the
+row above it: the step-time cost of each option (CPU, noisy on shared cores: read the ratios).
+
 Not counted (printed apart): AdamW's reused fp32 staging scratch for low-precision tensors (a fixed
 4 x 2^20 x 4 B = 16 MiB per device, whatever the model size), and the remainders' fp32 workspace, which exists
 only during a step (freed between steps; measured here as 0).
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,7 +63,7 @@ def _config(row: dict):
         adam=AdamConfig(exp_avg_dtype=row.get("moments", "fp32"), exp_avg_sq_dtype=row.get("moments", "fp32")))
 
 
-def measure(width: int, layers: int, row: dict) -> dict[str, float]:
+def measure(width: int, layers: int, row: dict, steps: int = 5) -> dict[str, float]:
     """One step of the row's stack on this rank; bytes of its live state by kind, per model parameter."""
     from optstack.factory import build_optimizer, wrap_data_parallel
 
@@ -71,6 +76,11 @@ def measure(width: int, layers: int, row: dict) -> dict[str, float]:
     x = torch.randn(4, width, dtype=next(model.parameters()).dtype)
     wrapped(x).float().square().mean().backward()
     optimizer.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
     seen: set[int] = set()
 
     def nbytes(tensors) -> int:
@@ -96,26 +106,27 @@ def measure(width: int, layers: int, row: dict) -> dict[str, float]:
     per_param = {k: v / numel for k, v in out.items()}
     per_param["total"] = sum(out.values()) / numel
     per_param["scratch_mib"] = scratch / 2**20
+    per_param["step_ms"] = 1e3 * statistics.median(times) if times else float("nan")
     return per_param
 
 
-def _rank(rank: int, size: int, store: str, width: int, layers: int, results) -> None:
+def _rank(rank: int, size: int, store: str, width: int, layers: int, steps: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, size), rank=rank, world_size=size,
                             timeout=timedelta(seconds=120))
     try:
-        rows = {name: measure(width, layers, row) for name, (row, _) in ROWS.items()}
+        rows = {name: measure(width, layers, row, steps) for name, (row, _) in ROWS.items()}
         if rank == 0:
             results.put(rows)
     finally:
         dist.destroy_process_group()
 
 
-def run(dp: int, width: int, layers: int) -> dict[str, dict[str, float]]:
+def run(dp: int, width: int, layers: int, steps: int) -> dict[str, dict[str, float]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(dp, os.path.join(tmp, "store"), width, layers, results), nprocs=dp,
+        mp.start_processes(_rank, args=(dp, os.path.join(tmp, "store"), width, layers, steps, results), nprocs=dp,
                            start_method="spawn")
     return results.get(timeout=10)
 
@@ -125,21 +136,25 @@ def main() -> int:
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
     args = parser.parse_args()
     print(f"{args.layers} x Linear({args.width}, {args.width}), ZeRO-1 AdamW; bytes per parameter on rank 0\n")
-    print("| row | dp | params | grads | masters | fp32 grad copies | moments | measured | formula | diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| row | dp | params | grads | masters | fp32 grad copies | moments | measured | formula | diff | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     scratch = set()
     for dp in args.dp:
-        for name, rows in run(dp, args.width, args.layers).items():
+        previous = None
+        for name, rows in run(dp, args.width, args.layers, args.steps).items():
             formula = ROWS[name][1](dp)
             got = rows["total"]
             diff = 100 * (got - formula) / formula
             worst = max(worst, abs(diff))
             scratch.add(rows["scratch_mib"])
             cells = " | ".join(f"{rows[k]:.3f}" for k in ("params", "grads", "masters", "grad_copies", "moments"))
-            print(f"| {name} | {dp} | {cells} | {got:.3f} | {formula:.3f} | {diff:+.2f}% |")
+            ratio = f" ({rows['step_ms'] / previous:.2f}x)" if previous else ""
+            previous = rows["step_ms"]
+            print(f"| {name} | {dp} | {cells} | {got:.3f} | {formula:.3f} | {diff:+.2f}% | {previous:.1f}{ratio} |")
     print(f"\nlargest |diff|: {worst:.2f}%; fixed AdamW staging scratch per rank (not per parameter, not counted): "
           f"{sorted(scratch)} MiB")
     return 0 if worst <= 2.0 else 1
