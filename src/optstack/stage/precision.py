@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from optstack.algorithms._common import coalesce
 from optstack.stage.placement import Piece
 
 __all__ = ["Direct", "Masters", "Precision", "Remainders", "join_remainder", "split_remainder"]
@@ -236,7 +237,7 @@ class Remainders(Precision):
         for flat in self._workspaces:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         with torch.no_grad():
-            for value, master, rem in self._splits:
+            for value, master, rem in _runs(self._splits):
                 join_remainder(value, rem, out=master)
         self._live = True
 
@@ -252,7 +253,7 @@ class Remainders(Precision):
         if not self._live:
             return
         with torch.no_grad():
-            for value, master, rem in self._splits:
+            for value, master, rem in _runs(self._splits):
                 split_remainder(master, value, rem)
         self.release()
 
@@ -264,20 +265,29 @@ class Remainders(Precision):
 def join_remainder(param: torch.Tensor, remainder: torch.Tensor, *, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """The fp32 master of a bf16 ``param`` and its int16 ``remainder`` (same shape): bits ``param << 16 +
-    remainder`` (into ``out`` when given)."""
-    bits = (param.view(torch.int16).to(torch.int32) << 16).add_(remainder.to(torch.int32))
+    remainder`` (into ``out`` when given). In place, int32 throughout (three passes, no temporaries)."""
     if out is None:
-        return bits.view(torch.float32)
-    out.view(torch.int32).copy_(bits)
+        out = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    bits = out.view(torch.int32)
+    bits.copy_(param.view(torch.int16))  # sign-extended
+    bits.bitwise_left_shift_(16).add_(remainder)
     return out
 
 
 def split_remainder(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
     """Write fp32 ``master`` as bf16 ``param`` (high half, rounded by the low half's top bit) and int16
-    ``remainder`` (low half, signed), in place; ``join_remainder`` gives ``master`` back bit for bit."""
+    ``remainder`` (low half, signed); ``join_remainder`` gives ``master`` back bit for bit. ``master`` is
+    used as scratch (its bits end as the parameter's, shifted down)."""
     bits = master.view(torch.int32)
-    remainder.copy_(bits.to(torch.int16))  # the low 16 bits (two's complement wrap)
-    param.view(torch.int16).copy_((bits - remainder.to(torch.int32)) >> 16)
+    remainder.copy_(bits)  # the low 16 bits (two's complement wrap)
+    param.view(torch.int16).copy_(bits.sub_(remainder).bitwise_right_shift_(16))
+
+
+def _runs(splits: Sequence[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """``splits`` with back-to-back entries (ZeRO-1's pieces of one bucket) merged into flat views: three
+    int32 passes per run instead of per piece."""
+    merged, _ = coalesce([[t[k] for t in splits] for k in range(3)])
+    return list(zip(*merged, strict=True))
 
 
 def _join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
