@@ -295,3 +295,22 @@ def test_offloaded_elements_keep_their_masters_in_host_memory() -> None:
     assert len(host) == 1 and host.isdisjoint(device)
     assert all(m.device.type == "cpu" for m in masters if id(m) in offloaded)
     assert sum(device.values()) == sum(m.numel() * 4 for m in masters if id(m) not in offloaded)
+
+
+def test_add_param_group_under_remainders_steps_like_masters() -> None:
+    results = []
+    for precision in (Masters(), Remainders()):
+        torch.manual_seed(0)
+        first, second = torch.randn(8, 3).bfloat16(), torch.randn(5).bfloat16()
+        stage = Stage([{"params": [first], "lr": 0.1}], lambda g: AdamW(g), precision=precision)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            if step == 1:
+                stage.add_param_group({"params": [second], "lr": 0.05})
+            for p in (first, second):
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            stage.grad_stats(2.0)
+            stage.step()
+            stage.zero_grad()
+        results.append([t.view(torch.int32) for t in stage.master_params] + [first, second])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
