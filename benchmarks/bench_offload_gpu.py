@@ -24,8 +24,9 @@ the step (host AdamW steps, from the phase hook); and the largest difference of 
 bf16 parameters from ``plain`` after the run (host and device AdamW kernels differ in the last bits: "equal"
 means every master is within rtol 1e-5 / atol 1e-7 of the reference).
 
-What offload saves on the device: the optimizer state of the offloaded share (8 bytes per element for
-AdamW); the fp32 masters and their gradients stay on the device (the precision stage owns them).
+What offload saves on the device: the optimizer state and the fp32 masters of the offloaded share (12 bytes per
+element for AdamW; the precision stage keeps those masters in pinned host memory); their gradients are copied
+to the host each step.
 """
 
 from __future__ import annotations

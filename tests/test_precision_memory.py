@@ -66,7 +66,7 @@ def test_split_and_join_are_exact_and_round_like_megatron() -> None:
     tie = torch.tensor([1.0, -3.0, 5.0]).view(torch.int32).add(0x8000).view(torch.float32)  # exact halfway
     master = torch.cat([master, tie, torch.tensor([0.0, -0.0, 3.4e38])])
     param, rem = torch.empty(master.shape, dtype=torch.bfloat16), torch.empty(master.shape, dtype=torch.int16)
-    split_remainder(master, param, rem)
+    split_remainder(master.clone(), param, rem)  # the master is its scratch
     assert torch.equal(join_remainder(param, rem).view(torch.int32), master.view(torch.int32))
     nearest = master.to(torch.bfloat16)
     differ = (param.view(torch.int16) != nearest.view(torch.int16)).nonzero().flatten().tolist()
@@ -81,8 +81,9 @@ def test_remainders_step_bit_for_bit_like_fp32_masters() -> None:
     for remainders in (False, True):
         model = _model()
         built = _build(model, masters=MastersConfig(store_remainders=remainders))
-        runs[remainders] = (_train(model, built, range(STEPS)), model, _stage(built))
-    (loss_a, model_a, a), (loss_b, model_b, b) = runs[False], runs[True]
+        runs[remainders] = (_train(model, built, range(STEPS)), model, built)
+    (loss_a, model_a, built_a), (loss_b, model_b, built_b) = runs[False], runs[True]
+    a, b = _stage(built_a), _stage(built_b)
     assert b.kind == "whole+remainders" and a.kind == "whole+masters"
     assert loss_a == loss_b
     for x, y in zip(a.master_params, b.master_params, strict=True):
@@ -93,8 +94,16 @@ def test_remainders_step_bit_for_bit_like_fp32_masters() -> None:
     numel = sum(p.numel() for p in model_b.parameters())
     assert _live_bytes(b.precision.held()) == 2 * numel
     assert _live_bytes(a.precision.held()) == 4 * numel
-    state = b.optimizer.state_dict()["state"]
-    assert all(s["exp_avg"].dtype == torch.float32 for s in state.values())
+    # torch's state dict holds whole fp32 masters ("master"), equal to the fp32-master run's; it loads into a
+    # fresh remainder stack exactly
+    saved, reference = built_b.optimizer.state_dict(), built_a.optimizer.state_dict()
+    assert all(torch.equal(saved["state"][i]["master"], reference["state"][i]["master"]) for i in reference["state"])
+    fresh_model = _model(seed=1)
+    fresh = _build(fresh_model, masters=MastersConfig(store_remainders=True))
+    fresh.optimizer.load_state_dict(saved)
+    for x, y in zip(b.master_params, _stage(fresh).master_params, strict=True):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    assert all(torch.equal(x, y) for x, y in zip(model_b.parameters(), fresh_model.parameters(), strict=True))
 
 
 def test_remainders_keep_fp32_params_whole_and_refuse_fp16() -> None:
@@ -181,11 +190,13 @@ def test_checkpoints_load_across_state_precisions(tmp_path: Path, saved: str, lo
 
 
 # -- offload_states / reload_states --------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["masters", "remainders", "fp32", "hybrid"])
+@pytest.mark.parametrize("kind", ["masters", "remainders", "fp32", "hybrid", "hybrid_remainders"])
 def test_offload_then_reload_gives_the_same_next_step(kind: str) -> None:
     settings: dict[str, Any] = {"masters": {}, "remainders": {"masters": MastersConfig(store_remainders=True)},
                                 "fp32": {"precision": "fp32"},
-                                "hybrid": {"offload": OffloadConfig(enabled=True, fraction=0.5)}}[kind]
+                                "hybrid": {"offload": OffloadConfig(enabled=True, fraction=0.5)},
+                                "hybrid_remainders": {"offload": OffloadConfig(enabled=True, fraction=0.8),
+                                                      "masters": MastersConfig(store_remainders=True)}}[kind]
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
     runs = []
     for offload in (False, True):
@@ -265,3 +276,41 @@ def test_megatron_precision_aware_fields_translate() -> None:
         MegatronConfig(**base, main_params_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"main_params_dtype"):
         MegatronConfig(**base, use_precision_aware_optimizer=True, main_params_dtype=torch.int8)
+
+
+def test_offloaded_elements_keep_their_masters_in_host_memory() -> None:
+    model = _model()
+    built = _build(model, offload=OffloadConfig(enabled=True, fraction=0.8))  # the first weight: 288 of 437
+    reference_model = _model()
+    reference = _build(reference_model)
+    assert _train(model, built, range(3)) == _train(reference_model, reference, range(3))
+    stage = _stage(built)
+    hybrid = stage.optimizer
+    offloaded = {id(t) for t in hybrid.offloaded}
+    masters = stage.master_params
+    assert 0 < len(offloaded) < len(masters)
+    # the offloaded masters are an allocation of their own in host memory: the device flats hold only the rest
+    host = {m.untyped_storage().data_ptr() for m in masters if id(m) in offloaded}
+    device = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for m in masters if id(m) not in offloaded}
+    assert len(host) == 1 and host.isdisjoint(device)
+    assert all(m.device.type == "cpu" for m in masters if id(m) in offloaded)
+    assert sum(device.values()) == sum(m.numel() * 4 for m in masters if id(m) not in offloaded)
+
+
+def test_add_param_group_under_remainders_steps_like_masters() -> None:
+    results = []
+    for precision in (Masters(), Remainders()):
+        torch.manual_seed(0)
+        first, second = torch.randn(8, 3).bfloat16(), torch.randn(5).bfloat16()
+        stage = Stage([{"params": [first], "lr": 0.1}], lambda g: AdamW(g), precision=precision)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            if step == 1:
+                stage.add_param_group({"params": [second], "lr": 0.05})
+            for p in (first, second):
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            stage.grad_stats(2.0)
+            stage.step()
+            stage.zero_grad()
+        results.append([t.view(torch.int32) for t in stage.master_params] + [first, second])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -261,7 +261,11 @@ def _stage_precision(config: OptimizerConfig, family: str) -> Precision:
     copy_grads = masters.grad_dtype == "fp32" or family != "adam"
     if masters.dtype == "bf16":
         return Direct(copy_grads=copy_grads)
-    return Remainders(copy_grads=copy_grads) if masters.store_remainders else Masters(copy_grads=copy_grads)
+    if masters.store_remainders:
+        return Remainders(copy_grads=copy_grads)
+    # the masters of what CPU offload steps on the host live there (none of them on the device)
+    offload = config.offload
+    return Masters(copy_grads=copy_grads, host_fraction=offload.fraction if offload.enabled else 0.0)
 
 
 def _build_stages(

@@ -73,6 +73,18 @@ def remainders_like_masters(sharding: str, root: str) -> dict[str, Any]:
             "masters": [m.view(torch.int32).clone() for s in optimizer.stages for m in s.master_params],
             "params": [p.detach().clone() for p in model.parameters()],
         }
+    if sharding == "zero1":  # bf16 parameters stepped directly (stochastic rounding), bf16 moments and grads
+        from dataclasses import replace
+
+        from optstack.config import AdamConfig, MastersConfig
+
+        config = replace(_config(sharding, False, "adamw"), masters=MastersConfig(
+            dtype="bf16", stochastic_rounding=True, grad_dtype="bf16"), adam=AdamConfig(exp_avg_dtype="bf16"))
+        model = _model()
+        wrapped = wrap_data_parallel(config, model)
+        optimizer = build_optimizer(config, wrapped).optimizer
+        out["direct"] = {"losses": _train(wrapped, optimizer, range(6), world, rank),
+                         "kinds": [s.kind for s in optimizer.stages], "masters": optimizer.stages[0].master_params}
     return out
 
 
@@ -90,6 +102,10 @@ def test_remainders_step_like_fp32_masters_and_reshard(world2, tmp_path: Path, s
         assert len(remainders["masters"]) == len(masters["masters"]) > 0
         assert all(torch.equal(a, b) for a, b in zip(remainders["masters"], masters["masters"], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(remainders["params"], masters["params"], strict=True))
+        if "direct" in rank:
+            direct = rank["direct"]
+            assert direct["kinds"] == ["zero1+direct"] and direct["masters"] == []
+            assert abs(direct["losses"][-1] - masters["losses"][5]) < 0.1 * masters["losses"][5]
     # one process, replicated: the remainder checkpoint loads into whole fp32 masters and back, exactly
     loaded = {}
     for saved, remainders in (("remainders", False), ("masters", True), ("remainders", True)):

@@ -2,7 +2,9 @@
 
 It stands where the inner ``torch.optim`` optimizer stands (``offloaded`` wraps a stage's ``make_optimizer``),
 so stages know nothing of offload. The device tensors and gradients stay the truth (stages publish them, loads
-write them); the host holds the offloaded ones' optimizer state and does their update.
+write them); the host holds the offloaded ones' optimizer state and does their update. A tensor the stage
+already keeps in host memory (an fp32 master of an offloaded piece: ``Masters(host_fraction=...)``, so the
+device holds no master for it) is stepped in place, with no copy either way.
 """
 
 from __future__ import annotations
@@ -85,13 +87,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().__init__([dict(g) for g in inner.param_groups], dict(inner.defaults))
         params = [p for g in self.param_groups for p in g["params"]]
         count = plan_offload([p.numel() for p in params], fraction)
-        device = params[0].device if params else torch.device("cpu")
+        device = next((p.device for p in params if p.device.type != "cpu"), torch.device("cpu"))
         self._owners: dict[int, _Owner] = {}  # by id(device tensor)
         self._device_optimizer = self._build(make_optimizer, params[count:], params[count:])
         pin = device.type == "cuda"  # pinned host memory: asynchronous copies
         self._chunks = []
         for on_device in (params[cut] for cut in _chunk_slices([p.numel() for p in params[:count]], chunk_numel)):
-            host, grads = _back_to_back(on_device, pin), _back_to_back(on_device, pin)  # filled at the first step
+            # tensors already in host memory (off a device) are stepped in place; the others get copies
+            adopted = [d.device.type == "cpu" and device.type != "cpu" for d in on_device]
+            host, grads = _back_to_back(on_device, pin, adopted), _back_to_back(on_device, pin, adopted)
             self._chunks.append(_Chunk(self._build(make_optimizer, on_device, host), on_device, host, grads,
                                        [d._version for d in on_device]))
         self._copies = Transfers(device, overlap=overlap_transfers)
@@ -171,7 +175,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with phase("host_step"):
                 chunk.optimizer.step()
             with phase("offload_to_device"):
-                copies.to_device([(d, h) for d, h in zip(chunk.device, chunk.host, strict=True) if d.grad is not None])
+                copies.to_device([(d, h) for d, h in zip(chunk.device, chunk.host, strict=True)
+                                  if d.grad is not None and h is not d])
         copies.finish()
         for chunk in self._chunks:
             chunk.versions = [d._version for d in chunk.device]
@@ -182,6 +187,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """A chunk's device -> host copies (gradients; values changed since our write or re-read); sets host grads."""
         pairs = []
         for device, host, grad, version in zip(chunk.device, chunk.host, chunk.grads, chunk.versions, strict=True):
+            if host is device:  # stepped in place; the stage set its gradient
+                continue
             if self._reread or device._version != version:
                 pairs.append((host, device))
             host.grad = grad if device.grad is not None else None
@@ -280,11 +287,12 @@ def _chunk_slices(numels: Sequence[int], chunk_numel: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds)]
 
 
-def _back_to_back(like: Sequence[torch.Tensor], pin: bool) -> list[torch.Tensor]:
-    """Host tensors like ``like``, each dtype's back to back in one allocation (fused kernels step it flat)."""
-    out: list[torch.Tensor] = [None] * len(like)  # type: ignore[list-item]
-    for dtype in dict.fromkeys(t.dtype for t in like):
-        indices = [i for i, t in enumerate(like) if t.dtype == dtype]
+def _back_to_back(like: Sequence[torch.Tensor], pin: bool, adopted: Sequence[bool]) -> list[torch.Tensor]:
+    """Host tensors like ``like``, each dtype's back to back in one allocation (fused kernels step it flat);
+    ``like[i]`` itself where ``adopted[i]``."""
+    out: list[torch.Tensor] = [t if a else None for t, a in zip(like, adopted, strict=True)]  # type: ignore[misc]
+    for dtype in dict.fromkeys(t.dtype for t, a in zip(like, adopted, strict=True) if not a):
+        indices = [i for i, t in enumerate(like) if t.dtype == dtype and not adopted[i]]
         flat = torch.empty(sum(like[i].numel() for i in indices), dtype=dtype, device="cpu", pin_memory=pin)
         for i, part in zip(indices, flat.split([like[i].numel() for i in indices]), strict=True):
             out[i] = part.view(like[i].shape)

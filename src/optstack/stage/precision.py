@@ -4,7 +4,9 @@ ready, and how the stepped values reach the model.
 - ``Direct``: the algorithm steps the pieces' model storage itself (the parameter, or its buffer view).
 - ``Masters``: bf16/fp16 pieces get fp32 master copies (one flat fp32 tensor per group, so the fused kernels
   step a group's masters as one run); fp32 pieces are stepped directly (Megatron's fp32-from-fp32 groups).
-  After a step the masters are rounded into the model storage in place.
+  After a step the masters are rounded into the model storage in place. With ``host_fraction`` (CPU
+  offload of that share of the elements, ``offload.hybrid.plan_offload``'s plan) the masters of the offloaded
+  pieces live in host memory (pinned on CUDA), not on the device.
 - ``Remainders``: bf16 pieces keep only the low 16 bits of their fp32 master (int16, 2 B/element): the bf16
   parameter is the high half, so parameter + remainder is the master bit for bit. The algorithm steps fp32
   masters rebuilt into a workspace for the step only (freed between steps); fp32 pieces are stepped directly.
@@ -21,11 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
+from optstack.algorithms._common import coalesce
 from optstack.stage.placement import Piece
 
 __all__ = ["Direct", "Masters", "Precision", "Remainders", "join_remainder", "split_remainder"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_HOST = torch.device("cpu")
 
 
 class Precision:
@@ -33,8 +37,10 @@ class Precision:
 
     kind = "direct"
 
-    def __init__(self, *, copy_grads: bool = True) -> None:
+    def __init__(self, *, copy_grads: bool = True, host_fraction: float = 0.0) -> None:
         self.copy_grads = copy_grads
+        self.host_fraction = host_fraction
+        self._seen = 0  # stepped tensors so far (the offload plan counts them in group order)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model storage, its master)
         self._inner: list[torch.Tensor] = []
         self._copy_to: list[torch.Tensor] = []  # fp32 grads of the pieces whose grads are copied
@@ -47,15 +53,20 @@ class Precision:
     def inner(self, pieces: Sequence[Sequence[Piece]], device: torch.device) -> list[list[torch.Tensor]]:
         """Per group, the tensors the algorithm steps, one per piece (appended to those of earlier calls)."""
         out = []
+        on_host = self._host_count(pieces)
         for group in pieces:
             low = [p for p in group if self._wants_master(p)]
-            flat = torch.empty(sum(p.end - p.start for p in low), dtype=torch.float32, device=device)
-            masters = iter(flat.split([p.end - p.start for p in low]))
+            host = [p for p in low if id(p) in on_host]
+            masters = {}
+            for where, members in ((device, [p for p in low if id(p) not in on_host]), (_HOST, host)):
+                if members or where == device:
+                    flat = _empty(sum(p.end - p.start for p in members), where)
+                    masters.update(zip(map(id, members), flat.split([p.end - p.start for p in members]), strict=True))
             stepped = []
             with torch.no_grad():
                 for p in group:
                     if self._wants_master(p):
-                        master = next(masters).view(p.value.shape)
+                        master = masters[id(p)].view(p.value.shape)
                         master.copy_(p.value)
                         self._pairs.append((p.value, master))
                         stepped.append(master)
@@ -65,6 +76,18 @@ class Precision:
         self._inner += [t for group in out for t in group]
         self._dtypes = None  # plan the gradient copies again
         return out
+
+    def _host_count(self, pieces: Sequence[Sequence[Piece]]) -> set[int]:
+        """``id``s of the pieces whose masters go to host memory: those ``plan_offload`` offloads (the first
+        stepped tensors in group order holding ``host_fraction`` of the elements), at construction only."""
+        flat = [p for group in pieces for p in group]
+        first, self._seen = self._seen, self._seen + len(flat)
+        if not self.host_fraction or first:
+            return set()
+        from optstack.offload.hybrid import plan_offload  # offload builds on the stages, not the reverse
+
+        count = plan_offload([p.end - p.start for p in flat], self.host_fraction)
+        return {id(p) for p in flat[:count]}
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -104,7 +127,7 @@ class Precision:
             self._copy_to = _back_to_back([inner[i] for i in self._copied])
         ready: list[torch.Tensor | None] = list(grads)
         if self._copied:
-            torch._foreach_copy_(self._copy_to, [grads[i] for i in self._copied])  # type: ignore[misc]
+            _copy_all(self._copy_to, [grads[i] for i in self._copied])  # type: ignore[misc]
             for k, i in enumerate(self._copied):
                 ready[i] = self._copy_to[k]
         for tensor, grad in zip(inner, ready, strict=True):
@@ -118,7 +141,7 @@ class Precision:
         """Round the masters into the model storage (after a step or a load)."""
         if self._pairs:
             with torch.no_grad():
-                torch._foreach_copy_([v for v, _ in self._pairs], [m for _, m in self._pairs])
+                _copy_all([v for v, _ in self._pairs], [m for _, m in self._pairs])
 
     def clear(self, set_to_none: bool) -> None:
         """Clear the stepped tensors' gradients (and the model's, for pieces that are whole parameters)."""
@@ -214,7 +237,7 @@ class Remainders(Precision):
         for flat in self._workspaces:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         with torch.no_grad():
-            for value, master, rem in self._splits:
+            for value, master, rem in _runs(self._splits):
                 join_remainder(value, rem, out=master)
         self._live = True
 
@@ -230,7 +253,7 @@ class Remainders(Precision):
         if not self._live:
             return
         with torch.no_grad():
-            for value, master, rem in self._splits:
+            for value, master, rem in _runs(self._splits):
                 split_remainder(master, value, rem)
         self.release()
 
@@ -242,20 +265,29 @@ class Remainders(Precision):
 def join_remainder(param: torch.Tensor, remainder: torch.Tensor, *, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """The fp32 master of a bf16 ``param`` and its int16 ``remainder`` (same shape): bits ``param << 16 +
-    remainder`` (into ``out`` when given)."""
-    bits = (param.view(torch.int16).to(torch.int32) << 16).add_(remainder.to(torch.int32))
+    remainder`` (into ``out`` when given). In place, int32 throughout (three passes, no temporaries)."""
     if out is None:
-        return bits.view(torch.float32)
-    out.view(torch.int32).copy_(bits)
+        out = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    bits = out.view(torch.int32)
+    bits.copy_(param.view(torch.int16))  # sign-extended
+    bits.bitwise_left_shift_(16).add_(remainder)
     return out
 
 
 def split_remainder(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
     """Write fp32 ``master`` as bf16 ``param`` (high half, rounded by the low half's top bit) and int16
-    ``remainder`` (low half, signed), in place; ``join_remainder`` gives ``master`` back bit for bit."""
+    ``remainder`` (low half, signed); ``join_remainder`` gives ``master`` back bit for bit. ``master`` is
+    used as scratch (its bits end as the parameter's, shifted down)."""
     bits = master.view(torch.int32)
-    remainder.copy_(bits.to(torch.int16))  # the low 16 bits (two's complement wrap)
-    param.view(torch.int16).copy_((bits - remainder.to(torch.int32)) >> 16)
+    remainder.copy_(bits)  # the low 16 bits (two's complement wrap)
+    param.view(torch.int16).copy_(bits.sub_(remainder).bitwise_right_shift_(16))
+
+
+def _runs(splits: Sequence[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """``splits`` with back-to-back entries (ZeRO-1's pieces of one bucket) merged into flat views: three
+    int32 passes per run instead of per piece."""
+    merged, _ = coalesce([[t[k] for t in splits] for k in range(3)])
+    return list(zip(*merged, strict=True))
 
 
 def _join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
@@ -263,9 +295,28 @@ def _join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 
 def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Zero fp32 tensors shaped like ``like``, back to back in one allocation: where the stepped tensors lie
-    back to back their gradients do too, so the fused kernels step the run as one tensor."""
-    if not like:
-        return []
-    flat = torch.zeros(sum(t.numel() for t in like), dtype=torch.float32, device=like[0].device)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
+    """Zero fp32 tensors shaped like ``like``, back to back in one allocation per device: where the stepped
+    tensors lie back to back their gradients do too, so the fused kernels step the run as one tensor."""
+    out: list[torch.Tensor] = [None] * len(like)  # type: ignore[list-item]
+    for where in dict.fromkeys(t.device for t in like):
+        picked = [i for i, t in enumerate(like) if t.device == where]
+        flat = torch.zeros(sum(like[i].numel() for i in picked), dtype=torch.float32, device=where)
+        for i, part in zip(picked, flat.split([like[i].numel() for i in picked]), strict=True):
+            out[i] = part.view(like[i].shape)
+    return out
+
+
+def _empty(numel: int, where: torch.device) -> torch.Tensor:
+    """An fp32 tensor; in host memory, pinned when there is CUDA (asynchronous copies to the device)."""
+    pin = where.type == "cpu" and torch.cuda.is_available()
+    return torch.empty(numel, dtype=torch.float32, device=where, pin_memory=pin)
+
+
+def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])``: one multi-tensor copy for the pairs on one device, single copies across."""
+    same = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if d.device == s.device]
+    if same:
+        torch._foreach_copy_([dst[i] for i in same], [src[i] for i in same])
+    if len(same) < len(dst):
+        for i in sorted(set(range(len(dst))) - set(same)):
+            dst[i].copy_(src[i])  # blocking: the host side is read or written by the host step next

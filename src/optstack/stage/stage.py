@@ -151,6 +151,7 @@ class Stage:
             ValueError: the placement cannot take parameters after construction (sharded, layer-wise, or
                 gradients from a data-parallel wrapper), a malformed group, or a parameter already here.
         """
+        self.reload_states()
         if (why := self.placement.cannot_add()) is not None:
             raise ValueError(f"{self.name}: cannot add a param group: {why}. Build the optimizer over every "
                              "parameter instead (freeze some with requires_grad=False and build again to change it)")
@@ -329,9 +330,12 @@ class Stage:
         """
         self.reload_states()
         self.placement.finish()
-        load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
         self.precision.materialize()  # a remainder-held master is written whole, then split by the publish
-        load_into(self.name, self.optimizer, self.pieces, shards)
+        try:
+            load_into(self.name, self.optimizer, self.pieces, shards)
+        except ValueError:
+            self.precision.release()  # nothing was loaded (load_into checks everything first)
+            raise
         self._publish()
         self.placement.finish()
 
