@@ -272,3 +272,65 @@ def checkpoint_moves(root: str, algorithm: str) -> dict[str, float]:
 def test_checkpoint_moves_between_fsdp2_zero1_one_process_and_tp(world2, tmp_path, algorithm: str) -> None:
     for out in world2.run(checkpoint_moves, str(tmp_path), algorithm):
         assert max(out.values()) <= 2e-6, out  # fp32 round-off of six steps (a lost state is ~1e-1)
+
+
+def skip_and_norms(root: str) -> dict[str, Any]:
+    """fp16 FSDP2 with a dynamic loss scale: an inf in rank 1's shard only skips the step on both ranks; the
+    inf-norm equals one process's; Muon's matrices are spread over the ranks; the refusals of checkpoints."""
+    from optstack.checkpoint import save_checkpoint
+
+    rank = world_comm().rank
+    out: dict[str, Any] = {}
+    model = _fully_shard(_model(torch.float16))
+    opt = build_optimizer(OptimizerConfig(lr=0.01, precision="fp16"), model).optimizer
+    before = _full(model)
+    scale = opt.loss_scale
+    for _ in range(2):  # the default hysteresis backs off at the second non-finite step in a row
+        x, y = _batch(0, torch.float16)
+        opt.scale_loss((model(x).float() - y.float()).pow(2).mean()).backward()
+        if rank == 1:
+            next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+    out["skipped"] = (opt.last_result.applied, opt.loss_scale / scale,
+                      max((_full(model)[n] - before[n]).abs().max().item() for n in before))
+
+    config = OptimizerConfig(lr=0.01, norm_type=float("inf"))
+    ref = _model()
+    norms = [_train(ref, config, slice(None)), _train(_fully_shard(_model()), config, slice(None))]
+    out["inf_norm"] = max(abs(a - b) / a for a, b in zip(*norms, strict=True))
+
+    model = _fully_shard(_model())
+    opt = build_optimizer(_config("muon", "fp32"), model).optimizer
+    _steps(model, opt, range(1), slice(None))
+    out["muon_state"] = sorted(n for n, p in model.named_parameters() if "momentum_buffer" in opt.state[p])
+    out["muon_state_shapes"] = sorted(tuple(opt.state[p]["momentum_buffer"].shape) for p in model.parameters()
+                                      if "momentum_buffer" in opt.state[p])
+
+    tp = _tensor_parallel(_model())
+    opt = build_optimizer(_config("adamw", "fp32"), tp).optimizer
+    _steps(tp, opt, range(1), slice(None))
+    errors = []
+    for kwargs in ({}, {"model": model}):
+        try:
+            save_checkpoint(f"{root}/tp", build_optimizer(_config("adamw", "fp32"), model).optimizer if kwargs else opt,
+                            step=1, **kwargs)
+        except (ValueError, RuntimeError) as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    return out
+
+
+def test_skip_inf_norm_muon_spread_and_checkpoint_refusals(world2, tmp_path) -> None:
+    outs = world2.run(skip_and_norms, str(tmp_path))
+    for out in outs:
+        assert out["skipped"] == (False, 0.5, 0.0)
+        assert out["inf_norm"] <= 1e-6
+    # every matrix has its Muon state (whole) on exactly one rank, and both ranks orthogonalise some
+    owned = [out["muon_state"] for out in outs]
+    assert sorted(owned[0] + owned[1]) == ["0.weight", "2.weight", "4.weight"] and all(owned)
+    assert sorted(outs[0]["muon_state_shapes"] + outs[1]["muon_state_shapes"]) == [(5, 8), (8, 6), (8, 8)]
+    for out in outs:
+        assert len(out["errors"]) == 2
+        assert "'2.weight'" in out["errors"][0] and "Shard(dim=1)" in out["errors"][0] and "DCP" in out["errors"][0]
+        assert "'0.weight' is a DTensor" in out["errors"][1] and "Leave model= out" in out["errors"][1]
