@@ -77,6 +77,21 @@ def _tensor_parallel(model: nn.Module) -> nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+def _fsdp_over_tp(model: nn.Module) -> nn.Module:
+    """dp=2 x tp=2 on a 2-D mesh: ``_tensor_parallel``'s split over "tp", then FSDP2 over "dp" (torchtitan's
+    order): Shard(0) of a column-wise weight becomes a strided shard over both dims."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 def parallel_vs_single(algorithm: str, precision: str, layout: str = "fsdp") -> dict[str, Any]:
     """On every rank: the model under ``layout`` (``fsdp``: FSDP2 dp=2, each rank half of every batch;
     ``hsdp``: 2 replicas x 1 shard, halves too; ``tp``: tensor parallel, whole batches) and a single-process
@@ -88,6 +103,9 @@ def parallel_vs_single(algorithm: str, precision: str, layout: str = "fsdp") -> 
     rank, size = world_comm().rank, world_comm().size
     if layout == "tp":
         model, rows = _tensor_parallel(_model(dtype)), slice(None)
+    elif layout == "dp-tp":
+        model = _fsdp_over_tp(_model(dtype))
+        rows = slice(rank // 2 * ROWS // 2, (rank // 2 + 1) * ROWS // 2)  # the dp coordinate picks the half
     else:
         model = _fully_shard(_model(dtype), (2, 1) if layout == "hsdp" else (2,))
         rows = slice(rank * ROWS // size, (rank + 1) * ROWS // size)
@@ -142,6 +160,22 @@ def test_tensor_parallel_with_plain_params_matches_one_process(world2, algorithm
         assert out["moved"] > 1e-3
         assert out["param"] <= 1e-6, out
         assert out["norm"] <= 1e-6, out
+
+
+def dp_tp_all(algorithms: list[str]) -> list[dict[str, Any]]:
+    return [parallel_vs_single(a, "fp32", "dp-tp") for a in algorithms]
+
+
+def test_fsdp2_over_tensor_parallel_2x2_matches_one_process(world4) -> None:
+    # strided shards (FSDP2 over a column-wise split), Shard(1) blocks, Replicate() over tp, and layer 4 sharded
+    # over dp only (a 1-D mesh, replicated across the tp groups): every element still counts once in the norm.
+    # The first call on a fresh 4-process world waits for its start-up (slow on a loaded 2-core machine).
+    for outs in world4.run(dp_tp_all, ["adamw", "muon"], timeout_s=240):
+        for out in outs:
+            assert "(Shard(dim=0), Shard(dim=1))" in out["placements"] and "plain" not in out["placements"]
+            assert out["moved"] > 1e-3
+            assert out["param"] <= 1e-6, out
+            assert out["norm"] <= 1e-6, out
 
 
 def mp_policy_vs_torch() -> dict[str, object]:
