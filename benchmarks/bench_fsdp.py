@@ -7,7 +7,7 @@ its own batch, one thread per rank, a fresh 2-rank world per configuration); onl
 
 - ``fsdp2`` (the baseline): ``fully_shard`` per Linear and on the root + ``torch.optim.AdamW(fused=True)``
   stepping the DTensor parameters.
-- ``fsdp2_optstack``: the same model + ``build_optimizer(OptimizerConfig(algorithm="adamw", clip_grad=0.0),
+- ``optstack_fsdp2``: the same model + ``build_optimizer(OptimizerConfig(algorithm="adamw", clip_grad=0.0),
   model, rules=[])``: the DTensor placement steps each rank's local shards with optstack's fused AdamW, and
   computes the global grad norm (one all-reduce) every step for ``StepResult.grad_norm``.
 
@@ -27,6 +27,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_distributed as bd  # noqa: E402  (its machinery; spawned ranks re-run this module's top level)
+
+import optstack  # noqa: E402, F401  (imported before the ranks measure their idle memory: code is not state)
 
 
 class FsdpOptstackRunner(bd.Runner):
@@ -60,15 +62,15 @@ class FsdpOptstackRunner(bd.Runner):
 
 
 bd.CONFIGS["fsdp2"] = "FSDP2 fully_shard + torch AdamW(fused)"
-bd.CONFIGS["fsdp2_optstack"] = "FSDP2 fully_shard + optstack AdamW (DTensor placement)"
-bd.MAKERS["fsdp2_optstack"] = FsdpOptstackRunner
+bd.CONFIGS["optstack_fsdp2"] = "FSDP2 fully_shard + optstack AdamW (DTensor placement)"
+bd.MAKERS["optstack_fsdp2"] = FsdpOptstackRunner
 bd.BASELINE = "fsdp2"
 
 
 def _targets(by: dict[str, dict[str, Any]], formula_mb: float) -> list[str]:
-    if not {"fsdp2", "fsdp2_optstack"} <= by.keys():
+    if not {"fsdp2", "optstack_fsdp2"} <= by.keys():
         return []
-    ours, base = by["fsdp2_optstack"], by["fsdp2"]
+    ours, base = by["optstack_fsdp2"], by["fsdp2"]
     step = ours["step_ms"] / base["step_ms"]
     cpu = ours["cpu_ms"] / base["cpu_ms"]
     rss = ours["extra_mb"] / base["extra_mb"]
@@ -81,4 +83,4 @@ def _targets(by: dict[str, dict[str, Any]], formula_mb: float) -> list[str]:
 bd.targets = _targets
 
 if __name__ == "__main__":
-    bd.main(["--configs", "fsdp2", "fsdp2_optstack", *sys.argv[1:]])
+    bd.main(["--configs", "fsdp2", "optstack_fsdp2", *sys.argv[1:]])
