@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from optstack.clip import check_norm_type, clip_coefficient
 from optstack.precision.scaler import LossScaler, NoScaler
@@ -350,7 +351,8 @@ _STATE_VERSION = 2
 
 
 def _local(entry: Any) -> dict[str, Any]:
-    """A parameter's state with ``ShardedTensor``s (``Stage.sharded_torch_state``) cut to this rank's part."""
+    """A parameter's state with ``ShardedTensor``s (``Stage.sharded_torch_state``) and DTensors cut to this rank's
+    part."""
     if not isinstance(entry, Mapping):
         raise ValueError(f"a parameter's state must be a dict of state values, got {type(entry).__name__}")
     out = {}
@@ -358,6 +360,8 @@ def _local(entry: Any) -> dict[str, Any]:
         if is_sharded(value):
             if (value := local_part(value)) is None:
                 continue
+        elif isinstance(value, DTensor):  # a DTensor stage's state (stage/dtensor.py): this rank's shard
+            value = value.to_local()
         out[key] = value
     return out
 

@@ -1,4 +1,4 @@
-"""Session-scoped gloo worlds: ``world2`` and ``world3`` fixtures (rebuilt if a test broke them)."""
+"""Session-scoped gloo worlds: ``world2``, ``world3`` and ``world4`` fixtures (rebuilt if a test broke them)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def world2() -> World:
 @pytest.fixture
 def world3() -> World:
     return _get(3)
+
+
+@pytest.fixture
+def world4() -> World:
+    return _get(4)
 
 
 @pytest.fixture(scope="session", autouse=True)

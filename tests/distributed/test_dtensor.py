@@ -77,6 +77,21 @@ def _tensor_parallel(model: nn.Module) -> nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+def _fsdp_over_tp(model: nn.Module) -> nn.Module:
+    """dp=2 x tp=2 on a 2-D mesh: ``_tensor_parallel``'s split over "tp", then FSDP2 over "dp" (torchtitan's
+    order): Shard(0) of a column-wise weight becomes a strided shard over both dims."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 def parallel_vs_single(algorithm: str, precision: str, layout: str = "fsdp") -> dict[str, Any]:
     """On every rank: the model under ``layout`` (``fsdp``: FSDP2 dp=2, each rank half of every batch;
     ``hsdp``: 2 replicas x 1 shard, halves too; ``tp``: tensor parallel, whole batches) and a single-process
@@ -88,6 +103,9 @@ def parallel_vs_single(algorithm: str, precision: str, layout: str = "fsdp") -> 
     rank, size = world_comm().rank, world_comm().size
     if layout == "tp":
         model, rows = _tensor_parallel(_model(dtype)), slice(None)
+    elif layout == "dp-tp":
+        model = _fsdp_over_tp(_model(dtype))
+        rows = slice(rank // 2 * ROWS // 2, (rank // 2 + 1) * ROWS // 2)  # the dp coordinate picks the half
     else:
         model = _fully_shard(_model(dtype), (2, 1) if layout == "hsdp" else (2,))
         rows = slice(rank * ROWS // size, (rank + 1) * ROWS // size)
@@ -142,6 +160,22 @@ def test_tensor_parallel_with_plain_params_matches_one_process(world2, algorithm
         assert out["moved"] > 1e-3
         assert out["param"] <= 1e-6, out
         assert out["norm"] <= 1e-6, out
+
+
+def dp_tp_all(algorithms: list[str]) -> list[dict[str, Any]]:
+    return [parallel_vs_single(a, "fp32", "dp-tp") for a in algorithms]
+
+
+def test_fsdp2_over_tensor_parallel_2x2_matches_one_process(world4) -> None:
+    # strided shards (FSDP2 over a column-wise split), Shard(1) blocks, Replicate() over tp, and layer 4 sharded
+    # over dp only (a 1-D mesh, replicated across the tp groups): every element still counts once in the norm.
+    # The first call on a fresh 4-process world waits for its start-up (slow on a loaded 2-core machine).
+    for outs in world4.run(dp_tp_all, ["adamw", "muon"], timeout_s=240):
+        for out in outs:
+            assert "(Shard(dim=0), Shard(dim=1))" in out["placements"] and "plain" not in out["placements"]
+            assert out["moved"] > 1e-3
+            assert out["param"] <= 1e-6, out
+            assert out["norm"] <= 1e-6, out
 
 
 def mp_policy_vs_torch() -> dict[str, object]:
@@ -202,3 +236,135 @@ def test_unsupported_dtensor_models_are_refused_naming_the_parameter(world2) -> 
         assert "wrap_data_parallel" in errors[0] and "'0.weight'" in errors[0] and "Shard(dim=0)" in errors[0]
         assert "sharding='zero1'" in errors[1] and "'0.weight'" in errors[1]
         assert "'weight'" in errors[2] and "Partial" in errors[2]
+
+
+def _steps(model: nn.Module, opt: Any, steps: range, rows: slice) -> None:
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x, y = _batch(step, dtype)
+        (model(x[rows]).float() - y[rows].float()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def checkpoint_moves(root: str, algorithm: str) -> dict[str, float]:
+    """Two steps under FSDP2 dp=2, then: optstack's checkpoint -> ZeRO-1 (Muon: layer-wise) dp=2 (two steps) ->
+    FSDP2 dp=2 (two steps); the FSDP2 checkpoint -> one process (four steps); DCP -> tensor parallel (four
+    steps). Each final model against one uninterrupted single-process run of six steps."""
+    import torch.distributed.checkpoint as dcp
+
+    from optstack import wrap_data_parallel
+    from optstack.checkpoint import OptimizerState, load_checkpoint, save_checkpoint
+    from optstack.distributed.comm import NullComm
+
+    rank = world_comm().rank
+    half = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
+    config = _config(algorithm, "fp32")
+    ref = _model()
+    _steps(ref, build_optimizer(config, ref).optimizer, range(6), slice(None))
+    want = _full(ref)
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(7)
+        return _model().apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) and rank >= 0 else None)
+
+    fsdp = _fully_shard(_model())
+    opt = build_optimizer(config, fsdp).optimizer
+    _steps(fsdp, opt, range(2), half)
+    save_checkpoint(f"{root}/a", opt, step=2)
+    dcp.save({"model": fsdp.state_dict(), "optim": OptimizerState(fsdp, opt)}, checkpoint_id=f"{root}/dcp")
+
+    sharding = "layerwise" if algorithm == "muon" else "zero1"  # Muon needs whole matrices: layer-wise
+    zero1_config = OptimizerConfig(**{**config.__dict__, "distributed": DistributedConfig(sharding=sharding)})
+    zero1 = wrap_data_parallel(zero1_config, fresh())
+    opt = build_optimizer(zero1_config, zero1).optimizer
+    load_checkpoint(f"{root}/a", opt)
+    _steps(zero1, opt, range(2, 4), half)
+    save_checkpoint(f"{root}/a", opt, step=4)
+
+    again = _fully_shard(fresh())
+    opt = build_optimizer(config, again).optimizer
+    load_checkpoint(f"{root}/a", opt)
+    _steps(again, opt, range(4, 6), half)
+
+    single = fresh()
+    opt = build_optimizer(config, single).optimizer
+    load_checkpoint(f"{root}/a/step_00000002", opt, comm=NullComm())
+    _steps(single, opt, range(2, 6), slice(None))
+
+    tp = _tensor_parallel(fresh())
+    opt = build_optimizer(config, tp).optimizer
+    dcp.load({"model": tp.state_dict(), "optim": OptimizerState(tp, opt)}, checkpoint_id=f"{root}/dcp",
+             planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))  # as test_dcp: torch 2.13
+    _steps(tp, opt, range(2, 6), slice(None))
+
+    return {name: max((_full(m)[n] - want[n]).abs().max().item() for n in want)
+            for name, m in ((f"fsdp->{sharding}->fsdp", again), ("fsdp->single", single), ("fsdp-dcp->tp", tp))}
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_checkpoint_moves_between_fsdp2_zero1_one_process_and_tp(world2, tmp_path, algorithm: str) -> None:
+    for out in world2.run(checkpoint_moves, str(tmp_path), algorithm):
+        assert max(out.values()) <= 2e-6, out  # fp32 round-off of six steps (a lost state is ~1e-1)
+
+
+def skip_and_norms(root: str) -> dict[str, Any]:
+    """fp16 FSDP2 with a dynamic loss scale: an inf in rank 1's shard only skips the step on both ranks; the
+    inf-norm equals one process's; Muon's matrices are spread over the ranks; the refusals of checkpoints."""
+    from optstack.checkpoint import save_checkpoint
+
+    rank = world_comm().rank
+    out: dict[str, Any] = {}
+    model = _fully_shard(_model(torch.float16))
+    opt = build_optimizer(OptimizerConfig(lr=0.01, precision="fp16"), model).optimizer
+    before = _full(model)
+    scale = opt.loss_scale
+    for _ in range(2):  # the default hysteresis backs off at the second non-finite step in a row
+        x, y = _batch(0, torch.float16)
+        opt.scale_loss((model(x).float() - y.float()).pow(2).mean()).backward()
+        if rank == 1:
+            next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+    out["skipped"] = (opt.last_result.applied, opt.loss_scale / scale,
+                      max((_full(model)[n] - before[n]).abs().max().item() for n in before))
+
+    config = OptimizerConfig(lr=0.01, norm_type=float("inf"))
+    ref = _model()
+    norms = [_train(ref, config, slice(None)), _train(_fully_shard(_model()), config, slice(None))]
+    out["inf_norm"] = max(abs(a - b) / a for a, b in zip(*norms, strict=True))
+
+    model = _fully_shard(_model())
+    opt = build_optimizer(_config("muon", "fp32"), model).optimizer
+    _steps(model, opt, range(1), slice(None))
+    out["muon_state"] = sorted(n for n, p in model.named_parameters() if "momentum_buffer" in opt.state[p])
+    out["muon_state_shapes"] = sorted(tuple(opt.state[p]["momentum_buffer"].shape) for p in model.parameters()
+                                      if "momentum_buffer" in opt.state[p])
+
+    tp = _tensor_parallel(_model())
+    opt = build_optimizer(_config("adamw", "fp32"), tp).optimizer
+    _steps(tp, opt, range(1), slice(None))
+    errors = []
+    for kwargs in ({}, {"model": model}):
+        try:
+            save_checkpoint(f"{root}/tp", build_optimizer(_config("adamw", "fp32"), model).optimizer if kwargs else opt,
+                            step=1, **kwargs)
+        except (ValueError, RuntimeError) as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    return out
+
+
+def test_skip_inf_norm_muon_spread_and_checkpoint_refusals(world2, tmp_path) -> None:
+    outs = world2.run(skip_and_norms, str(tmp_path))
+    for out in outs:
+        assert out["skipped"] == (False, 0.5, 0.0)
+        assert out["inf_norm"] <= 1e-6
+    # every matrix has its Muon state (whole) on exactly one rank, and both ranks orthogonalise some
+    owned = [out["muon_state"] for out in outs]
+    assert sorted(owned[0] + owned[1]) == ["0.weight", "2.weight", "4.weight"] and all(owned)
+    assert sorted(outs[0]["muon_state_shapes"] + outs[1]["muon_state_shapes"]) == [(5, 8), (8, 6), (8, 8)]
+    for out in outs:
+        assert len(out["errors"]) == 2
+        assert "'2.weight'" in out["errors"][0] and "Shard(dim=1)" in out["errors"][0] and "DCP" in out["errors"][0]
+        assert "'0.weight' is a DTensor" in out["errors"][1] and "Leave model= out" in out["errors"][1]

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 
 from optstack.checkpoint import io
 from optstack.checkpoint.digest import DIGEST, check_key, file_sha256, sign
@@ -105,7 +106,15 @@ def check_optimizer(optimizer: Any) -> ChainedOptimizer:
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state-dict tensors as detached views, named as by ``optstack.names.model_state``."""
-    return model_state(model)
+    tensors = model_state(model)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            raise ValueError(
+                f"model tensor {name!r} is a DTensor (placements {tuple(tensor.placements)}); this checkpoint writes "
+                "whole model tensors. Leave model= out (the optimizer's state holds the trainable parameters' values) "
+                "or save the model with DCP: dcp.save({'model': model.state_dict(), 'optim': "
+                "OptimizerState(model, optimizer)}, checkpoint_id=...)")
+    return tensors
 
 
 def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,

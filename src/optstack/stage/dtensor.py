@@ -5,8 +5,8 @@ tensor parallelism's ``parallelize_module``, both on a 2-D ``DeviceMesh``, or HS
   ``grad.to_local()``) with the same fused kernels as any placement; the model's sharding is left as it is,
   so there is nothing to publish. For element-wise algorithms (AdamW, SGD, Lion, ...).
 - ``DTensorOwners``: whole matrices, for Muon: each parameter has one owner rank (cost-balanced over the
-  ranks); its gradient is assembled (``full_tensor``), the owner steps the whole matrix (its state and fp32
-  master are whole, on the owner only), then broadcasts the result and every rank keeps its own shard.
+  ranks); its value and gradient are assembled (``full_tensor``), the owner steps the whole matrix (its state
+  and fp32 master are whole, on the owner only), then broadcasts the result and every rank keeps its shard.
 
 The global grad norm counts every element once across shards and replicas: when the stage is built every
 rank tells the others which shard of which parameter it holds (a parameter's name and its mesh coordinates
@@ -135,6 +135,11 @@ class DTensorLocal(_DTensorPlacement):
 
     kind = "dtensor"
 
+    def __init__(self, *, comm: Comm | NullComm, device: torch.device | None = None) -> None:
+        super().__init__(comm=comm, device=device)
+        #: names of parameters whose shard here is not one flat range (the name-keyed state cannot hold them)
+        self.not_flat: dict[str, str] = {}
+
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         flat = [(n, p) for gn, gp in zip(names, params, strict=True) for n, p in zip(gn, gp, strict=True)]
         check_dtensor_params(flat)
@@ -148,7 +153,10 @@ class DTensorLocal(_DTensorPlacement):
                 value = _local(param)
                 if not value.numel():
                     continue  # a rank with an empty shard (fewer rows than ranks) steps nothing of it
-                start, end = flat_range(param) or (0, value.numel())
+                span = flat_range(param)
+                if span is None:
+                    self.not_flat[name] = str(tuple(param.placements))
+                start, end = span or (0, value.numel())
                 group.append(Piece(name, param, start, end, value))
             out.append(group)
         return out
@@ -165,6 +173,25 @@ class DTensorLocal(_DTensorPlacement):
             if is_dtensor(grad) and grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a Partial grad: reduce it
             out.append(_local(grad) if grad is not None else None)
+        return out
+
+
+    def as_dtensors(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece]) -> dict[int, dict[str, Any]]:
+        """``Stage.torch_state`` entries with element-wise state as DTensors placed as their parameter (torch's
+        optimizers keep FSDP2 state so): DCP saves each shard once and reshards it to any mesh. No collective."""
+        out = {}
+        for piece in pieces:
+            entry = entries.get(id(piece.param))
+            if entry is None or not is_dtensor(piece.param):
+                if entry is not None:
+                    out[id(piece.param)] = entry
+                continue
+            param = piece.param
+            out[id(param)] = {
+                key: DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+                if isinstance(value, torch.Tensor) and value.shape == piece.value.shape and value.dim() else value
+                for key, value in entry.items()}
         return out
 
 
@@ -204,7 +231,18 @@ class DTensorOwners(_DTensorPlacement):
         return [[Piece(n, p, 0, p.numel(), self._whole[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
                 for gn, gp in zip(names, params, strict=True)]
 
+    def refresh(self) -> None:
+        """Copy the model's current values into the owners' whole copies (collective): the model is the truth
+        for parameters stepped without a master, and may have been loaded or changed since the last step."""
+        with torch.no_grad():
+            for (_, param), owner in zip(self._all, self.owners, strict=True):
+                if is_dtensor(param):
+                    whole = param.full_tensor()  # collective over the parameter's mesh: every rank calls
+                    if owner == self.dp.rank:
+                        self._whole[id(param)].copy_(whole)
+
     def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
+        self.refresh()
         held: dict[int, torch.Tensor | None] = {}
         with phase("gather_grads"), torch.no_grad():
             for (_, param), owner in zip(self._all, self.owners, strict=True):

@@ -277,6 +277,9 @@ class Stage:
         (``stage/sharded.py``; what DCP needs to reshard). Collective over that group."""
         comm = self.placement.shard_comm
         entries = self.torch_state()
+        as_dtensors = getattr(self.placement, "as_dtensors", None)  # DTensor shards: state as the param's DTensors
+        if as_dtensors is not None:
+            return as_dtensors(entries, self.pieces)
         if comm is None or comm.size == 1:
             return entries
         params = [p for g in self.param_groups for p in g["params"]]
@@ -288,6 +291,8 @@ class Stage:
         model parameter; tensors as stepped, or flat), checked to load (``ValueError`` naming the parameter);
         changes nothing. A piece without an entry gets no state (torch's rule); without a ``"master"`` its
         master is taken from the model's values."""
+        if (refresh := getattr(self.placement, "refresh", None)) is not None:
+            refresh()  # a placement stepping copies of the model (DTensor owners): take its current values
         shards = {}
         for piece in self.pieces:
             entry = entries.get(id(piece.param), {})
@@ -314,6 +319,11 @@ class Stage:
         held as a remainder is a fresh fp32 copy: checkpoints hold whole fp32 masters whatever the precision)."""
         self.reload_states()
         self.placement.finish()
+        for name, placements in getattr(self.placement, "not_flat", {}).items():  # a DTensor block shard
+            raise ValueError(
+                f"{self.name}: this rank's shard of {name!r} (placements {placements}) is a block of the parameter, "
+                "not a range of its flattened elements, which the name-keyed state holds; save it with DCP: "
+                "optstack.checkpoint.OptimizerState(model, optimizer) (its state is the parameters' DTensors)")
         shards = shards_of(self.optimizer, self.pieces, self.param_groups)
         for piece, inner, value in zip(self.pieces, self._stepped, self.precision.readable(self._stepped),
                                        strict=True):
