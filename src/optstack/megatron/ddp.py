@@ -383,8 +383,11 @@ class DistributedDataParallel(DataParallel):
         super().start_grad_sync(through=through, force_all_reduce=force_all_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:  # type: ignore[override]
-        """Finish every bucket's reduction (``force_all_reduce``: all-reduce those started here even under the
-        distributed optimizer, so every rank holds whole gradients)."""
+        """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one.
+        ``force_all_reduce``: the buckets not started yet are all-reduced (even under the distributed
+        optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
+        if force_all_reduce:
+            super().start_grad_sync(force_all_reduce=True)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         self._finished = set()
 
