@@ -17,7 +17,8 @@ take it as the wrapped model):
   before the sum, Megatron's ``average_in_collective=False`` path); the numbers are the same.
   ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
 - ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
-  ``get_megatron_optimizer`` requires the optimizer config to agree with this one.
+  ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
+  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main).
 
 Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
@@ -80,8 +81,10 @@ class DistributedDataParallelConfig:
     check_for_nan_in_grad: bool = False
     check_for_large_grads: bool = False
     bucket_size: int | None = None
+    num_buckets: int | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
+    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
     average_in_collective: bool = False
     fp8_param_gather: bool = False
     fp4_param_gather: bool = False
@@ -150,11 +153,18 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value not in _SHARDING_STRATEGIES:
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r}; allowed: "
                              f"{list(_SHARDING_STRATEGIES)}")
-    if config.overlap_param_gather and not config.use_distributed_optimizer:
+    if config.num_buckets is not None:
+        raise ValueError("DistributedDataParallelConfig.num_buckets is not supported by optstack; set bucket_size "
+                         "(elements per bucket) instead")
+    patterns = config.param_name_patterns_for_fp32_local_accumulation
+    if patterns:
+        if config.grad_reduce_in_fp32:  # Megatron's assertion
+            raise ValueError("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation is only "
+                             "needed when grad_reduce_in_fp32 is False")
         raise ValueError(
-            "DistributedDataParallelConfig.overlap_param_gather=True needs use_distributed_optimizer=True "
-            "(only sharded parameters are gathered)"
-        )
+            f"DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation={patterns!r} is not "
+            "supported by optstack (fp32 local accumulation of some bf16 gradients before a bf16 reduction); use "
+            "grad_reduce_in_fp32=True, which accumulates and reduces every gradient in fp32")
 
 
 def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool) -> int | None:
