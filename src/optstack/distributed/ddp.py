@@ -56,6 +56,9 @@ class DataParallel(nn.Module):
         sharded_reduction: how ``shard_grads`` reduces ("auto": the backend's fastest).
         shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
         bucketing: how buckets are cut (``buffers.Bucketing``; None: optstack's rule).
+        shard_group: with ``shard_grads``, the group dense gradients are sharded over, a part of the
+            data-parallel group (a partial distributed optimizer: ZeRO-1 inside each part, gradients still
+            all-reduced over the whole data-parallel group); None: the data-parallel group.
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -66,7 +69,8 @@ class DataParallel(nn.Module):
                  overlap_grad_reduce: bool = True, shard_grads: bool = False, average: bool = True,
                  check_for_nan: bool = False,
                  sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
-                 shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None) -> None:
+                 shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
+                 shard_group: Comm | NullComm | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -80,11 +84,15 @@ class DataParallel(nn.Module):
         self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
         self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
+        self._dense_shard = shard_group if shard_group is not None else self.groups.dp
+        if shard_group is not None and (not shard_grads or self.groups.dp.size % shard_group.size):
+            raise ValueError(f"shard_group needs shard_grads=True and a size dividing the data-parallel size "
+                             f"{self.groups.dp.size}; got size {shard_group.size}, shard_grads={shard_grads}")
         self._named = named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
-            list(reversed(named)), dp_size=self.groups.dp.size, expert_dp_size=self.groups.expert_dp.size,
+            list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
             shard_align=shard_align, param_align=param_align, bucketing=bucketing)
         self._data_ptrs = [p.data_ptr() for _, p in named]
@@ -178,7 +186,8 @@ class DataParallel(nn.Module):
         scale = self._average_scale()
         if scale is not None and self._hook_scale is None:
             bucket.grad_data.mul_(scale)
-        if self.shard_grads and not self._force_all_reduce and self._sharded_via(comm) == "reduce_scatter":
+        partial = self.shard_comm(buf) is not comm  # sharded over a part: every rank needs the whole sum
+        if self.shard_grads and not (self._force_all_reduce or partial) and self._sharded_via(comm) == "reduce_scatter":
             handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data)
         else:
             handle = comm.all_reduce_async(bucket.grad_data)
@@ -328,7 +337,7 @@ class DataParallel(nn.Module):
             ValueError: a parameter not trainable in the wrapped module, of the other kind (dense vs expert),
                 or given twice; an unknown ``param_gather``.
         """
-        comm = self.groups.expert_dp if expert else self.groups.dp
+        comm = self.groups.expert_dp if expert else self._dense_shard
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
         slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
@@ -358,6 +367,10 @@ class DataParallel(nn.Module):
         g = self.groups
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather)
+
+    def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
+        """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""
+        return self.groups.expert_dp if buffer.key.is_expert else self._dense_shard
 
     def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer is reduced (and sharded) over: expert data-parallel for expert buffers."""

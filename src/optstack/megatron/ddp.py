@@ -7,6 +7,9 @@ and defaults; ``DistributedDataParallel(config, ddp_config, module)`` translates
 take it as the wrapped model):
 
 - ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced);
+- ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
+  instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``) and gradients all-reduced
+  over the whole data-parallel group;
 - ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
@@ -53,6 +56,7 @@ import torch
 from torch import nn
 
 from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer
+from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
@@ -110,8 +114,6 @@ class DistributedDataParallelConfig:
 _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("align_param_gather", False,
      "parameter gathers are launched by the optimizer step, not by a pipeline schedule; set it False"),
-    ("num_distributed_optimizer_instances", 1,
-     "partial distributed optimizers are not implemented; ZeRO-1 shards over the whole data-parallel group"),
     ("check_for_large_grads", False, "the large-gradient check is not implemented; set it False"),
     ("pad_buckets_for_high_nccl_busbw", False,
      "optstack pads buckets only to split evenly across ranks (aligned); set it False"),
@@ -153,6 +155,13 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value not in _SHARDING_STRATEGIES:
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r}; allowed: "
                              f"{list(_SHARDING_STRATEGIES)}")
+    instances = config.num_distributed_optimizer_instances
+    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances must be an int >= 1, "
+                         f"got {instances!r}")
+    if instances > 1 and not config.use_distributed_optimizer:
+        raise ValueError("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
+                         "use_distributed_optimizer=True (a partial distributed optimizer)")
     if config.num_buckets is not None:
         raise ValueError("DistributedDataParallelConfig.num_buckets is not supported by optstack; set bucket_size "
                          "(elements per bucket) instead")
@@ -178,6 +187,24 @@ def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int,
     if config.bucket_size is None:
         return max(40_000_000, 1_000_000 * dp_size)
     return config.bucket_size
+
+
+def _instance_group(dp: Comm | NullComm, instances: int, given: Any) -> Comm | NullComm | None:
+    """This rank's distributed-optimizer instance: ``instances`` runs of consecutive data-parallel ranks (Megatron's
+    intra partial data-parallel group), or the given ``intra_dp_cp`` group. None for one instance. Collective
+    over the world when it creates the groups."""
+    if instances == 1:
+        return None
+    if dp.size % instances:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances={instances} must divide "
+                         f"the data-parallel size {dp.size}")
+    if given is not None:
+        return Comm(given, name="intra_dp")
+    size = dp.size // instances
+    everyone = world_comm("intra-dp").all_gather_object(list(dp.global_ranks))
+    lists = [ranks[i * size:(i + 1) * size] for ranks in sorted({tuple(r) for r in everyone})
+             for i in range(instances)]
+    return new_subgroups(lists, name="intra_dp")
 
 
 def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
@@ -320,7 +347,9 @@ class DistributedDataParallel(DataParallel):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
         check_ddp_config(ddp_config)
+        intra = None
         if isinstance(pg_collection, ProcessGroupCollection):
+            intra = pg_collection.intra_dp_cp
             pg_collection = to_parallel_groups(pg_collection)
         if pg_collection is not None and not isinstance(pg_collection, ParallelGroups):
             raise ValueError(
@@ -335,6 +364,7 @@ class DistributedDataParallel(DataParallel):
                 "average_in_collective=False"
             )
         groups = pg_collection if pg_collection is not None else ParallelGroups.from_world()
+        shard_group = _instance_group(groups.dp, ddp_config.num_distributed_optimizer_instances, intra)
         # Later pipeline stages are off the critical path: one bucket each, as in Megatron.
         bucket_size = megatron_bucket_size(ddp_config, dp_size=groups.dp.size,
                                            bucketing=not disable_bucketing and groups.pp.rank == 0)
@@ -349,6 +379,7 @@ class DistributedDataParallel(DataParallel):
             check_for_nan=ddp_config.check_for_nan_in_grad,
             bucketing=megatron_bucketing(module, dp_size=groups.dp.size,
                                          distributed_optimizer=ddp_config.use_distributed_optimizer),
+            shard_group=shard_group,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
@@ -411,7 +442,7 @@ class DistributedDataParallel(DataParallel):
     def _gather_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
         if not self.shard_grads:
             return
-        comm = self.reduce_comm(buffer)
+        comm = self.shard_comm(buffer)
         with torch.no_grad():
             own = buffer.param_shard_view(bucket.index, comm.rank).clone()
             comm.all_gather_into(bucket.param_data, own)
