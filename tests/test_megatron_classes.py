@@ -150,7 +150,14 @@ def test_get_megatron_optimizer_returns_megatrons_classes() -> None:
     assert all("param_names" not in g for g in fp32.param_groups)  # Megatron's group dicts
     expert = mlp()
     expert[0].weight.allreduce = False
-    assert len(get_megatron_optimizer(OptimizerConfig(lr=1e-2), [expert]).chained_optimizers) == 2
+    chained = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [expert])
+    assert len(chained.chained_optimizers) == 2
+    backward(expert)
+    chained.step()
+    for member in chained.chained_optimizers:  # each member's state dict holds its own part only
+        own = member.state_dict()
+        assert len(own["param_groups"]) == len(member.param_groups)
+        assert len(own["state"]) == len(member.get_parameters())
 
     # bf16 parameters with bf16=False: Megatron builds it; optstack steps fp32 masters of them.
     model = mlp(torch.bfloat16)
