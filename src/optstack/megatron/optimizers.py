@@ -21,6 +21,7 @@ writes there reach the step), ``step()`` returns ``(update_successful, grad_norm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 _NOT_SETTINGS = ("params", "param_names")
+_PROTOCOL = ("prepare_grads", "get_grad_norm", "step_with_ready_grads")
 
 
 def _param_group_override_keys() -> tuple[str, ...]:
@@ -477,7 +479,8 @@ class ChainedOptimizer(MegatronOptimizer):
     def __init__(self, chained_optimizers: Sequence[Any]) -> None:
         self.chained_optimizers = list(chained_optimizers)
         self.built: Any = None
-        configs = [o.config for o in self.chained_optimizers if isinstance(o, MegatronOptimizer)]
+        configs = [o.config for o in self.chained_optimizers
+                   if isinstance(o, MegatronOptimizer) or all(hasattr(o, k) for k in _PROTOCOL + ("config",))]
         config = configs[0] if configs else None
         self.config = config
         self.init_state_fn = None
@@ -543,11 +546,36 @@ class ChainedOptimizer(MegatronOptimizer):
     def step(self) -> tuple[bool, float | None, int | None]:
         unsteppable = [type(o).__name__ for o, m in zip(self.chained_optimizers, self._members, strict=True)
                        if m is None]
+        if unsteppable and len(unsteppable) == len(self.chained_optimizers) and all(
+                all(hasattr(o, k) for k in _PROTOCOL) for o in self.chained_optimizers):
+            return self._step_protocol()
         if unsteppable:
             raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
                              "torch.optim optimizers; chain those only")
         result = _step(self._chain, self.param_groups)
         return result.applied, result.grad_norm, result.num_zeros
+
+    def _step_protocol(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's chained step over objects that implement Megatron's optimizer protocol themselves
+        (``prepare_grads``, ``get_grad_norm``, ``step_with_ready_grads``): one skip decision for all."""
+        if any([o.prepare_grads() for o in self.chained_optimizers]):  # every one prepares, as in Megatron
+            return False, None, None
+        norms = [float(o.get_grad_norm() or 0.0) for o in self.chained_optimizers]
+        grad_norm = math.sqrt(sum(n * n for n in norms))
+        clip = getattr(self.config, "clip_grad", 0.0) if self.config is not None else 0.0
+        if clip > 0 and clip / (grad_norm + 1e-6) < 1:  # Megatron's clip by the total norm
+            grads = [p.grad for o in self.chained_optimizers if hasattr(o, "get_parameters")
+                     for p in o.get_parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
+        threshold = _skip_threshold(self.config) if self.config is not None else None
+        if threshold is not None and grad_norm > threshold:
+            return False, grad_norm, None
+        zeros = None
+        if self.config is not None and getattr(self.config, "log_num_zeros_in_grad", False):
+            zeros = sum(int(o.count_zeros()) for o in self.chained_optimizers)
+        applied = all([o.step_with_ready_grads() for o in self.chained_optimizers])
+        return applied, grad_norm, zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._chain.zero_grad(set_to_none)
