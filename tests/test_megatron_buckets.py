@@ -92,6 +92,7 @@ def test_wrapper_surface() -> None:
     assert len(model.bucket_groups) == 2 and len(model.expert_parallel_bucket_groups) == 2  # 6 >= 5: own buckets
     assert model.buffers[0].numel_unpadded == 42 == model.buffers[0].numel  # no padding without distopt
     assert list(model.buffers()) == []  # still nn.Module.buffers when called
+    assert set(model.sharded_state_dict(prefix="m.")) == {f"m.{n}" for n in model.module.state_dict()}
     model(torch.ones(2, 6)).sum().backward()
     model.finish_grad_sync()
     before = model.main_grad(model.module.dense.weight).clone()

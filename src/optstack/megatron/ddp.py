@@ -470,6 +470,12 @@ class DistributedDataParallel(DataParallel):
         """The wrapped module's state dict (no ``module.`` prefix), as Megatron's wrapper returns it."""
         return self.module.state_dict(*args, **kwargs)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+                           ) -> dict[str, Any]:
+        """The model's part of a distributed checkpoint: the wrapped module's state dict (every rank holds whole
+        parameters, which torch.distributed.checkpoint saves once), keys prefixed with ``prefix``."""
+        return {prefix + k: v for k, v in self.module.state_dict().items()}
+
     def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:  # type: ignore[override]
         """Copy ``state_dict`` (the wrapped module's keys) into the parameters in place, so they stay in
         the buffers."""
