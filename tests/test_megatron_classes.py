@@ -150,7 +150,14 @@ def test_get_megatron_optimizer_returns_megatrons_classes() -> None:
     assert all("param_names" not in g for g in fp32.param_groups)  # Megatron's group dicts
     expert = mlp()
     expert[0].weight.allreduce = False
-    assert len(get_megatron_optimizer(OptimizerConfig(lr=1e-2), [expert]).chained_optimizers) == 2
+    chained = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [expert])
+    assert len(chained.chained_optimizers) == 2
+    backward(expert)
+    chained.step()
+    for member in chained.chained_optimizers:  # each member's state dict holds its own part only
+        own = member.state_dict()
+        assert len(own["param_groups"]) == len(member.param_groups)
+        assert len(own["state"]) == len(member.get_parameters())
 
     # bf16 parameters with bf16=False: Megatron builds it; optstack steps fp32 masters of them.
     model = mlp(torch.bfloat16)
@@ -284,3 +291,40 @@ def test_private_get_param_groups_has_megatrons_keys() -> None:
     groups = _get_param_groups([mlp()], OptimizerConfig(lr=0.01), {})
     assert groups[0].keys() == {"params", "is_expert_parallel", "default_config", "wd_mult", "lr_mult",
                                 "is_decoupled_lr", "max_lr", "min_lr"}
+
+
+class _Protocol:
+    """An optimizer implementing Megatron's step protocol itself (as Megatron's tests mock one)."""
+
+    def __init__(self, param: torch.Tensor, config: OptimizerConfig, norm: float) -> None:
+        self.config, self.param, self.norm, self.stepped = config, param, norm, False
+        self.param_groups = [{"params": [param]}]
+
+    def prepare_grads(self) -> bool:
+        return False
+
+    def get_grad_norm(self) -> float:
+        return self.norm
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        return [self.param]
+
+    def step_with_ready_grads(self) -> bool:
+        self.stepped = True
+        return True
+
+
+def test_chain_of_megatron_protocol_objects_skips_as_one() -> None:
+    param = nn.Parameter(torch.ones(2, 2))
+    param.grad = torch.ones_like(param)
+    skipping = _Protocol(param, OptimizerConfig(clip_grad=0.0, grad_norm_skip_threshold=1.0), 2.0)
+    assert ChainedOptimizer([skipping]).step() == (False, 2.0, None) and not skipping.stepped
+    assert torch.equal(param.grad, torch.ones_like(param))
+    params = [nn.Parameter(torch.ones(2)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    clipping = [_Protocol(p, OptimizerConfig(clip_grad=1.0), n) for p, n in zip(params, (3.0, 4.0), strict=True)]
+    applied, norm, _ = ChainedOptimizer(clipping).step()
+    assert applied and norm == 5.0 and all(o.stepped for o in clipping)
+    for p in params:  # clipped by the one total norm
+        torch.testing.assert_close(p.grad, torch.full_like(p, 0.2), rtol=1e-5, atol=0)

@@ -134,7 +134,6 @@ def test_lr_none_is_a_clear_error() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("overlap_param_gather_with_optimizer_step", True),
         ("main_params_dtype", torch.float16),  # bf16 is honoured (issue 13); fp16 masters are not
         ("main_grads_dtype", torch.float16),
         ("fp8_recipe", "delayed"),
@@ -212,3 +211,17 @@ def test_core_combination_errors_speak_megatron_names() -> None:
         to_core(OptimizerConfig(lr=1e-3, optimizer="lion", optimizer_cpu_offload=True))
     with pytest.raises(ValueError, match=r"distributed.sharding='layerwise' needs a Muon-family algorithm"):
         to_core(OptimizerConfig(lr=1e-3, optimizer="adam", use_layer_wise_distributed_optimizer=True))
+
+
+def test_overlap_flags_megatron_accepts() -> None:
+    # The gathers already overlap the step (each stage launches them as it finishes); Megatron's preconditions hold.
+    OptimizerConfig(lr=1.0, use_distributed_optimizer=True, overlap_param_gather=True,
+                    overlap_param_gather_with_optimizer_step=True)
+    with pytest.raises(ValueError, match="overlap_param_gather_with_optimizer_step=True needs"):
+        OptimizerConfig(lr=1.0, overlap_param_gather_with_optimizer_step=True)
+    # The layer-wise optimizer may ask for overlap_param_gather without the distributed optimizer (current main).
+    core = to_core(OptimizerConfig(lr=1.0, optimizer="muon", use_layer_wise_distributed_optimizer=True,
+                                   overlap_param_gather=True))
+    assert core.distributed.sharding == "layerwise" and not core.distributed.overlap_param_gather
+    with pytest.raises(ValueError, match="overlap_param_gather=True needs use_distributed_optimizer=True or"):
+        OptimizerConfig(lr=1.0, overlap_param_gather=True)

@@ -20,9 +20,10 @@ from optstack.megatron import (
 MEGATRON_DEFAULTS = {
     "grad_reduce_in_fp32": False, "overlap_grad_reduce": False, "overlap_param_gather": False,
     "align_param_gather": False, "use_distributed_optimizer": False, "num_distributed_optimizer_instances": 1,
-    "check_for_nan_in_grad": False, "check_for_large_grads": False, "bucket_size": None,
+    "check_for_nan_in_grad": False, "check_for_large_grads": False, "bucket_size": None, "num_buckets": None,
     "pad_buckets_for_high_nccl_busbw": False, "reduce_scatter_with_fp32_accumulation": False,
-    "average_in_collective": False, "fp8_param_gather": False, "fp4_param_gather": False,
+    "param_name_patterns_for_fp32_local_accumulation": (), "average_in_collective": False,
+    "fp8_param_gather": False, "fp4_param_gather": False,
     "reuse_grad_buf_for_mxfp8_param_ag": False, "use_megatron_fsdp": False, "use_custom_fsdp": False,
     "data_parallel_sharding_strategy": "no_shard", "gradient_reduce_div_fusion": True,
     "suggested_communication_unit_size": None, "preserve_fp32_weights": True, "keep_fp8_transpose_cache": False,
@@ -56,7 +57,7 @@ def test_defaults_and_field_order_are_megatrons() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("align_param_gather", True), ("num_distributed_optimizer_instances", 2), ("check_for_large_grads", True),
+    [("align_param_gather", True), ("check_for_large_grads", True),
      ("pad_buckets_for_high_nccl_busbw", True), ("reduce_scatter_with_fp32_accumulation", True),
      ("fp8_param_gather", True), ("fp4_param_gather", True), ("reuse_grad_buf_for_mxfp8_param_ag", True),
      ("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True), ("delay_wgrad_compute", True)],
@@ -74,7 +75,12 @@ def test_unsupported_values_name_the_field(field: str, value: object) -> None:
         ({"bucket_size": True}, "bucket_size must be None"),
         ({"grad_reduce_in_fp32": "yes"}, "grad_reduce_in_fp32 must be True or False"),
         ({"data_parallel_sharding_strategy": "full"}, "data_parallel_sharding_strategy='full'; allowed"),
-        ({"overlap_param_gather": True}, "overlap_param_gather=True needs use_distributed_optimizer=True"),
+        ({"num_buckets": 4}, "num_buckets is not supported"),
+        ({"num_distributed_optimizer_instances": 2}, "needs use_distributed_optimizer=True"),
+        ({"num_distributed_optimizer_instances": 0}, "must be an int >= 1"),
+        ({"param_name_patterns_for_fp32_local_accumulation": ("*.weight",)}, "use grad_reduce_in_fp32=True"),
+        ({"param_name_patterns_for_fp32_local_accumulation": ("all",), "grad_reduce_in_fp32": True},
+         "only needed when grad_reduce_in_fp32 is False"),
     ],
 )
 def test_invalid_values(kwargs: dict, match: str) -> None:

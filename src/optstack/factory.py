@@ -292,12 +292,13 @@ def _build_stages(
         spec = get_algorithm(name)
         # CPU offload lives inside the inner optimizer.
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
-        precision = _stage_precision(config, spec.family) if masters else Direct()
+        # (under fp32 the sharded stages keep Masters, which steps fp32 pieces directly; replicated says Direct)
+        precision = _stage_precision(config, spec.family)
         if dtensor is not None:
-            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=precision,
+            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=precision if masters else Direct(),
                                   whole_matrices=spec.family == "muon")
         elif ddp is None:
-            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision)
+            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision if masters else Direct())
         elif sharding == "zero1" and spec.family == "muon":
             # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank (the layer-wise
             # placement); a bucket range would cut matrices, and Newton-Schulz needs them whole.
@@ -313,6 +314,7 @@ def _build_stages(
         elif sharding == "layerwise" and spec.family == "muon":
             stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
         else:
-            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
+            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                     precision=precision if masters else Direct())
         stages.append(stage)
     return stages

@@ -114,9 +114,20 @@ CASES = {
     },
     "layerwise-muon": {"optimizer": {"lr": 1e-2, "optimizer": "muon", "use_layer_wise_distributed_optimizer": True},
                        "ddp": {"overlap_grad_reduce": True, "bucket_size": 100}},
+    "zero1-lion": {"optimizer": {"lr": 1e-3, "optimizer": "lion", "use_distributed_optimizer": True},
+                   "ddp": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "bucket_size": 100}},
+    # A partial distributed optimizer: each rank its own instance, gradients all-reduced over both
+    "zero1-instances": {"optimizer": {"lr": 1e-2, "use_distributed_optimizer": True},
+                        "ddp": {"use_distributed_optimizer": True, "num_distributed_optimizer_instances": 2,
+                                "overlap_grad_reduce": True, "bucket_size": 100}},
+    # Megatron's current main: the layer-wise optimizer with overlap_param_gather, no distributed optimizer
+    "layerwise-overlap": {"optimizer": {"lr": 1e-2, "optimizer": "muon", "use_layer_wise_distributed_optimizer": True,
+                                        "overlap_param_gather": True},
+                          "ddp": {"overlap_grad_reduce": True, "overlap_param_gather": True}},
 }
 STAGES = {"replicated": {"whole+direct"}, "zero1": {"zero1+masters"}, "zero1-overlap": {"zero1+masters"},
-          "layerwise-muon": {"layerwise+masters", "whole+direct"}}
+          "layerwise-muon": {"layerwise+masters", "whole+direct"}, "zero1-lion": {"zero1+masters"},
+          "layerwise-overlap": {"layerwise+masters", "whole+direct"}, "zero1-instances": {"zero1+masters"}}
 
 
 @pytest.mark.parametrize("name", list(CASES))

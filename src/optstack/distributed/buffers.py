@@ -5,6 +5,10 @@ first bucket fills first. ``BufferLayout.plan``: each parameter starts at a mult
 are cut at parameter boundaries while they fit in ``bucket_size`` elements (a larger parameter gets its own) and
 zero-padded to a multiple of ``dp_size * shard_align``, so they split into ``dp_size`` equal, aligned shards:
 rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across parameters.
+
+``Bucketing`` selects another rule for a face that must reproduce a framework's layout (Megatron's: a bucket
+closes once it *reaches* ``bucket_size``; padding only under the distributed optimizer; a shared embedding in
+a bucket of its own); the default is the rule above.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["ParamSlot", "BucketSlot", "OwnedSlice", "BufferLayout", "BufferKey", "Bucket",
+__all__ = ["ParamSlot", "BucketSlot", "OwnedSlice", "BufferLayout", "BufferKey", "Bucket", "Bucketing",
            "ParamAndGradBuffer", "build_buffers"]
 
 
@@ -42,13 +47,15 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class BucketSlot:
-    """One bucket: buffer elements ``[offset, offset + numel)``, padding included; ``param_names`` in buffer order."""
+    """One bucket: buffer elements ``[offset, offset + numel)``, padding included; ``param_names`` in buffer order;
+    ``numel_unpadded``: up to the end of its last parameter."""
 
     index: int
     offset: int
     numel: int
     shard_numel: int
     param_names: tuple[str, ...]
+    numel_unpadded: int = 0
 
     @property
     def end(self) -> int:
@@ -72,6 +79,36 @@ class OwnedSlice:
 
 
 @dataclass(frozen=True)
+class Bucketing:
+    """How ``BufferLayout.plan`` cuts buckets (the defaults are optstack's rule, module docstring).
+
+    Attributes:
+        close: "fit": a bucket closes before a parameter that would take it over ``bucket_size`` (a larger
+            parameter gets its own); "reach": a bucket closes once it holds ``bucket_size`` elements or more
+            (Megatron's rule).
+        pad: "aligned": each bucket is zero-padded to a multiple of ``dp_size * shard_align`` (equal shards,
+            each aligned); "even": to a multiple of ``lcm(dp_size, shard_align)`` (equal shards; Megatron's
+            distributed optimizer); "none": not padded (buckets that are never sharded).
+        param_align: each parameter starts at a multiple of this; None: the plan's ``param_align``.
+        alone: names of parameters that get a bucket to themselves.
+    """
+
+    close: Literal["fit", "reach"] = "fit"
+    pad: Literal["aligned", "even", "none"] = "aligned"
+    param_align: int | None = None
+    alone: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.close not in ("fit", "reach"):
+            raise ValueError(f"Bucketing.close must be 'fit' or 'reach', got {self.close!r}")
+        if self.pad not in ("aligned", "even", "none"):
+            raise ValueError(f"Bucketing.pad must be 'aligned', 'even' or 'none', got {self.pad!r}")
+        value = self.param_align
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"Bucketing.param_align must be None or a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
 class BufferLayout:
     """The pure plan of one buffer (module docstring); build it with ``BufferLayout.plan``."""
 
@@ -82,8 +119,12 @@ class BufferLayout:
 
     @classmethod
     def plan(cls, params: Sequence[tuple[str, Sequence[int]]], *, dp_size: int, bucket_size: int | None,
-             shard_align: int = 128, param_align: int = 64) -> BufferLayout:
-        """Lay out ``params`` (name, shape), given in backward order; ValueError for a size < 1 or a repeated name."""
+             shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None) -> BufferLayout:
+        """Lay out ``params`` (name, shape), given in backward order, cut as ``bucketing`` says (default: the
+        module docstring's rule); ValueError for a size < 1 or a repeated name."""
+        rule = bucketing if bucketing is not None else Bucketing()
+        if rule.param_align is not None:
+            param_align = rule.param_align
         sizes = {"dp_size": dp_size, "shard_align": shard_align, "param_align": param_align,
                  "bucket_size": 1 if bucket_size is None else bucket_size}
         for field_name, value in sizes.items():
@@ -93,7 +134,7 @@ class BufferLayout:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"parameter names must be unique; {dup!r} appears twice")
-        multiple = dp_size * shard_align
+        multiple = {"aligned": dp_size * shard_align, "even": math.lcm(dp_size, shard_align), "none": 1}[rule.pad]
         slots: list[ParamSlot] = []
         buckets: list[BucketSlot] = []
         start, offset, members = 0, 0, []  # the open bucket's start, the next free element, its parameters
@@ -101,17 +142,22 @@ class BufferLayout:
         def close() -> None:
             nonlocal start, offset, members
             end = max(_align_up(offset, multiple), start + multiple)
-            buckets.append(BucketSlot(len(buckets), start, end - start, (end - start) // dp_size, tuple(members)))
+            buckets.append(BucketSlot(len(buckets), start, end - start, (end - start) // dp_size, tuple(members),
+                                      offset - start))
             start, offset, members = end, end, []
 
         for name, shape in params:
             numel, at = math.prod(shape), _align_up(offset, param_align)
-            if members and bucket_size is not None and at + numel - start > bucket_size:
+            alone = name in rule.alone
+            too_big = rule.close == "fit" and bucket_size is not None and at + numel - start > bucket_size
+            if members and (too_big or alone):
                 close()
                 at = _align_up(offset, param_align)
             slots.append(ParamSlot(name, tuple(int(s) for s in shape), at, numel, len(buckets)))
             members.append(name)
             offset = at + numel
+            if alone or (rule.close == "reach" and bucket_size is not None and offset - start >= bucket_size):
+                close()
         if members:
             close()
         return cls(tuple(slots), tuple(buckets), start, dp_size)
@@ -167,6 +213,11 @@ class Bucket:
     param_data: torch.Tensor
     grad_data: torch.Tensor
 
+    @property
+    def numel_unpadded(self) -> int:
+        """Elements up to the end of the bucket's last parameter (its padding excluded)."""
+        return self.slot.numel_unpadded
+
 
 class ParamAndGradBuffer:
     """One layout's flat storage: every parameter's ``.data`` becomes a view of ``param_data`` (values kept).
@@ -180,7 +231,7 @@ class ParamAndGradBuffer:
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
                  bucket_size: int | None, grad_dtype: torch.dtype | None = None, is_expert: bool = False,
-                 shard_align: int = 128, param_align: int = 64) -> None:
+                 shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None) -> None:
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         first = named_params[0][1]
@@ -190,7 +241,8 @@ class ParamAndGradBuffer:
                                  f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
         self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert)
         self.layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
-                                        bucket_size=bucket_size, shard_align=shard_align, param_align=param_align)
+                                        bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
+                                        bucketing=bucketing)
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)
@@ -213,6 +265,16 @@ class ParamAndGradBuffer:
 
     def __contains__(self, param: object) -> bool:
         return id(param) in self._slots
+
+    @property
+    def numel(self) -> int:
+        """Elements of the buffer, padding included."""
+        return self.layout.numel
+
+    @property
+    def numel_unpadded(self) -> int:
+        """Elements of the buffer without the buckets' end padding (the sum of ``Bucket.numel_unpadded``)."""
+        return sum(b.numel_unpadded for b in self.buckets)
 
     def slot_of(self, param: torch.Tensor) -> ParamSlot:
         """The layout slot of ``param``."""
@@ -250,13 +312,14 @@ class ParamAndGradBuffer:
 def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int, expert_dp_size: int,
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
-                  shard_align: int = 128, param_align: int = 64) -> list[ParamAndGradBuffer]:
+                  shard_align: int = 128, param_align: int = 64,
+                  bucketing: Bucketing | None = None) -> list[ParamAndGradBuffer]:
     """One ``ParamAndGradBuffer`` per ``BufferKey`` of ``named_params`` (backward order), in order of first use;
-    ``is_expert`` ones split across ``expert_dp_size`` ranks."""
+    ``is_expert`` ones split across ``expert_dp_size`` ranks; buckets cut as ``bucketing`` says."""
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))
     return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
                                bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
-                               shard_align=shard_align, param_align=param_align)
+                               shard_align=shard_align, param_align=param_align, bucketing=bucketing)
             for key, members in groups.items()]

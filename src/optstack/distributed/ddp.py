@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from optstack.distributed.buffers import Bucket, ParamAndGradBuffer, build_buffers
+from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer, build_buffers
 from optstack.distributed.comm import Comm, Handle, NullComm, is_initialized
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather_via, plan_bucket_gathers
@@ -80,6 +80,10 @@ class DataParallel(nn.Module):
         check_for_nan: check local gradients before each reduction; ``finish_grad_sync`` raises, naming them.
         sharded_reduction: how ``shard_grads`` reduces ("auto": the backend's fastest).
         shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
+        bucketing: how buckets are cut (``buffers.Bucketing``; None: optstack's rule).
+        shard_group: with ``shard_grads``, the group dense gradients are sharded over, a part of the
+            data-parallel group (a partial distributed optimizer: ZeRO-1 inside each part, gradients still
+            all-reduced over the whole data-parallel group); None: the data-parallel group.
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -90,7 +94,8 @@ class DataParallel(nn.Module):
                  overlap_grad_reduce: bool = True, shard_grads: bool = False, average: bool = True,
                  check_for_nan: bool = False,
                  sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
-                 shard_align: int = 128, param_align: int = 64) -> None:
+                 shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
+                 shard_group: Comm | NullComm | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -106,13 +111,17 @@ class DataParallel(nn.Module):
         self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
         self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
+        self._dense_shard = shard_group if shard_group is not None else self.groups.dp
+        if shard_group is not None and (not shard_grads or self.groups.dp.size % shard_group.size):
+            raise ValueError(f"shard_group needs shard_grads=True and a size dividing the data-parallel size "
+                             f"{self.groups.dp.size}; got size {shard_group.size}, shard_grads={shard_grads}")
         self._named = named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
-            list(reversed(named)), dp_size=self.groups.dp.size, expert_dp_size=self.groups.expert_dp.size,
+            list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
-            shard_align=shard_align, param_align=param_align)
+            shard_align=shard_align, param_align=param_align, bucketing=bucketing)
         self._data_ptrs = [p.data_ptr() for _, p in named]
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
@@ -138,6 +147,7 @@ class DataParallel(nn.Module):
         self._hooks.append(module.register_state_dict_pre_hook(self._finish_param_sync_hook))
         self._grads_exposed = False  # p.grad are views of the reduced buffers (finish_grad_sync)
         _LIVE.add(self)
+        self._force_all_reduce = False  # finish_grad_sync(force_all_reduce=True): whole reduced gradients
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
@@ -216,7 +226,8 @@ class DataParallel(nn.Module):
         scale = self._average_scale()
         if scale is not None and self._hook_scale is None:
             bucket.grad_data.mul_(scale)
-        if self.shard_grads and self._sharded_via(comm) == "reduce_scatter":
+        partial = self.shard_comm(buf) is not comm  # sharded over a part: every rank needs the whole sum
+        if self.shard_grads and not (self._force_all_reduce or partial) and self._sharded_via(comm) == "reduce_scatter":
             handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data)
         else:
             handle = comm.all_reduce_async(bucket.grad_data)
@@ -236,9 +247,63 @@ class DataParallel(nn.Module):
             if handle is not None:
                 handle.wait()
 
-    def finish_grad_sync(self) -> None:
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """Mark ``param``'s gradient as complete for this step, as its backward hook does after accumulating
+        (for a gradient written into ``main_grad(param)`` directly); with ``overlap_grad_reduce`` the buckets
+        now complete are launched.
+
+        Raises:
+            ValueError: not a trainable parameter of the wrapped module. RuntimeError: marked twice in a step.
+        """
+        entry = self._slot_of_param.get(id(param))
+        if entry is None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                             "wrapped module")
+        pos, buf = entry
+        if id(param) in self._ready or self._handles[pos] is not None:
+            raise RuntimeError(f"parameter {buf.name_of(param)!r} was already marked ready this step; call "
+                               "finish_grad_sync() first")
+        if self._synced:
+            self._synced, self._hook_scale = False, None  # written directly: scale at launch
+        self._ready.add(id(param))
+        self._pending[pos] -= 1
+        if self.overlap_grad_reduce and self._sync_enabled:
+            self._launch_ready()
+
+    def start_grad_sync(self, *, through: int | None = None, force_all_reduce: bool = False) -> None:
+        """Launch the reductions of the buckets not launched yet (in launch order, up to position ``through``
+        of ``bucket_order`` when given), whether or not their gradients were marked ready."""
+        if self._synced:
+            self._synced, self._hook_scale = False, None
+        last = len(self._order) - 1 if through is None else through
+        self._force_all_reduce = force_all_reduce
+        try:
+            while self._next <= last:
+                self._launch(self._next)
+        finally:
+            self._force_all_reduce = False
+
+    def wait_bucket(self, position: int) -> None:
+        """Wait for the reduction of the bucket at ``position`` of ``bucket_order`` (launched: ``bucket_launched``)."""
+        handle = self._handles[position]
+        if handle is None:
+            raise RuntimeError(f"bucket {position} of bucket_order has not been launched; mark its gradients ready "
+                               "or call start_grad_sync()")
+        handle.wait()
+
+    def bucket_launched(self, position: int) -> bool:
+        """Whether the reduction of the bucket at ``position`` of ``bucket_order`` has started this step."""
+        return self._handles[position] is not None
+
+    @property
+    def bucket_order(self) -> list[tuple[ParamAndGradBuffer, Bucket]]:
+        """Every (buffer, bucket) in the fixed order their reductions launch (the same on every rank)."""
+        return list(self._order)
+
+    def finish_grad_sync(self, *, force_all_reduce: bool = False) -> None:
         """Launch the buckets not launched yet, wait for every reduction, reset for the next step; a no-op when
         called again with no backward in between (so the optimizer can call it whether or not the loop did).
+        ``force_all_reduce``: buckets launched here are all-reduced even when gradients are sharded.
 
         Raises:
             RuntimeError: the module's parameters changed after wrapping, or (``check_for_nan``) non-finite
@@ -251,8 +316,7 @@ class DataParallel(nn.Module):
                     buf.grad_data.zero_()
                 self._stale, self._written = False, set()
             return
-        while self._next < len(self._order):
-            self._launch(self._next)
+        self.start_grad_sync(force_all_reduce=force_all_reduce)
         self._wait_all()
         nonfinite = self._nonfinite
         self._reset_sync_state()
@@ -356,7 +420,7 @@ class DataParallel(nn.Module):
             ValueError: a parameter not trainable in the wrapped module, of the other kind (dense vs expert),
                 or given twice; an unknown ``param_gather``.
         """
-        comm = self.groups.expert_dp if expert else self.groups.dp
+        comm = self.groups.expert_dp if expert else self._dense_shard
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
         slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
@@ -387,6 +451,10 @@ class DataParallel(nn.Module):
         g = self.groups
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather)
+
+    def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
+        """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""
+        return self.groups.expert_dp if buffer.key.is_expert else self._dense_shard
 
     def reduce_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer is reduced (and sharded) over: expert data-parallel for expert buffers."""

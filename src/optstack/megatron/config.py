@@ -16,6 +16,12 @@ parallelism, where the three modes coincide); ``optimizer_offload_fraction`` whi
 ``muon_use_nesterov`` (megatron-core 0.16's name) and ``muon_nesterov`` (later releases) are both accepted;
 either one set True turns Nesterov momentum on.
 
+``overlap_param_gather_with_optimizer_step`` (with ``use_distributed_optimizer`` and ``overlap_param_gather``, as
+Megatron requires) is what optstack's overlapped gathers do already: each stage launches its buckets' gathers as
+soon as its step has written them, so they overlap the rest of the step and the next forward.
+``overlap_param_gather`` with the layer-wise optimizer (Megatron's current main) is accepted; its broadcasts run
+at the end of the step.
+
 Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precision Adam moments) does not need
 ``use_distributed_optimizer`` here.
 
@@ -194,8 +200,6 @@ def _unsupported(field: str, value: object, fix: str) -> ValueError:
 _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("fp8_recipe", None, "FP8 training is not implemented; leave it None"),
     ("reuse_grad_buf_for_mxfp8_param_ag", False, "it belongs to MXFP8 training, which is not implemented"),
-    ("overlap_param_gather_with_optimizer_step", False,
-     "overlapping the first bucket's all-gather with the step is not implemented; set it False"),
     ("offload_optimizer_states", False,
      "call optimizer.offload_states() after a step and optimizer.reload_states() before the next "
      "(every master and moment to host memory and back, exact), or optimizer_cpu_offload=True to step "
@@ -296,10 +300,17 @@ def check_supported(config: OptimizerConfig) -> None:
             "OptimizerConfig: use_distributed_optimizer and use_layer_wise_distributed_optimizer are both "
             "True; pick one (layer-wise is what Muon needs, ZeRO-1 the distributed optimizer for the rest)"
         )
-    if config.overlap_param_gather and not config.use_distributed_optimizer:
+    layer_wise = config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"
+    if config.overlap_param_gather and not (config.use_distributed_optimizer or layer_wise):
         raise ValueError(
-            "OptimizerConfig.overlap_param_gather=True needs use_distributed_optimizer=True "
-            "(only sharded parameters are gathered)"
+            "OptimizerConfig.overlap_param_gather=True needs use_distributed_optimizer=True or the layer-wise "
+            "optimizer (only sharded parameters are gathered)"
+        )
+    if config.overlap_param_gather_with_optimizer_step and not (
+            config.use_distributed_optimizer and config.overlap_param_gather):
+        raise ValueError(
+            "OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs use_distributed_optimizer=True "
+            "and overlap_param_gather=True (as in Megatron)"
         )
     if config.optimizer in ("muon", "dist_muon") and config.fp16:
         raise ValueError(
@@ -433,7 +444,8 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
                 scalar_algorithm=core_algorithm(config.muon_scalar_optimizer, config.decoupled_weight_decay),
             ),
             distributed=core.DistributedConfig(
-                sharding=sharding, overlap_param_gather=config.overlap_param_gather
+                # The layer-wise optimizer's broadcasts run at the end of its step (not overlapped).
+                sharding=sharding, overlap_param_gather=config.overlap_param_gather and sharding == "zero1"
             ),
             masters=_masters(config),
             offload=core.OffloadConfig(

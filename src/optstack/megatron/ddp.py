@@ -7,6 +7,9 @@ and defaults; ``DistributedDataParallel(config, ddp_config, module)`` translates
 take it as the wrapped model):
 
 - ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced);
+- ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
+  instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``) and gradients all-reduced
+  over the whole data-parallel group;
 - ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
@@ -17,7 +20,8 @@ take it as the wrapped model):
   before the sum, Megatron's ``average_in_collective=False`` path); the numbers are the same.
   ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
 - ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
-  ``get_megatron_optimizer`` requires the optimizer config to agree with this one.
+  ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
+  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main).
 
 Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
@@ -26,9 +30,20 @@ Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. Every other field set to a value optstack
 does not implement is a ``ValueError`` naming it.
 
+Buckets are cut as Megatron cuts them (``optstack.distributed.buffers.Bucketing``): in backward order, a bucket
+closes once it holds ``bucket_size`` elements or more; with ``use_distributed_optimizer`` parameters start at
+multiples of 64 elements, buckets are padded to a multiple of ``lcm(data-parallel size, 128)`` and a parameter
+with a truthy ``shared_embedding`` attribute gets a bucket of its own; without it nothing is padded.
+
+Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's ``ParamAndGradBuffer``: ``param_data``,
+``grad_data``, ``buckets``, ``numel``, ``numel_unpadded``), ``bucket_groups`` / ``expert_parallel_bucket_groups``
+(one ``BucketGroup`` per bucket), ``register_grad_ready``, ``start_grad_sync``, ``finish_grad_sync(force_all_reduce=)``,
+``start_param_sync``, ``scale_gradients``, ``zero_grad_buffer``, ``broadcast_params``, ``no_sync``.
+
 Not offered: ``param.main_grad`` (optstack sets no attributes on parameters; ``ddp.main_grad(param)`` is the
-gradient in the buffer), ``start_grad_sync`` / ``start_param_sync`` and the forward pre-hook switches (the
-optimizer stage owns the parameter gathers: ``MegatronOptimizer.finish_param_sync()`` waits for them).
+gradient in the buffer) and the forward pre-hook switches (the optimizer stage owns the overlapped parameter
+gathers: ``MegatronOptimizer.finish_param_sync()`` waits for them). ``finish_grad_sync()`` called again with no
+gradient in between is a no-op (Megatron reduces the buffers again).
 """
 
 from __future__ import annotations
@@ -40,10 +55,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer
+from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
+from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
 
-__all__ = ["DistributedDataParallel", "DistributedDataParallelConfig", "check_ddp_config", "megatron_bucket_size"]
+__all__ = ["BucketGroup", "DistributedDataParallel", "DistributedDataParallelConfig", "GradSyncError",
+           "check_ddp_config", "megatron_bucket_size", "megatron_bucketing"]
 
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -66,8 +85,10 @@ class DistributedDataParallelConfig:
     check_for_nan_in_grad: bool = False
     check_for_large_grads: bool = False
     bucket_size: int | None = None
+    num_buckets: int | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
+    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
     average_in_collective: bool = False
     fp8_param_gather: bool = False
     fp4_param_gather: bool = False
@@ -93,8 +114,6 @@ class DistributedDataParallelConfig:
 _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("align_param_gather", False,
      "parameter gathers are launched by the optimizer step, not by a pipeline schedule; set it False"),
-    ("num_distributed_optimizer_instances", 1,
-     "partial distributed optimizers are not implemented; ZeRO-1 shards over the whole data-parallel group"),
     ("check_for_large_grads", False, "the large-gradient check is not implemented; set it False"),
     ("pad_buckets_for_high_nccl_busbw", False,
      "optstack pads buckets only to split evenly across ranks (aligned); set it False"),
@@ -136,11 +155,25 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value not in _SHARDING_STRATEGIES:
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r}; allowed: "
                              f"{list(_SHARDING_STRATEGIES)}")
-    if config.overlap_param_gather and not config.use_distributed_optimizer:
+    instances = config.num_distributed_optimizer_instances
+    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances must be an int >= 1, "
+                         f"got {instances!r}")
+    if instances > 1 and not config.use_distributed_optimizer:
+        raise ValueError("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
+                         "use_distributed_optimizer=True (a partial distributed optimizer)")
+    if config.num_buckets is not None:
+        raise ValueError("DistributedDataParallelConfig.num_buckets is not supported by optstack; set bucket_size "
+                         "(elements per bucket) instead")
+    patterns = config.param_name_patterns_for_fp32_local_accumulation
+    if patterns:
+        if config.grad_reduce_in_fp32:  # Megatron's assertion
+            raise ValueError("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation is only "
+                             "needed when grad_reduce_in_fp32 is False")
         raise ValueError(
-            "DistributedDataParallelConfig.overlap_param_gather=True needs use_distributed_optimizer=True "
-            "(only sharded parameters are gathered)"
-        )
+            f"DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation={patterns!r} is not "
+            "supported by optstack (fp32 local accumulation of some bf16 gradients before a bf16 reduction); use "
+            "grad_reduce_in_fp32=True, which accumulates and reduces every gradient in fp32")
 
 
 def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool) -> int | None:
@@ -156,6 +189,115 @@ def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int,
     return config.bucket_size
 
 
+def _instance_group(dp: Comm | NullComm, instances: int, given: Any) -> Comm | NullComm | None:
+    """This rank's distributed-optimizer instance: ``instances`` runs of consecutive data-parallel ranks (Megatron's
+    intra partial data-parallel group), or the given ``intra_dp_cp`` group. None for one instance. Collective
+    over the world when it creates the groups."""
+    if instances == 1:
+        return None
+    if dp.size % instances:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances={instances} must divide "
+                         f"the data-parallel size {dp.size}")
+    if given is not None:
+        return Comm(given, name="intra_dp")
+    size = dp.size // instances
+    everyone = world_comm("intra-dp").all_gather_object(list(dp.global_ranks))
+    lists = [ranks[i * size:(i + 1) * size] for ranks in sorted({tuple(r) for r in everyone})
+             for i in range(instances)]
+    return new_subgroups(lists, name="intra_dp")
+
+
+def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
+    """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
+    if not distributed_optimizer:
+        return Bucketing(close="reach", pad="none", param_align=1)
+    shared = frozenset(n for n, p in module.named_parameters()
+                       if p.requires_grad and getattr(p, "shared_embedding", False))
+    return Bucketing(close="reach", pad="even", param_align=64, alone=shared)
+
+
+class _BufferList(list):
+    """Megatron's ``model.buffers`` (a list of grad buffers) that is still ``nn.Module.buffers`` when called, so
+    code iterating module buffers (``model.buffers()``) keeps working."""
+
+    def __init__(self, items: list[ParamAndGradBuffer], module: nn.Module) -> None:
+        super().__init__(items)
+        self._module = module
+
+    def __call__(self, recurse: bool = True) -> Any:
+        return nn.Module.buffers(self._module, recurse)
+
+
+class GradSyncError(RuntimeError, AssertionError):
+    """A gradient sync asked for out of order (Megatron asserts; an ``AssertionError`` too, for its callers)."""
+
+
+class BucketGroup:
+    """Megatron's bucket group: one bucket of the wrapper, its reduction started and finished on its own.
+
+    Attributes:
+        buckets: the bucket (``param_data``, ``grad_data``, ``params``, ``numel_unpadded``), in a list.
+        params: its parameters (a set).
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, position: int) -> None:
+        self._ddp, self._position = ddp, position
+        buffer, bucket = ddp.bucket_order[position]
+        self.buffer: ParamAndGradBuffer = buffer
+        self.buckets: list[Bucket] = [bucket]
+        self.params = set(bucket.params)
+
+    def __repr__(self) -> str:
+        return f"BucketGroup(position={self._position}, {len(self.params)} params)"
+
+    def register_grad_ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is complete in the buffer; the bucket's reduction starts once all are.
+
+        Raises:
+            GradSyncError: without ``overlap_grad_reduce`` (Megatron's assertion).
+            ValueError: ``param`` is not in this bucket group.
+        """
+        if not self._ddp.ddp_config.overlap_grad_reduce:
+            raise GradSyncError("register_grad_ready() should only be called when overlap_grad_reduce is True")
+        if param not in self.params:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in this bucket group")
+        self._ddp.grad_ready(param)
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Start this bucket's reduction (buckets earlier in the launch order start too: every rank reduces
+        them in one order)."""
+        self._ddp.start_grad_sync(through=self._position, force_all_reduce=force_all_reduce)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Wait for this bucket's reduction (started here without ``overlap_grad_reduce``).
+
+        Raises:
+            GradSyncError: with ``overlap_grad_reduce``, a parameter of the bucket not registered ready yet.
+        """
+        ddp = self._ddp
+        if not ddp.bucket_launched(self._position):
+            if ddp.ddp_config.overlap_grad_reduce:
+                raise GradSyncError(
+                    "the bucket's reduction has not started: not every parameter's gradient is ready (call "
+                    "register_grad_ready for each, or finish_grad_sync() on the model)")
+            self.start_grad_sync(force_all_reduce)
+        ddp.wait_bucket(self._position)
+        ddp._finished.add(self._position)
+        if len(ddp._finished) == len(ddp.bucket_order):
+            ddp.finish_grad_sync()  # every bucket done: reset for the next step
+
+    def reset(self) -> None:
+        """Megatron resets a group's bookkeeping here; the wrapper resets all of it in ``finish_grad_sync`` and
+        ``zero_grad_buffer``, so there is nothing to do."""
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Gather this bucket's parameters from their owner ranks (distributed optimizer only)."""
+        self._ddp._gather_bucket(self.buffer, self.buckets[0])
+
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
+        """The gather of ``start_param_sync`` is synchronous: nothing to wait for."""
+
+
 class DistributedDataParallel(DataParallel):
     """Megatron's data-parallel wrapper: contiguous gradient buffers, bucketed (overlapped) reductions.
 
@@ -167,9 +309,8 @@ class DistributedDataParallel(DataParallel):
             its device and dtype before wrapping.
         disable_bucketing: one bucket per buffer whatever ``bucket_size`` says.
         pg_collection: None (torch.distributed's world, every rank data-parallel; one process works without
-            it) or an optstack ``ParallelGroups`` (e.g. ``ParallelGroups.from_world(tp=2)``). Megatron's
-            ``ProcessGroupCollection`` is not accepted: wrap its groups with
-            ``ParallelGroups.from_process_groups(dp=..., tp=..., ...)``.
+            it), Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``tp``, ``pp``, ``ep``,
+            ``expt_dp``, ``mp`` groups) or an optstack ``ParallelGroups``.
 
     Attributes:
         module: the wrapped model. config / ddp_config: as given (``ddp_config`` a copy).
@@ -206,11 +347,14 @@ class DistributedDataParallel(DataParallel):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
         check_ddp_config(ddp_config)
+        intra = None
+        if isinstance(pg_collection, ProcessGroupCollection):
+            intra = pg_collection.intra_dp_cp
+            pg_collection = to_parallel_groups(pg_collection)
         if pg_collection is not None and not isinstance(pg_collection, ParallelGroups):
             raise ValueError(
-                f"pg_collection must be None (torch.distributed's world) or an optstack ParallelGroups, got "
-                f"{type(pg_collection).__name__}; wrap Megatron's process groups with "
-                "ParallelGroups.from_process_groups(dp=..., tp=..., pp=..., ep=..., expert_dp=...)"
+                f"pg_collection must be None (torch.distributed's world), a ProcessGroupCollection or an optstack "
+                f"ParallelGroups, got {type(pg_collection).__name__}"
             )
         per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
         if per_token_loss and ddp_config.average_in_collective:
@@ -220,6 +364,7 @@ class DistributedDataParallel(DataParallel):
                 "average_in_collective=False"
             )
         groups = pg_collection if pg_collection is not None else ParallelGroups.from_world()
+        shard_group = _instance_group(groups.dp, ddp_config.num_distributed_optimizer_instances, intra)
         # Later pipeline stages are off the critical path: one bucket each, as in Megatron.
         bucket_size = megatron_bucket_size(ddp_config, dp_size=groups.dp.size,
                                            bucketing=not disable_bucketing and groups.pp.rank == 0)
@@ -232,10 +377,80 @@ class DistributedDataParallel(DataParallel):
             shard_grads=ddp_config.use_distributed_optimizer,
             average=not per_token_loss,
             check_for_nan=ddp_config.check_for_nan_in_grad,
+            bucketing=megatron_bucketing(module, dp_size=groups.dp.size,
+                                         distributed_optimizer=ddp_config.use_distributed_optimizer),
+            shard_group=shard_group,
         )
         self.config = config
+        self._finished: set[int] = set()  # bucket groups finished one by one this step
         self.ddp_config = dataclasses.replace(ddp_config)
         self.bucket_size = bucket_size
+
+    @property
+    def buffers(self) -> _BufferList:  # type: ignore[override]
+        """The dense parameters' grad buffers, Megatron's list; called, ``nn.Module.buffers(recurse)``."""
+        return _BufferList([b for b in self.param_and_grad_buffers if not b.key.is_expert], self)
+
+    @property
+    def expert_parallel_buffers(self) -> list[ParamAndGradBuffer]:
+        """The expert (``allreduce=False``) parameters' buffers."""
+        return [b for b in self.param_and_grad_buffers if b.key.is_expert]
+
+    @property
+    def bucket_groups(self) -> list[BucketGroup]:
+        """One ``BucketGroup`` per dense bucket, in launch order."""
+        return self._groups(expert=False)
+
+    @property
+    def expert_parallel_bucket_groups(self) -> list[BucketGroup]:
+        """One ``BucketGroup`` per expert bucket, in launch order."""
+        return self._groups(expert=True)
+
+    def _groups(self, *, expert: bool) -> list[BucketGroup]:
+        if not hasattr(self, "_bucket_groups"):
+            self._bucket_groups = [BucketGroup(self, i) for i in range(len(self.bucket_order))]
+        return [g for g in self._bucket_groups if g.buffer.key.is_expert == expert]
+
+    def register_grad_ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is complete in the buffer (the bucket group of ``param`` does the rest)."""
+        for group in self._groups(expert=False) + self._groups(expert=True):
+            if param in group.params:
+                group.register_grad_ready(param)
+                return
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the model")
+
+    def start_grad_sync(self, *unused: Any, through: int | None = None, force_all_reduce: bool = False) -> None:
+        """Start the reductions of every bucket not started yet."""
+        super().start_grad_sync(through=through, force_all_reduce=force_all_reduce)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:  # type: ignore[override]
+        """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one.
+        ``force_all_reduce``: the buckets not started yet are all-reduced (even under the distributed
+        optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
+        if force_all_reduce:
+            super().start_grad_sync(force_all_reduce=True)
+        super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        self._finished = set()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Gather every bucket's parameters from the ranks owning them (the distributed optimizer's step does
+        this itself; call it after writing owned ranges of ``param_data`` by other means). Synchronous; a no-op
+        without ``use_distributed_optimizer``."""
+        for buffer, bucket in self.bucket_order:
+            self._gather_bucket(buffer, bucket)
+
+    def _gather_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
+        if not self.shard_grads:
+            return
+        comm = self.shard_comm(buffer)
+        with torch.no_grad():
+            own = buffer.param_shard_view(bucket.index, comm.rank).clone()
+            comm.all_gather_into(bucket.param_data, own)
+
+    def zero_grad_buffer(self) -> None:
+        """Wait for in-flight reductions and zero every gradient."""
+        super().zero_grad_buffer()
+        self._finished = set()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient in the buffers by ``scaling_factor`` (e.g. 1 / tokens, after
@@ -254,6 +469,12 @@ class DistributedDataParallel(DataParallel):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (no ``module.`` prefix), as Megatron's wrapper returns it."""
         return self.module.state_dict(*args, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+                           ) -> dict[str, Any]:
+        """The model's part of a distributed checkpoint: the wrapped module's state dict (every rank holds whole
+        parameters, which torch.distributed.checkpoint saves once), keys prefixed with ``prefix``."""
+        return {prefix + k: v for k, v in self.module.state_dict().items()}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:  # type: ignore[override]
         """Copy ``state_dict`` (the wrapped module's keys) into the parameters in place, so they stay in

@@ -21,6 +21,7 @@ writes there reach the step), ``step()`` returns ``(update_successful, grad_norm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,9 +39,11 @@ __all__ = [
     "MegatronOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer", "ChainedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
     "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "param_group_identifier_keys",
+    "copy_optimizer_param_metadata",
 ]
 
 _NOT_SETTINGS = ("params", "param_names")
+_PROTOCOL = ("prepare_grads", "get_grad_norm", "step_with_ready_grads")
 
 
 def _param_group_override_keys() -> tuple[str, ...]:
@@ -71,6 +74,15 @@ def DynamicGradScaler(  # noqa: N802 (Megatron's class name)
     """Megatron's ``DynamicGradScaler`` (same arguments): optstack's ``DynamicScaler``."""
     return DynamicScaler(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=int(growth_interval), hysteresis=hysteresis)
+
+
+def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Megatron's helper for code making its own parameter copies: copy the attributes that decide how a
+    parameter is reduced and counted (``allreduce``, ``shared``, ``grad_norm_group``). optstack itself keeps no
+    attributes on tensors; it reads these from the model's parameters."""
+    for name in ("allreduce", "shared", "grad_norm_group"):
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
 
 
 def _scaler(grad_scaler: Any, owner: str) -> LossScaler:
@@ -168,6 +180,19 @@ class MegatronOptimizer:
         out._attach(stage, chain)
         return out
 
+    def _solo(self) -> CoreChained:
+        """The core chain over this optimizer's stage alone: ``self._chain`` unless that one was built for a
+        whole chain (``get_megatron_optimizer``), then one over the stage, with the same loss scaler and
+        data-parallel wrappers, so this optimizer's own ``step`` and ``state_dict`` cover only its part."""
+        if self._chain.stages == self.stages:
+            return self._chain
+        if getattr(self, "_own", None) is None:
+            self._own = CoreChained(self.stages, scaler=self._chain.scaler, clip_grad=self._chain.clip_grad,
+                                    grad_norm_skip_threshold=self._chain.grad_norm_skip_threshold,
+                                    log_num_zeros_in_grad=self._chain.log_num_zeros_in_grad,
+                                    grad_syncs=self._chain._grad_syncs)
+        return self._own
+
     # -- views ---------------------------------------------------------------------------------------
     @property
     def stages(self) -> list[Stage]:
@@ -213,12 +238,12 @@ class MegatronOptimizer:
         Raises:
             ValueError: a param group's ``lr`` is None (``OptimizerConfig.lr=None`` and no scheduler set it).
         """
-        result = _step(self._chain, self.param_groups)
+        result = _step(self._solo(), self.param_groups)
         return result.applied, result.grad_norm, result.num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (and the data-parallel wrapper's buffers when the model is wrapped)."""
-        self._chain.zero_grad(set_to_none)
+        self._solo().zero_grad(set_to_none)
 
     def finish_param_sync(self) -> None:
         """Wait for parameter gathers left in flight by ``overlap_param_gather`` (optstack's addition)."""
@@ -232,12 +257,13 @@ class MegatronOptimizer:
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's format, optstack's core chain's (state keyed by position, ``"optstack"``: the scaler)."""
-        _pull(self._chain)
-        return self._chain.state_dict()
+        chain = self._solo()
+        _pull(chain)
+        return chain.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a ``state_dict()`` (all or nothing; a mismatch is a ``ValueError``)."""
-        self._chain.load_state_dict(state_dict)
+        self._solo().load_state_dict(state_dict)
 
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
                            metadata: dict | None = None) -> dict[str, Any]:
@@ -453,7 +479,8 @@ class ChainedOptimizer(MegatronOptimizer):
     def __init__(self, chained_optimizers: Sequence[Any]) -> None:
         self.chained_optimizers = list(chained_optimizers)
         self.built: Any = None
-        configs = [o.config for o in self.chained_optimizers if isinstance(o, MegatronOptimizer)]
+        configs = [o.config for o in self.chained_optimizers
+                   if isinstance(o, MegatronOptimizer) or all(hasattr(o, k) for k in _PROTOCOL + ("config",))]
         config = configs[0] if configs else None
         self.config = config
         self.init_state_fn = None
@@ -519,11 +546,36 @@ class ChainedOptimizer(MegatronOptimizer):
     def step(self) -> tuple[bool, float | None, int | None]:
         unsteppable = [type(o).__name__ for o, m in zip(self.chained_optimizers, self._members, strict=True)
                        if m is None]
+        if unsteppable and len(unsteppable) == len(self.chained_optimizers) and all(
+                all(hasattr(o, k) for k in _PROTOCOL) for o in self.chained_optimizers):
+            return self._step_protocol()
         if unsteppable:
             raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
                              "torch.optim optimizers; chain those only")
         result = _step(self._chain, self.param_groups)
         return result.applied, result.grad_norm, result.num_zeros
+
+    def _step_protocol(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's chained step over objects that implement Megatron's optimizer protocol themselves
+        (``prepare_grads``, ``get_grad_norm``, ``step_with_ready_grads``): one skip decision for all."""
+        if any([o.prepare_grads() for o in self.chained_optimizers]):  # every one prepares, as in Megatron
+            return False, None, None
+        norms = [float(o.get_grad_norm() or 0.0) for o in self.chained_optimizers]
+        grad_norm = math.sqrt(sum(n * n for n in norms))
+        clip = getattr(self.config, "clip_grad", 0.0) if self.config is not None else 0.0
+        if clip > 0 and clip / (grad_norm + 1e-6) < 1:  # Megatron's clip by the total norm
+            grads = [p.grad for o in self.chained_optimizers if hasattr(o, "get_parameters")
+                     for p in o.get_parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
+        threshold = _skip_threshold(self.config) if self.config is not None else None
+        if threshold is not None and grad_norm > threshold:
+            return False, grad_norm, None
+        zeros = None
+        if self.config is not None and getattr(self.config, "log_num_zeros_in_grad", False):
+            zeros = sum(int(o.count_zeros()) for o in self.chained_optimizers)
+        applied = all([o.step_with_ready_grads() for o in self.chained_optimizers])
+        return applied, grad_norm, zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._chain.zero_grad(set_to_none)

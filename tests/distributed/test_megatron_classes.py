@@ -1,0 +1,155 @@
+"""Megatron's classes and the wrapper's Megatron surface on real gloo ranks."""
+
+from __future__ import annotations
+
+
+def _model(dtype=None):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    return model.to(dtype) if dtype is not None else model
+
+
+def _batch(world: int):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(4 * world, 7, generator=g), torch.randn(4 * world, 5, generator=g)
+
+
+def _flat(model) -> list[float]:
+    import torch
+
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()]).tolist()
+
+
+def _distributed_optimizer_from_torch(steps: int) -> list[float]:
+    """Megatron's DistributedOptimizer built from a torch optimizer over the wrapped model, Megatron's loop."""
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        DistributedOptimizer,
+        OptimizerConfig,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                               bucket_size=60)
+    model = DistributedDataParallel(None, ddp_config, _model())
+    config = OptimizerConfig(lr=1e-2, clip_grad=0.5, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config, None, None,
+                               model_chunks=[model])
+    numel = sum(p.numel() for p in opt.get_parameters())
+    assert 0 < numel < sum(p.numel() for p in model.parameters())  # this rank's ranges only
+    x, y = _batch(world)
+    for _ in range(steps):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        model.finish_grad_sync()
+        assert opt.step()[0] is True
+    return _flat(model.module)
+
+
+def test_distributed_optimizer_from_a_torch_optimizer_matches_one_process(world2):
+    import torch
+
+    from optstack.megatron import FP32Optimizer, OptimizerConfig
+
+    ranks = world2.run(_distributed_optimizer_from_torch, 3)
+    model = _model()
+    opt = FP32Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), OptimizerConfig(lr=1e-2, clip_grad=0.5))
+    x, y = _batch(2)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert ranks[0] == ranks[1]
+    torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(_flat(model)), rtol=1e-5, atol=1e-6)
+
+
+def _reload_model_params() -> list[bool]:
+    """Megatron's test_optimizer_reload_model_params, on gloo: bf16 model, distributed optimizer, lr=None."""
+    import torch
+
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    model = _model(torch.bfloat16)
+    for p in model.parameters():
+        p.data.fill_(1.0)
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True),
+                                 [model])
+
+    def masters_are(value: float) -> bool:
+        masters = [m for g in opt.param_groups for m in g["params"]]
+        return bool(masters) and all(m.dtype == torch.float32 and torch.equal(m, torch.full_like(m, value))
+                                     for m in masters)
+
+    for p in model.parameters():
+        p.data.fill_(2.0)
+    checks = [masters_are(1.0)]
+    opt.reload_model_params()
+    checks.append(masters_are(2.0))
+    opt.reload_model_params({n: torch.full_like(p, 3.0) for n, p in model.state_dict().items()})
+    checks += [masters_are(3.0), all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())]
+    return checks
+
+
+def test_reload_model_params_under_the_distributed_optimizer(world2):
+    for checks in world2.run(_reload_model_params):
+        assert checks == [True, True, True, True]
+
+
+def _grad_sync_surface() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for overlap in (True, False):
+        config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                                               bucket_size=None)
+        model = DistributedDataParallel(None, config, _model())
+        buffer = model.buffers[0]
+        buffer.grad_data.fill_(1.0 + rank)
+        if overlap:
+            for group in model.bucket_groups:
+                for p in sorted(group.params, key=id):
+                    group.register_grad_ready(p)
+                group.finish_grad_sync()
+        else:
+            model.finish_grad_sync(force_all_reduce=True)
+        # averaged over ranks: (1 + 2 + ...) / world, everywhere when all-reduced, on owned ranges otherwise
+        owned = buffer.grad_shard_view(0, rank)
+        out[overlap] = (owned.tolist(), buffer.grad_data[:buffer.numel_unpadded].tolist())
+    # start_param_sync: each rank writes its owned range, then every rank holds all of them
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), _model())
+    buffer = model.buffers[0]
+    with torch.no_grad():
+        buffer.param_shard_view(0, rank).fill_(10.0 + rank)
+    model.start_param_sync()
+    shard = buffer.layout.buckets[0].shard_numel
+    out["gathered"] = [buffer.param_data[r * shard:(r + 1) * shard].unique().tolist() for r in range(world)]
+    return out
+
+
+def test_grad_and_param_sync_surface(world2):
+    for rank, out in enumerate(world2.run(_grad_sync_surface)):
+        owned, _ = out[True]
+        assert set(owned) == {1.5}  # reduce-scattered: this rank's range is averaged
+        _, whole = out[False]
+        assert set(whole) == {1.5}  # force_all_reduce: every element averaged on every rank
+        assert out["gathered"] == [[10.0], [11.0]], rank
