@@ -39,7 +39,8 @@ def test_refuses_without_cuda_in_one_line(gpu_check, capsys: pytest.CaptureFixtu
 
 
 def test_checks_pass_on_cpu(gpu_check) -> None:
-    checks = [gpu_check.check_fp16_dynamic_scaling(CPU), gpu_check.check_muon(CPU), gpu_check.check_checkpoint(CPU)]
+    checks = [gpu_check.check_fp16_dynamic_scaling(CPU), gpu_check.check_muon(CPU), gpu_check.check_muon_bf16(CPU),
+              gpu_check.check_checkpoint(CPU)]
     for check in checks:
         assert check.ok, check
     fp16 = checks[0]

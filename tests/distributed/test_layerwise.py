@@ -52,7 +52,10 @@ def _split(model: nn.Module, muon: tuple[str, ...]) -> tuple[list[dict[str, Any]
 
 
 def _muon(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    return get_algorithm("muon").cls(groups, lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
+    # fp32 Newton-Schulz on every machine: with bf16 matmul (native on some CPUs) the 1-ulp differences of another
+    # reduction order would round to bf16 ulps, past the fp32 bounds below
+    return get_algorithm("muon").cls(groups, lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                     matmul_precision="highest")
 
 
 def _adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
