@@ -231,15 +231,17 @@ def _build_stages(
         spec = get_algorithm(name)
         # CPU offload lives inside the inner optimizer.
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
-        precision = _stage_precision(config, spec.family) if masters else Direct()
+        # (under fp32 the sharded stages keep Masters, which steps fp32 pieces directly; replicated says Direct)
+        precision = _stage_precision(config, spec.family)
         if ddp is None:
-            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision)
+            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision if masters else Direct())
         elif sharding == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
         elif sharding == "layerwise" and spec.family == "muon":
             stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
         else:
-            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
+            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                     precision=precision if masters else Direct())
         stages.append(stage)
     return stages
