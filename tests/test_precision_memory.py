@@ -152,6 +152,7 @@ def test_stochastic_rounding_is_unbiased_and_bf16_masters_step_the_params() -> N
     losses = _train(model, built, range(STEPS))
     stage = _stage(built)
     assert stage.kind == "whole+direct" and stage.master_params == [] and losses[-1] < losses[0]
+    assert stage.optimizer.stochastic_rounding
     assert {s["exp_avg"].dtype for s in stage.optimizer.state.values()} == {torch.bfloat16}
 
 

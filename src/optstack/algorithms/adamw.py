@@ -65,10 +65,12 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
     """``AdamW``'s kwargs from an ``OptimizerConfig``'s ``adam`` section (the registry adds the base ones)."""
     adam = config.adam
     exp_avg_dtype, exp_avg_sq_dtype = adam.state_dtypes
+    kwargs = {"betas": (adam.beta1, adam.beta2), "eps": adam.eps,
+              "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
     masters = getattr(config, "masters", None)
-    return {"betas": (adam.beta1, adam.beta2), "eps": adam.eps,
-            "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype,
-            "stochastic_rounding": bool(masters is not None and masters.stochastic_rounding)}
+    if masters is not None and masters.stochastic_rounding:
+        kwargs["stochastic_rounding"] = True
+    return kwargs
 
 
 class AdamW(PerDeviceOptimizer):

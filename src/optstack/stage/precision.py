@@ -60,7 +60,9 @@ class Precision:
             masters = {}
             for where, members in ((device, [p for p in low if id(p) not in on_host]), (_HOST, host)):
                 if members or where == device:
-                    flat = _empty(sum(p.end - p.start for p in members), where)
+                    pin = where is _HOST and device.type == "cuda"  # asynchronous copies to the device
+                    flat = torch.empty(sum(p.end - p.start for p in members), dtype=torch.float32, device=where,
+                                       pin_memory=pin)
                     masters.update(zip(map(id, members), flat.split([p.end - p.start for p in members]), strict=True))
             stepped = []
             with torch.no_grad():
@@ -304,12 +306,6 @@ def _back_to_back(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for i, part in zip(picked, flat.split([like[i].numel() for i in picked]), strict=True):
             out[i] = part.view(like[i].shape)
     return out
-
-
-def _empty(numel: int, where: torch.device) -> torch.Tensor:
-    """An fp32 tensor; in host memory, pinned when there is CUDA (asynchronous copies to the device)."""
-    pin = where.type == "cpu" and torch.cuda.is_available()
-    return torch.empty(numel, dtype=torch.float32, device=where, pin_memory=pin)
 
 
 def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
