@@ -66,7 +66,7 @@ def check_dtensor_params(named: Sequence[tuple[str, torch.Tensor]]) -> None:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the live tensor, not a copy), or the tensor itself."""
+    """The local shard of a DTensor (a view of its live storage, not a copy), or the tensor itself."""
     if not is_dtensor(tensor):
         return tensor
     with torch.no_grad():
