@@ -338,6 +338,17 @@ def skip_and_norms(root: str) -> dict[str, Any]:
     opt = build_optimizer(_config("muon", "fp32"), model).optimizer
     _steps(model, opt, range(1), slice(None))
     out["muon_state"] = sorted(n for n, p in model.named_parameters() if "momentum_buffer" in opt.state[p])
+    # the owners step copies of whole matrices: a write into the model between steps must reach them
+    ref = _model()
+    ref_opt = build_optimizer(_config("muon", "fp32"), ref).optimizer
+    _steps(ref, ref_opt, range(1), slice(None))
+    with torch.no_grad():
+        for p in [*ref.parameters(), *model.parameters()]:
+            p.mul_(0.5)
+    _steps(ref, ref_opt, range(1, 3), slice(None))
+    _steps(model, opt, range(1, 3), slice(None))
+    got, want = _full(model), _full(ref)
+    out["muon_after_write"] = max((got[n] - want[n]).abs().max().item() for n in want)
     out["muon_state_shapes"] = sorted(tuple(opt.state[p]["momentum_buffer"].shape) for p in model.parameters()
                                       if "momentum_buffer" in opt.state[p])
 
@@ -363,6 +374,7 @@ def test_skip_inf_norm_muon_spread_and_checkpoint_refusals(world2, tmp_path) -> 
     # every matrix has its Muon state (whole) on exactly one rank, and both ranks orthogonalise some
     owned = [out["muon_state"] for out in outs]
     assert sorted(owned[0] + owned[1]) == ["0.weight", "2.weight", "4.weight"] and all(owned)
+    assert all(out["muon_after_write"] <= 1e-6 for out in outs), outs
     assert sorted(outs[0]["muon_state_shapes"] + outs[1]["muon_state_shapes"]) == [(5, 8), (8, 6), (8, 8)]
     for out in outs:
         assert len(out["errors"]) == 2

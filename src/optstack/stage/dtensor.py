@@ -66,7 +66,7 @@ def check_dtensor_params(named: Sequence[tuple[str, torch.Tensor]]) -> None:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the live tensor, not a copy), or the tensor itself."""
+    """The local shard of a DTensor (a view of its live storage, not a copy), or the tensor itself."""
     if not is_dtensor(tensor):
         return tensor
     with torch.no_grad():
@@ -202,16 +202,19 @@ class DTensorOwners(_DTensorPlacement):
 
     Args:
         comm: every rank holding a part of these parameters (owners are assigned over it).
+        masters: the stage's precision gives bf16/fp16 parameters fp32 masters (``Masters``): their whole
+            copies are never stepped, so they need no refresh from the model.
         cost: a parameter's update cost from its global shape (balances the assignment).
         device: where a rank with no parameters runs its reductions.
     """
 
     kind = "dtensor-owners"
 
-    def __init__(self, *, comm: Comm | NullComm, device: torch.device | None = None,
+    def __init__(self, *, comm: Comm | NullComm, masters: bool, device: torch.device | None = None,
                  cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
         super().__init__(comm=comm, device=device)
         self.shard_comm = comm
+        self.masters = masters
         self.cost = cost
         self.owners: list[int] = []
         self._all: list[tuple[str, torch.Tensor]] = []
@@ -231,18 +234,21 @@ class DTensorOwners(_DTensorPlacement):
         return [[Piece(n, p, 0, p.numel(), self._whole[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
                 for gn, gp in zip(names, params, strict=True)]
 
-    def refresh(self) -> None:
-        """Copy the model's current values into the owners' whole copies (collective): the model is the truth
-        for parameters stepped without a master, and may have been loaded or changed since the last step."""
+    def refresh(self, stepped_only: bool = False) -> None:
+        """Copy the model's current values into the owners' whole copies (collective; before a load, where a
+        missing master is taken from them). ``stepped_only``: only where the copy is what is stepped (no fp32
+        master), as each step does: the model is the truth for those and may have been loaded or written
+        since the last step (a version counter would miss writes through ``to_local()``, so each step gathers)."""
+        low = (torch.bfloat16, torch.float16)
         with torch.no_grad():
             for (_, param), owner in zip(self._all, self.owners, strict=True):
-                if is_dtensor(param):
+                if is_dtensor(param) and not (stepped_only and self.masters and param.dtype in low):
                     whole = param.full_tensor()  # collective over the parameter's mesh: every rank calls
                     if owner == self.dp.rank:
                         self._whole[id(param)].copy_(whole)
 
     def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
-        self.refresh()
+        self.refresh(stepped_only=True)
         held: dict[int, torch.Tensor | None] = {}
         with phase("gather_grads"), torch.no_grad():
             for (_, param), owner in zip(self._all, self.owners, strict=True):
@@ -276,7 +282,8 @@ def dtensor_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOp
     """A stage over DTensor parameters: local shards (``DTensorLocal``), or with ``whole_matrices`` whole
     matrices on owner ranks (``DTensorOwners``, for Muon). ``masters``: fp32 masters for bf16/fp16 shards.
     Collective over ``comm``; a ``precision`` given replaces the one ``masters`` picks."""
-    placement = DTensorOwners(comm=comm) if whole_matrices else DTensorLocal(comm=comm)
     if precision is None:
         precision = Masters() if masters else Direct()
+    masters = not isinstance(precision, Direct)
+    placement = DTensorOwners(comm=comm, masters=masters) if whole_matrices else DTensorLocal(comm=comm)
     return Stage(param_groups, make_optimizer, placement=placement, precision=precision)
