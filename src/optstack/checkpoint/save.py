@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from optstack.checkpoint import io
@@ -40,6 +39,7 @@ from optstack.checkpoint.format import (
 )
 from optstack.checkpoint.io import FAILURES, CheckpointError
 from optstack.checkpoint.pack import pack_chunks
+from optstack.checkpoint.safe import METADATA, load_metadata
 from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, plan_save
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -257,7 +257,9 @@ def _check_named_files(directory: Path, files: Mapping[str, Mapping[str, Any]]) 
     The manifest lists ``files`` and load verifies them, the metadata included; so a checkpoint whose metadata
     names a file that is not there is never committed (it could not be loaded)."""
     needed: dict[str, int] = {}
-    for info in FileSystemReader(directory).read_metadata().storage_data.values():  # written by this process
+    with open(directory / METADATA, "rb") as f:  # an OSError here is a storage error, as for the writes
+        metadata = load_metadata(f, str(directory / METADATA))  # data only, like every read of a checkpoint
+    for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in needed.items():
         got = files.get(f"{directory.name}/{name}")
