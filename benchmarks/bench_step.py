@@ -122,7 +122,12 @@ def optstack_row(clip_grad: float) -> Callable[[nn.Module], Step]:
     def make(model: nn.Module) -> Step:
         opt = build_optimizer(optstack_config(clip_grad), model).optimizer
         check_groups(opt.param_groups, model)
-        return opt.step
+
+        def step() -> object:  # step() returns the closure's loss, as torch's; the StepResult is last_result
+            opt.step()
+            return opt.last_result
+
+        return step
 
     return make
 
