@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import math
 import os
 import statistics
@@ -238,8 +239,10 @@ def _layerwise_run(rank: int, size: int, store: str, steps: int, out: Any) -> No
         if size > 1:
             ddp.finish_grad_sync()
         optimizer.step()
-    out.put((rank, statistics.median(wall[1:]), statistics.median(cpu[1:]),
-             torch.cat([p.detach().reshape(-1) for p in model])))
+    # As bytes: a tensor sent through the queue shares its storage by file descriptor, which dies with this process.
+    buffer = io.BytesIO()
+    torch.save(torch.cat([p.detach().reshape(-1) for p in model]), buffer)
+    out.put((rank, statistics.median(wall[1:]), statistics.median(cpu[1:]), buffer.getvalue()))
     if size > 1:
         dist.destroy_process_group()
 
@@ -256,7 +259,8 @@ def run_layerwise(args: argparse.Namespace) -> None:
                      for r in range(size)]
             for p in procs:
                 p.start()
-            results[size] = sorted(queue.get(timeout=600) for _ in procs)
+            got = sorted(queue.get(timeout=600) for _ in procs)
+            results[size] = [(*r[:3], torch.load(io.BytesIO(r[3]), weights_only=True)) for r in got]
             for p in procs:
                 p.join()
     (_, wall1, cpu1, params1), = results[1]
