@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = ["FUSED_DEVICE_TYPES", "Impl", "PerDeviceOptimizer", "check_betas", "check_min", "coalesce", "resolve_impl",
-           "zeros_in_runs"]
+           "copies_in_runs", "zeros_in_runs"]
 
 Impl = Literal["auto", "fused", "foreach", "reference"]
 
@@ -155,6 +155,20 @@ def zeros_in_runs(params: Sequence[torch.Tensor], dtype: torch.dtype | None = No
         flat = params[run[0]].new_zeros(sum(sizes), dtype=dtype)
         for piece, i in zip(flat.split(sizes), run, strict=True):
             out[i] = piece.view(params[i].shape)
+    return out
+
+
+def copies_in_runs(params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (shaped like ``params``) laid out as ``zeros_in_runs`` lays out state: those of params in a
+    back-to-back run are copied into one fresh buffer per run; a lone param's tensor is kept when its strides
+    match the param's (a loaded copy already), else copied like it."""
+    out = list(tensors)
+    for run in _runs([params]):
+        if len(run) == 1 and tensors[run[0]].stride() == params[run[0]].stride():
+            continue
+        members = [params[i] for i in run]
+        for i, fresh in zip(run, zeros_in_runs(members, tensors[run[0]].dtype), strict=True):
+            out[i] = fresh.copy_(tensors[i])
     return out
 
 

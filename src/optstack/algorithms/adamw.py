@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from optstack.algorithms._common import Impl, PerDeviceOptimizer, coalesce, resolve_impl, zeros_in_runs
+from optstack.algorithms._common import Impl, PerDeviceOptimizer, coalesce, copies_in_runs, resolve_impl, zeros_in_runs
 from optstack.algorithms._staging import rms_to_v, run_staged, v_to_rms
 
 __all__ = ["AdamW", "adamw_reference", "kwargs_from_config"]
@@ -188,9 +188,10 @@ class AdamW(PerDeviceOptimizer):
             self.state[params[position]] = state
         for group in self.param_groups:  # lay out back-to-back state for back-to-back params
             with_state = [p for p in group["params"] if self.state.get(p)]
-            for key, dtype in (("exp_avg", self.exp_avg_dtype), (self._sq_key, self.exp_avg_sq_dtype)):
-                for p, fresh in zip(with_state, zeros_in_runs(with_state, dtype), strict=True):
-                    self.state[p][key] = fresh.copy_(self.state[p][key])
+            for key in ("exp_avg", self._sq_key):  # (each restored tensor is in our dtype already)
+                laid_out = copies_in_runs(with_state, [self.state[p][key] for p in with_state])
+                for p, tensor in zip(with_state, laid_out, strict=True):
+                    self.state[p][key] = tensor
 
     def _restore(self, position: int, param: torch.Tensor, saved: dict[str, Any], beta2: float) -> dict[str, Any]:
         """This optimizer's form of one saved per-param state (checked, copied, in our dtypes)."""

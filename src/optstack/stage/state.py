@@ -11,6 +11,7 @@ tensor flat, the rest (``step``) as scalars. ``Stage.state_dict()`` is the same 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,12 +99,46 @@ def load_into(owner: str, optimizer: torch.optim.Optimizer, pieces: Sequence[Pie
             per_param[index] = loaded
     if not apply:
         return
-    saved = optimizer.state_dict()
-    saved["state"] = per_param
-    optimizer.load_state_dict(saved)
+    _load_state(optimizer, per_param)
     with torch.no_grad():
         for inner, value in values:
             inner.copy_(value)
+
+
+def _load_state(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, Any]]) -> None:
+    """``optimizer.load_state_dict`` of ``state`` (by position in group order) with the optimizer's own groups.
+
+    torch's load scans the groups' parameter lists for every state value (minutes for 50,000 parameters), so
+    where the class keeps torch's ``load_state_dict`` and no load hooks are registered, the state is set here
+    with torch's per-value rules (floating tensors in the param's dtype, every tensor on its device, ``step``
+    kept unless the group is fused or capturable) and its ``__setstate__``; the groups stay the live ones.
+    """
+    own_load = type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict
+    if (own_load or getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None)
+            or getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None)):
+        saved = optimizer.state_dict()
+        saved["state"] = state
+        optimizer.load_state_dict(saved)
+        return
+    params = _inner_params(optimizer)
+    loaded: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    for index, values in state.items():
+        param, group = params[index]
+        # torch's rule for one value, asked of a one-parameter group so that it looks at this group only
+        policy = [{"params": [index], "fused": group.get("fused", False), "capturable": group.get("capturable", False)}]
+        loaded[param] = {key: _cast(param, index, policy, value, key) for key, value in values.items()}
+    optimizer.__setstate__({"state": loaded, "param_groups": optimizer.param_groups})
+
+
+def _cast(param: torch.Tensor, index: int, policy: list[dict[str, Any]], value: Any, key: Any = None) -> Any:
+    """torch's load cast of one state value (a copy of containers, tensors by torch's rule for ``key``)."""
+    if isinstance(value, torch.Tensor):
+        return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, index, policy, key)
+    if isinstance(value, dict):
+        return {k: _cast(param, index, policy, v, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(param, index, policy, v) for v in value)
+    return value
 
 
 _SETTINGS_SKIPPED = ("params", "param_names")
