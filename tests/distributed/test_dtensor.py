@@ -380,3 +380,97 @@ def test_skip_inf_norm_muon_spread_and_checkpoint_refusals(world2, tmp_path) -> 
         assert len(out["errors"]) == 2
         assert "'2.weight'" in out["errors"][0] and "Shard(dim=1)" in out["errors"][0] and "DCP" in out["errors"][0]
         assert "'0.weight' is a DTensor" in out["errors"][1] and "Leave model= out" in out["errors"][1]
+
+
+def _chain_fresh() -> nn.Module:
+    """The model with other values than the reference's: every leg's parameters come from the checkpoint."""
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def _summed_steps(model: nn.Module, opt: Any, steps: range, rows: slice, dp: int) -> None:
+    """Steps on ``rows`` of each batch with the loss a dp-rank share of the whole batch's mean: the data-parallel
+    average of the gradients is then the whole batch's even when ``rows`` are uneven (8 rows over 3 ranks)."""
+    for step in steps:
+        x, y = _batch(step, torch.float32)
+        (dp * (model(x[rows]) - y[rows]).pow(2).sum() / y.numel()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def chain_fsdp2(root: str, algorithm: str) -> None:
+    """Leg 1: two steps under FSDP2 dp=2, saved with optstack's checkpoint."""
+    from optstack.checkpoint import save_checkpoint
+
+    rank = world_comm().rank
+    model = _fully_shard(_model())
+    opt = build_optimizer(_config(algorithm, "fp32"), model).optimizer
+    _summed_steps(model, opt, range(2), slice(rank * ROWS // 2, (rank + 1) * ROWS // 2), 2)
+    save_checkpoint(f"{root}/fsdp", opt, step=2)
+
+
+def chain_zero1_dp3(root: str, algorithm: str) -> None:
+    """Leg 2: the dp=2 FSDP2 checkpoint into ZeRO-1 (Muon: layer-wise) dp=3, two steps on 3/3/2 rows, saved."""
+    from optstack import wrap_data_parallel
+    from optstack.checkpoint import load_checkpoint, save_checkpoint
+
+    rank = world_comm().rank
+    sharding = "layerwise" if algorithm == "muon" else "zero1"
+    config = OptimizerConfig(**{**_config(algorithm, "fp32").__dict__,
+                                "distributed": DistributedConfig(sharding=sharding)})
+    model = wrap_data_parallel(config, _chain_fresh())
+    opt = build_optimizer(config, model).optimizer
+    load_checkpoint(f"{root}/fsdp", opt)
+    _summed_steps(model, opt, range(2, 4), slice(rank * ROWS // 3, (rank + 1) * ROWS // 3), 3)
+    save_checkpoint(f"{root}/zero1", opt, step=4)
+
+
+def chain_single_dp_tp(root: str, algorithm: str) -> dict[str, float]:
+    """Legs 3 and 4: the dp=3 checkpoint into one process (one step), handed by DCP to dp=2 x tp=2 (two steps;
+    AdamW only); each against one uninterrupted single-process run."""
+    import torch.distributed.checkpoint as dcp
+
+    from optstack.checkpoint import OptimizerState, load_checkpoint
+    from optstack.distributed.comm import NullComm
+
+    config = _config(algorithm, "fp32")
+    ref = _model()
+    ref_opt = build_optimizer(config, ref).optimizer
+    _summed_steps(ref, ref_opt, range(5), slice(None), 1)
+    at5 = _full(ref)
+    _summed_steps(ref, ref_opt, range(5, 7), slice(None), 1)
+
+    single = _chain_fresh()
+    opt = build_optimizer(config, single).optimizer
+    load_checkpoint(f"{root}/zero1", opt, comm=NullComm())
+    _summed_steps(single, opt, range(4, 5), slice(None), 1)
+    out = {"single": max((_full(single)[n] - at5[n]).abs().max().item() for n in at5),
+           "moved": max((at5[n] - _full(_chain_fresh())[n]).abs().max().item() for n in at5)}
+    if algorithm == "muon":
+        # not yet: one process keeps Muon's state whole ([8, 6]) where the owners' DCP state is flat ([48]), and
+        # the name-keyed checkpoint cannot hold the strided local shards of the AdamW-stepped biases
+        return out
+    # every rank holds the same one-process state: DCP writes each tensor once
+    dcp.save({"model": single.state_dict(), "optim": OptimizerState(single, opt)}, checkpoint_id=f"{root}/dcp")
+
+    rank = world_comm().rank
+    model = _fsdp_over_tp(_chain_fresh())
+    opt = build_optimizer(config, model).optimizer
+    dcp.load({"model": model.state_dict(), "optim": OptimizerState(model, opt)}, checkpoint_id=f"{root}/dcp",
+             planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))
+    _summed_steps(model, opt, range(5, 7), slice(rank // 2 * ROWS // 2, (rank // 2 + 1) * ROWS // 2), 2)
+    want = _full(ref)
+    return {**out, "dp-tp": max((_full(model)[n] - want[n]).abs().max().item() for n in want)}
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_checkpoint_chain_fsdp2_dp2_zero1_dp3_one_process_dp2_tp2(world2, world3, world4, tmp_path,
+                                                                 algorithm: str) -> None:
+    # the issue's chain: FSDP2 dp=2 -> ZeRO-1 dp=3 -> one process -> dp=2 x tp=2, training as without the moves
+    # the first call on each fresh world waits for its start-up (slow on a loaded 2-core machine)
+    world2.run(chain_fsdp2, str(tmp_path), algorithm, timeout_s=240)
+    world3.run(chain_zero1_dp3, str(tmp_path), algorithm, timeout_s=240)
+    for out in world4.run(chain_single_dp_tp, str(tmp_path), algorithm, timeout_s=240):
+        assert out["moved"] > 1e-1  # the fresh models start elsewhere: a lost parameter would show
+        assert out["single"] <= 2e-6, out  # fp32 round-off (a lost state is ~1e-1)
+        assert out.get("dp-tp", 0.0) <= 2e-6 and ("dp-tp" in out) == (algorithm == "adamw"), out
