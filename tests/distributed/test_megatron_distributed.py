@@ -185,3 +185,91 @@ def test_optimizer_and_wrapper_must_agree_on_the_distributed_optimizer(world2):
     for message in world2.run(_mismatched_config):
         assert "OptimizerConfig.use_distributed_optimizer=False" in message
         assert "DistributedDataParallelConfig.use_distributed_optimizer=True" in message
+
+
+# Megatron's partial distributed optimizer at 4 ranks: 2 instances of 2 (ranks 0-1 and 2-3), so a shard lives on
+# two ranks, one per instance.
+INSTANCES = {"optimizer": {"lr": 1e-2, "use_distributed_optimizer": True},
+             "ddp": {"use_distributed_optimizer": True, "num_distributed_optimizer_instances": 2,
+                     "overlap_grad_reduce": True, "bucket_size": 100}}
+
+
+def _instances_state(case: dict) -> dict:
+    """One step's reduced gradients (Megatron's collectives, then force_all_reduce), and after training the
+    elements of optimizer state this rank holds per parameter name."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    module = _model()
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(**case["ddp"]), module)
+    (buffer,) = model.buffers
+    x, y = _batches(world, 1)[0][0]
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    grads = {}
+    for force in (True, False):
+        model.zero_grad_buffer()
+        # force_all_reduce applies to buckets not launched yet: with it, backward launches none
+        with model.no_sync() if force else contextlib.nullcontext():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        model.finish_grad_sync(force_all_reduce=force)
+        grads[force] = buffer.grad_data.clone()
+    shard = model.shard_comm(buffer)
+    owned = torch.zeros(buffer.grad_data.numel(), dtype=torch.bool)
+    for bucket in buffer.buckets:
+        lo, hi = buffer.layout.owned_range(bucket.index, shard.rank)
+        owned[buffer.layout.buckets[bucket.index].offset + lo:buffer.layout.buckets[bucket.index].offset + hi] = True
+    exposed = any(p.grad is not None for p in module.parameters())
+    opt = get_megatron_optimizer(_optimizer_config(case), [model])
+    for _ in range(2):
+        model.zero_grad_buffer()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.finish_grad_sync()
+        assert opt.step()[0]
+    names = {p: n for n, p in module.named_parameters()}
+    state = {names[p]: int(entry["exp_avg"].numel()) for p, entry in opt.built.optimizer.state.items()
+             if "exp_avg" in entry}
+    return {"whole": grads[True], "megatron": grads[False], "owned": owned, "exposed": exposed,
+            "shard": (shard.size, shard.rank), "state": state}
+
+
+def test_partial_distributed_optimizer_matches_single_process(world4):
+    import torch
+
+    ranks = world4.run(_train_distributed, INSTANCES, 2)
+    ref = _train_reference(INSTANCES, world=4, micro_batches=2)
+    assert set(ranks[0]["stages"]) == {"zero1+masters"}
+    assert all(r["params"] == ranks[0]["params"] for r in ranks), "replicas diverged"
+    torch.testing.assert_close(torch.tensor(ranks[0]["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(ranks[0]["params"], ref["params"], strict=True)):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+    assert ref["params"][0] != ref["params"][-1]  # the run trained
+
+
+def test_partial_distributed_optimizer_reduces_and_keeps_state_per_instance(world4):
+    import torch
+
+    out = world4.run(_instances_state, INSTANCES)
+    assert [o["shard"] for o in out] == [(2, 0), (2, 1), (2, 0), (2, 1)]  # instances of consecutive ranks
+    whole = out[0]["whole"]
+    numel = sum(p.numel() for p in _model().parameters())
+    for rank, o in enumerate(out):
+        # force_all_reduce: the whole data-parallel mean on every rank
+        torch.testing.assert_close(o["whole"], whole, rtol=0, atol=0)
+        # Megatron's reduction: this rank's shard holds the whole mean, the rest only its instance's part
+        owned = o["owned"]
+        torch.testing.assert_close(o["megatron"][owned], whole[owned], rtol=1e-6, atol=1e-7)
+        assert not torch.allclose(o["megatron"][~owned], whole[~owned]), f"rank {rank}: reduced over all ranks"
+        assert not o["exposed"], f"rank {rank}: p.grad exposed though only a shard is whole"
+        assert 0 < sum(o["state"].values()) < numel
+    # state: each instance splits every parameter between its two ranks; the other instance holds the same split
+    for a, b in ((0, 1), (2, 3)):
+        names = set(out[a]["state"]) | set(out[b]["state"])
+        assert sum(out[a]["state"].values()) + sum(out[b]["state"].values()) == numel, names
+    assert out[0]["state"] == out[2]["state"] and out[1]["state"] == out[3]["state"]
+    assert out[0]["owned"].tolist() == out[2]["owned"].tolist() != out[1]["owned"].tolist()
