@@ -273,3 +273,46 @@ def test_partial_distributed_optimizer_reduces_and_keeps_state_per_instance(worl
         assert sum(out[a]["state"].values()) + sum(out[b]["state"].values()) == numel, names
     assert out[0]["state"] == out[2]["state"] and out[1]["state"] == out[3]["state"]
     assert out[0]["owned"].tolist() == out[2]["owned"].tolist() != out[1]["owned"].tolist()
+
+
+def _second_finish_grad_sync() -> dict:
+    """Megatron's loop with per-token losses (gradients summed over ranks, no overlap): the reduced gradients
+    after finish_grad_sync, after a second call, and after the optimizer's step (which calls it too), and the
+    full batch's summed gradient computed on this rank alone."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = _batches(world, 1)[0][0]
+    alone = _model()
+    torch.nn.functional.mse_loss(alone(x), y, reduction="sum").backward()
+    module = _model()
+    model = DistributedDataParallel(types.SimpleNamespace(calculate_per_token_loss=True),
+                                    DistributedDataParallelConfig(average_in_collective=False), module)
+    # no clipping: it would scale the gradients in place
+    opt = get_megatron_optimizer(_optimizer_config({"optimizer": {"lr": 1e-2, "clip_grad": 0.0}}), [model])
+
+    def grads() -> torch.Tensor:
+        return torch.cat([model.main_grad(p).flatten() for p in module.parameters()]).clone()
+
+    model.zero_grad_buffer()
+    torch.nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank], reduction="sum").backward()
+    model.finish_grad_sync()
+    first = grads()
+    model.finish_grad_sync()  # Megatron (overlap_grad_reduce=False) would sum the sums again
+    second = grads()
+    assert opt.step()[0]
+    return {"first": first, "second": second, "stepped": grads(),
+            "alone": torch.cat([p.grad.flatten() for p in alone.parameters()])}
+
+
+def test_second_finish_grad_sync_keeps_the_reduced_gradients(world2):
+    import torch
+
+    for out in world2.run(_second_finish_grad_sync):
+        torch.testing.assert_close(out["first"], out["alone"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out["second"], out["first"]) and torch.equal(out["stepped"], out["first"])

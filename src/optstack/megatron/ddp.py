@@ -44,7 +44,11 @@ Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's
 Not offered: ``param.main_grad`` (optstack sets no attributes on parameters; ``ddp.main_grad(param)`` is the
 gradient in the buffer) and the forward pre-hook switches (the optimizer stage owns the overlapped parameter
 gathers: ``MegatronOptimizer.finish_param_sync()`` waits for them). ``finish_grad_sync()`` called again with no
-gradient in between is a no-op (Megatron reduces the buffers again).
+gradient in between is a no-op. Megatron does the same with ``overlap_grad_reduce``; without it Megatron reduces the
+buffers again. optstack cannot: its optimizers call ``finish_grad_sync()`` at the start of each step (so a loop that
+forgets it still steps reduced gradients), after Megatron's loop already did, and a second reduction would sum the
+sums with per-token losses (x data-parallel size) and, under a reduce-scatter, fold other ranks' unreduced ranges
+into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_sync(force_all_reduce=True)``.
 """
 
 from __future__ import annotations
@@ -433,7 +437,8 @@ class DistributedDataParallel(DataParallel):
         super().start_grad_sync(through=through, force_all_reduce=force_all_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:  # type: ignore[override]
-        """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one.
+        """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one (the optimizer's
+        step calls it too; module docstring).
         ``force_all_reduce``: the buckets not started yet are all-reduced (even under the distributed
         optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
         if force_all_reduce:
