@@ -10,7 +10,9 @@ take it as the wrapped model):
 - ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
   instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), reduced inside it into
   each rank's shard, then that shard all-reduced across instances (over the ranks holding the same shard, or
-  ``pg_collection.inter_dist_opt``), as Megatron does; each instance keeps optimizer state for its shards only;
+  ``pg_collection.inter_dist_opt``), as Megatron does; each instance keeps optimizer state for its shards only.
+  ``force_all_reduce`` all-reduces over the whole data-parallel group (whole gradients on every rank; Megatron's
+  reduces only the owned shard across instances);
 - ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
