@@ -194,19 +194,37 @@ INSTANCES = {"optimizer": {"lr": 1e-2, "use_distributed_optimizer": True},
                      "overlap_grad_reduce": True, "bucket_size": 100}}
 
 
-def _instances_state(case: dict) -> dict:
+def _instances_state(case: dict, interleaved: bool = False) -> dict:
     """One step's reduced gradients (Megatron's collectives, then force_all_reduce), and after training the
-    elements of optimizer state this rank holds per parameter name."""
+    elements of optimizer state this rank holds per parameter name. ``interleaved``: the instances {0, 2} and
+    {1, 3} given through a ProcessGroupCollection (first checking that intra_dp_cp alone is refused)."""
     import contextlib
 
     import torch
     import torch.distributed as dist
 
-    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        ProcessGroupCollection,
+        get_megatron_optimizer,
+    )
 
     world, rank = dist.get_world_size(), dist.get_rank()
     module = _model()
-    model = DistributedDataParallel(None, DistributedDataParallelConfig(**case["ddp"]), module)
+    ddp_config = DistributedDataParallelConfig(**case["ddp"])
+    pgs = None
+    if interleaved:
+        intra = [dist.new_group(r) for r in ([0, 2], [1, 3])][rank % 2]
+        inter = [dist.new_group(r) for r in ([0, 1], [2, 3])][rank // 2]
+        try:
+            DistributedDataParallel(None, ddp_config, module, pg_collection=ProcessGroupCollection(
+                dp=dist.group.WORLD, intra_dp_cp=intra))
+            raise AssertionError("intra_dp_cp without inter_dist_opt was accepted")
+        except ValueError as exc:
+            assert "inter_dist_opt" in str(exc), exc
+        pgs = ProcessGroupCollection(dp=dist.group.WORLD, intra_dp_cp=intra, inter_dist_opt=inter)
+    model = DistributedDataParallel(None, ddp_config, module, pg_collection=pgs)
     (buffer,) = model.buffers
     x, y = _batches(world, 1)[0][0]
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -251,11 +269,16 @@ def test_partial_distributed_optimizer_matches_single_process(world4):
     assert ref["params"][0] != ref["params"][-1]  # the run trained
 
 
-def test_partial_distributed_optimizer_reduces_and_keeps_state_per_instance(world4):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_partial_distributed_optimizer_reduces_and_keeps_state_per_instance(world4, interleaved):
     import torch
 
-    out = world4.run(_instances_state, INSTANCES)
-    assert [o["shard"] for o in out] == [(2, 0), (2, 1), (2, 0), (2, 1)]  # instances of consecutive ranks
+    out = world4.run(_instances_state, INSTANCES, interleaved)
+    if interleaved:  # the given groups: instances {0, 2} and {1, 3}
+        assert [o["shard"] for o in out] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+        out = [out[0], out[2], out[1], out[3]]  # in instance order, as below
+    else:  # instances of consecutive ranks
+        assert [o["shard"] for o in out] == [(2, 0), (2, 1), (2, 0), (2, 1)]
     whole = out[0]["whole"]
     numel = sum(p.numel() for p in _model().parameters())
     for rank, o in enumerate(out):
