@@ -82,8 +82,12 @@ class DataParallel(nn.Module):
         shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
         bucketing: how buckets are cut (``buffers.Bucketing``; None: optstack's rule).
         shard_group: with ``shard_grads``, the group dense gradients are sharded over, a part of the
-            data-parallel group (a partial distributed optimizer: ZeRO-1 inside each part, gradients still
-            all-reduced over the whole data-parallel group); None: the data-parallel group.
+            data-parallel group (a partial distributed optimizer, Megatron's instances: ZeRO-1 inside each
+            part); None: the data-parallel group.
+        cross_shard_group: with a ``shard_group`` smaller than the data-parallel group, the ranks holding this
+            rank's shard in the other parts (Megatron's inter-instance group). A bucket is reduced inside the
+            part (reduced into this rank's shard), then that shard is all-reduced across the parts, as
+            Megatron does; only the owned shard holds the whole data-parallel sum.
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -95,7 +99,8 @@ class DataParallel(nn.Module):
                  check_for_nan: bool = False,
                  sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
-                 shard_group: Comm | NullComm | None = None) -> None:
+                 shard_group: Comm | NullComm | None = None,
+                 cross_shard_group: Comm | NullComm | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -115,6 +120,13 @@ class DataParallel(nn.Module):
         if shard_group is not None and (not shard_grads or self.groups.dp.size % shard_group.size):
             raise ValueError(f"shard_group needs shard_grads=True and a size dividing the data-parallel size "
                              f"{self.groups.dp.size}; got size {shard_group.size}, shard_grads={shard_grads}")
+        parts = self.groups.dp.size // self._dense_shard.size
+        if parts > 1 and (cross_shard_group is None or cross_shard_group.size != parts):
+            got = None if cross_shard_group is None else f"size {cross_shard_group.size}"
+            raise ValueError(f"a shard_group of size {self._dense_shard.size} splits the data-parallel group into "
+                             f"{parts} parts: pass cross_shard_group, the {parts} ranks holding this rank's shard "
+                             f"in each part; got {got}")
+        self._cross_shard = cross_shard_group if parts > 1 else None
         self._named = named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
@@ -226,13 +238,31 @@ class DataParallel(nn.Module):
         scale = self._average_scale()
         if scale is not None and self._hook_scale is None:
             bucket.grad_data.mul_(scale)
-        partial = self.shard_comm(buf) is not comm  # sharded over a part: every rank needs the whole sum
-        if self.shard_grads and not (self._force_all_reduce or partial) and self._sharded_via(comm) == "reduce_scatter":
+        if self._partial(buf) and not self._force_all_reduce:
+            handle = self._reduce_in_part(buf, bucket)
+        elif self.shard_grads and not self._force_all_reduce and self._sharded_via(comm) == "reduce_scatter":
             handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data)
-        else:
+        else:  # force_all_reduce: the whole sum on every rank (even under a partial shard_group)
             handle = comm.all_reduce_async(bucket.grad_data)
         self._handles[pos] = handle
         self._next = pos + 1
+
+    def _partial(self, buf: ParamAndGradBuffer) -> bool:
+        """Whether ``buf`` is sharded over a part of the group it is reduced over (a partial ZeRO-1)."""
+        return self._cross_shard is not None and self.shard_comm(buf) is not self.reduce_comm(buf)
+
+    def _reduce_in_part(self, buf: ParamAndGradBuffer, bucket: Bucket) -> Handle:
+        """Megatron's multi-instance reduction: inside the part into this rank's shard, then that shard across
+        the parts. The first is waited for here, so the second is issued in launch order on every rank (Megatron
+        runs both synchronously too, on a side stream)."""
+        part = self._dense_shard
+        own = buf.grad_shard_view(bucket.index, part.rank)
+        if self._sharded_via(part) == "reduce_scatter":
+            part.reduce_scatter(own, bucket.grad_data)
+        else:
+            part.all_reduce(bucket.grad_data)
+        assert self._cross_shard is not None
+        return self._cross_shard.all_reduce_async(own)
 
     def _average_scale(self) -> float | None:
         return 1.0 / self.groups.dp.size if self.average and self.groups.dp.size > 1 else None
@@ -335,7 +365,8 @@ class DataParallel(nn.Module):
         rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
         optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
         for buf in self.param_and_grad_buffers:
-            whole = not (self.shard_grads and self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter")
+            whole = not (self.shard_grads and (self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter"
+                                               or self._partial(buf)))
             if whole and buf.key.grad_dtype == buf.key.param_dtype:
                 for p in buf.params:
                     p.grad = self._grad_views[id(p)]

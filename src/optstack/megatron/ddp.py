@@ -8,8 +8,11 @@ take it as the wrapped model):
 
 - ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced);
 - ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
-  instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``) and gradients all-reduced
-  over the whole data-parallel group;
+  instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), reduced inside it into
+  each rank's shard, then that shard all-reduced across instances (over the ranks holding the same shard, or
+  ``pg_collection.inter_dist_opt``), as Megatron does; each instance keeps optimizer state for its shards only.
+  ``force_all_reduce`` all-reduces over the whole data-parallel group (whole gradients on every rank; Megatron's
+  reduces only the owned shard across instances);
 - ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
@@ -43,7 +46,11 @@ Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's
 Not offered: ``param.main_grad`` (optstack sets no attributes on parameters; ``ddp.main_grad(param)`` is the
 gradient in the buffer) and the forward pre-hook switches (the optimizer stage owns the overlapped parameter
 gathers: ``MegatronOptimizer.finish_param_sync()`` waits for them). ``finish_grad_sync()`` called again with no
-gradient in between is a no-op (Megatron reduces the buffers again).
+gradient in between is a no-op. Megatron does the same with ``overlap_grad_reduce``; without it Megatron reduces the
+buffers again. optstack cannot: its optimizers call ``finish_grad_sync()`` at the start of each step (so a loop that
+forgets it still steps reduced gradients), after Megatron's loop already did, and a second reduction would sum the
+sums with per-token losses (x data-parallel size) and, under a reduce-scatter, fold other ranks' unreduced ranges
+into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_sync(force_all_reduce=True)``.
 """
 
 from __future__ import annotations
@@ -189,22 +196,28 @@ def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int,
     return config.bucket_size
 
 
-def _instance_group(dp: Comm | NullComm, instances: int, given: Any) -> Comm | NullComm | None:
-    """This rank's distributed-optimizer instance: ``instances`` runs of consecutive data-parallel ranks (Megatron's
-    intra partial data-parallel group), or the given ``intra_dp_cp`` group. None for one instance. Collective
+def _instance_groups(dp: Comm | NullComm, instances: int, intra: Any, inter: Any
+                     ) -> tuple[Comm | NullComm | None, Comm | NullComm | None]:
+    """This rank's distributed-optimizer instance (Megatron's intra partial data-parallel group: ``instances`` runs
+    of consecutive data-parallel ranks) and the ranks holding its shard in the other instances (the inter-instance
+    group), or the given ``intra_dp_cp`` / ``inter_dist_opt`` groups. (None, None) for one instance. Collective
     over the world when it creates the groups."""
     if instances == 1:
-        return None
+        return None, None
     if dp.size % instances:
         raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances={instances} must divide "
                          f"the data-parallel size {dp.size}")
-    if given is not None:
-        return Comm(given, name="intra_dp")
+    if (intra is None) != (inter is None):
+        raise ValueError("pg_collection: with num_distributed_optimizer_instances > 1 set both intra_dp_cp (this "
+                         "rank's instance) and inter_dist_opt (the ranks holding its shard in each instance), or "
+                         "neither (optstack then builds them from the data-parallel group)")
+    if intra is not None:
+        return Comm(intra, name="intra_dp"), Comm(inter, name="inter_dist_opt")
     size = dp.size // instances
-    everyone = world_comm("intra-dp").all_gather_object(list(dp.global_ranks))
-    lists = [ranks[i * size:(i + 1) * size] for ranks in sorted({tuple(r) for r in everyone})
-             for i in range(instances)]
-    return new_subgroups(lists, name="intra_dp")
+    everyone = sorted({tuple(r) for r in world_comm("intra-dp").all_gather_object(list(dp.global_ranks))})
+    intra_lists = [ranks[i * size:(i + 1) * size] for ranks in everyone for i in range(instances)]
+    inter_lists = [ranks[j::size] for ranks in everyone for j in range(size)]
+    return new_subgroups(intra_lists, name="intra_dp"), new_subgroups(inter_lists, name="inter_dist_opt")
 
 
 def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
@@ -347,9 +360,9 @@ class DistributedDataParallel(DataParallel):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
         check_ddp_config(ddp_config)
-        intra = None
+        intra = inter = None
         if isinstance(pg_collection, ProcessGroupCollection):
-            intra = pg_collection.intra_dp_cp
+            intra, inter = pg_collection.intra_dp_cp, pg_collection.inter_dist_opt
             pg_collection = to_parallel_groups(pg_collection)
         if pg_collection is not None and not isinstance(pg_collection, ParallelGroups):
             raise ValueError(
@@ -364,7 +377,8 @@ class DistributedDataParallel(DataParallel):
                 "average_in_collective=False"
             )
         groups = pg_collection if pg_collection is not None else ParallelGroups.from_world()
-        shard_group = _instance_group(groups.dp, ddp_config.num_distributed_optimizer_instances, intra)
+        shard_group, cross_shard_group = _instance_groups(groups.dp, ddp_config.num_distributed_optimizer_instances,
+                                                          intra, inter)
         # Later pipeline stages are off the critical path: one bucket each, as in Megatron.
         bucket_size = megatron_bucket_size(ddp_config, dp_size=groups.dp.size,
                                            bucketing=not disable_bucketing and groups.pp.rank == 0)
@@ -380,6 +394,7 @@ class DistributedDataParallel(DataParallel):
             bucketing=megatron_bucketing(module, dp_size=groups.dp.size,
                                          distributed_optimizer=ddp_config.use_distributed_optimizer),
             shard_group=shard_group,
+            cross_shard_group=cross_shard_group,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
@@ -424,7 +439,8 @@ class DistributedDataParallel(DataParallel):
         super().start_grad_sync(through=through, force_all_reduce=force_all_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:  # type: ignore[override]
-        """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one.
+        """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one (the optimizer's
+        step calls it too; module docstring).
         ``force_all_reduce``: the buckets not started yet are all-reduced (even under the distributed
         optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
         if force_all_reduce:
