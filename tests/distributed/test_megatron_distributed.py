@@ -339,3 +339,51 @@ def test_second_finish_grad_sync_keeps_the_reduced_gradients(world2):
     for out in world2.run(_second_finish_grad_sync):
         torch.testing.assert_close(out["first"], out["alone"], rtol=1e-5, atol=1e-5)
         assert torch.equal(out["second"], out["first"]) and torch.equal(out["stepped"], out["first"])
+
+
+def _core_partial(sharded_reduction: str) -> dict:
+    """optstack's core wrapper under 2 parts of 2 ranks with the given in-part reduction (NCCL's default is the
+    reduce-scatter, which gloo runs here): owned shard vs. a replicated wrapper's whole mean."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from optstack.distributed.comm import new_subgroups
+    from optstack.distributed.ddp import DataParallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = _batches(world, 1)[0][0]
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    part = new_subgroups([[0, 1], [2, 3]], name="part")
+    cross = new_subgroups([[0, 2], [1, 3]], name="cross")
+    try:
+        DataParallel(_model(), shard_grads=True, shard_group=part)
+        raise AssertionError("a shard_group smaller than data-parallel without cross_shard_group was accepted")
+    except ValueError as exc:
+        assert "cross_shard_group" in str(exc), exc
+    out = {}
+    for name, kwargs in (("whole", {}), ("partial", {"shard_grads": True, "shard_group": part,
+                                                    "cross_shard_group": cross,
+                                                    "sharded_reduction": sharded_reduction})):
+        model = DataParallel(_model(), bucket_size=None, **kwargs)  # one bucket: each rank owns parameters
+        nn.functional.mse_loss(model(x), y).backward()
+        model.finish_grad_sync()
+        out[name] = {n: model.main_grad(p).clone() for n, p in model.module.named_parameters()}
+        if name == "partial":
+            (buffer,) = model.param_and_grad_buffers
+            owned = {}
+            for n, _ in model.module.named_parameters():
+                piece = buffer.layout.owned_slice(n, part.rank)
+                if piece is not None:
+                    owned[n] = (piece.param_start, piece.param_end)
+    return {"whole": out["whole"], "partial": out["partial"], "owned": owned}
+
+
+@pytest.mark.parametrize("sharded_reduction", ["reduce_scatter", "all_reduce"])
+def test_core_partial_reduction_owned_shard_is_the_whole_mean(world4, sharded_reduction):
+    import torch
+
+    for rank, out in enumerate(world4.run(_core_partial, sharded_reduction)):
+        assert out["owned"], f"rank {rank} owns nothing"
+        for name, (lo, hi) in out["owned"].items():
+            torch.testing.assert_close(out["partial"][name].flatten()[lo:hi], out["whole"][name].flatten()[lo:hi],
+                                       rtol=1e-6, atol=1e-7, msg=lambda m, w=f"rank {rank} {name}": f"{w}: {m}")
