@@ -130,7 +130,9 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("fp4_param_gather", False, "FP4 parameters are not implemented; set it False"),
     ("reuse_grad_buf_for_mxfp8_param_ag", False, "MXFP8 parameters are not implemented; set it False"),
     ("use_megatron_fsdp", False,
-     "Megatron FSDP is not implemented; use use_distributed_optimizer=True for ZeRO-1"),
+     "Megatron FSDP is not implemented; for sharded parameters apply torch's fully_shard (FSDP2) to the module "
+     "and pass it to get_megatron_optimizer unwrapped (no DistributedDataParallel), or use "
+     "use_distributed_optimizer=True for ZeRO-1"),
     ("use_custom_fsdp", False,
      "Megatron FSDP is not implemented; use use_distributed_optimizer=True for ZeRO-1"),
     ("nccl_ub", False, "NCCL user-buffer registration is not implemented; set it False"),
