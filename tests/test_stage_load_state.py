@@ -115,3 +115,16 @@ def test_load_hooks_still_run() -> None:
     target.load_param_shards(shards)
     assert calls == [3, "post"]
     _assert_same_state(target.optimizer, _torch_loaded(make, shards))
+
+
+def test_load_checkpoint_leaves_the_cycle_collector_as_it_was(tmp_path) -> None:
+    import gc
+
+    from optstack.checkpoint import load_checkpoint
+    from optstack.optimizer import ChainedOptimizer
+
+    optimizer = ChainedOptimizer([_stage(ALGORITHMS["sgd_momentum"])])
+    assert gc.isenabled()
+    with pytest.raises((ValueError, RuntimeError)):
+        load_checkpoint(tmp_path / "missing", optimizer)
+    assert gc.isenabled()

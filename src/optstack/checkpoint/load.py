@@ -15,13 +15,15 @@ when the storage failed), nothing changed yet::
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -156,6 +158,25 @@ def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) ->
     return out
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _gc_paused(fn: _F) -> _F:
+    """``fn`` with Python's cycle collector off: a load makes millions of acyclic objects (per-parameter
+    records and tensors), and the full-heap passes they trigger cost a quarter of a 50,000-parameter load."""
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+    return cast(_F, paused)
+
+
+@_gc_paused
 def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *, scheduler: Scheduler | None = None,
                     model: nn.Module | None = None, comm: Comm | NullComm | None = None,
                     key: bytes | str | None = None) -> CheckpointInfo:

@@ -89,7 +89,8 @@ def load_into(owner: str, optimizer: torch.optim.Optimizer, pieces: Sequence[Pie
             if isinstance(current, torch.Tensor) and current.dtype.is_floating_point != tensor.is_floating_point():
                 raise ValueError(f"{owner}: {key!r} of {piece.name!r} is {tensor.dtype}, here {current.dtype}")
             if apply:
-                part = tensor.reshape(-1)[lo : lo + piece.end - piece.start].view(inner.shape)
+                part = (tensor.reshape(inner.shape) if lo == 0 and tensor.numel() == inner.numel()
+                        else tensor.reshape(-1)[lo : lo + piece.end - piece.start].view(inner.shape))
                 loaded[key] = part.to(inner.device, copy=True)
         if not apply:
             continue
