@@ -176,7 +176,8 @@ class DTensorLocal(_DTensorPlacement):
         return out
 
 
-    def as_dtensors(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece]) -> dict[int, dict[str, Any]]:
+    def sharded_state(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece],
+                      params: Sequence[torch.Tensor]) -> dict[int, dict[str, Any]]:
         """``Stage.torch_state`` entries with element-wise state as DTensors placed as their parameter (torch's
         optimizers keep FSDP2 state so): DCP saves each shard once and reshards it to any mesh. No collective."""
         out = {}

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from optstack.clip import counts_toward_norm
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.parallel import ComposedComm
 from optstack.distributed.param_gather import OwnerBroadcast, ParamGather, ShardedLayout
 from optstack.protocol import phase
+from optstack.stage.sharded import to_sharded
 
 __all__ = ["GradOf", "LayerWise", "Piece", "Placement", "Whole", "Zero1", "assign_params", "newton_schulz_cost"]
 
@@ -97,6 +100,29 @@ class Placement:
     def norm_grads(self, ready: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Their gradients, given the pieces' ready ones, in ``norm_params`` order."""
         return list(ready)
+
+    def norm_counts(self, params: Sequence[torch.Tensor]) -> list[bool]:
+        """Which of ``params``' (``norm_params``') norm terms count on this rank, fixed with the parameters:
+        tensor-parallel duplicates on tp rank 0 only."""
+        return [counts_toward_norm(p, self.tp_rank) for p in params]
+
+    #: pieces that are blocks of their parameter, not ranges of its flattened elements (name -> placements),
+    #: which the name-keyed state cannot hold; none here
+    not_flat: Mapping[str, str] = MappingProxyType({})
+
+    def refresh(self) -> None:
+        """Take the model's current values into what is stepped, where that is a copy (nothing here)."""
+
+    def sharded_state(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece],
+                      params: Sequence[torch.Tensor]) -> dict[int, dict[str, Any]]:
+        """``Stage.torch_state`` entries as DCP needs them to reshard: where the state of ``params`` is spread
+        over ``shard_comm``, element-wise tensors as ``ShardedTensor``s of the flattened parameter
+        (``stage/sharded.py``). Collective over that group."""
+        comm = self.shard_comm
+        if comm is None or comm.size == 1:
+            return entries
+        ranges = {id(p.param): (p.start, p.end, str(p.value.device)) for p in pieces}
+        return to_sharded(entries, params, ranges, comm)
 
     def cannot_add(self) -> str | None:
         """Why parameters cannot be added after construction, or None when they can."""

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from optstack.clip import counts_toward_norm, norm_pows, zero_count
+from optstack.clip import norm_pows, zero_count
 from optstack.offload.states import HostCopy
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
-from optstack.stage.sharded import to_sharded
 from optstack.stage.state import from_plain, load_into, migrate, shards_of, to_plain
 
 __all__ = ["Stage"]
@@ -60,15 +59,6 @@ def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
 
 
 _NOT_SETTINGS = ("params", "param_names")
-
-
-def _norm_counts(placement: Placement, params: Sequence[torch.Tensor]) -> list[bool]:
-    """Which norm terms count on this rank, fixed with the parameters: the placement's own rule where it has
-    one (DTensor shards: once across replicas, ``stage/dtensor.py``), else ``counts_toward_norm``."""
-    own = getattr(placement, "norm_counts", None)
-    if own is not None:
-        return own(params)
-    return [counts_toward_norm(p, placement.tp_rank) for p in params]
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +114,7 @@ class Stage:
             for g, inner, n in zip(groups, optimizer.param_groups, names, strict=True)]
         self._stepped = [t for group in stepped for t in group]
         self._ready: list[torch.Tensor | None] = []
-        self._counts = _norm_counts(self.placement, self.placement.norm_params(self.pieces))
+        self._counts = self.placement.norm_counts(self.placement.norm_params(self.pieces))
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
         self._host: HostCopy | None = None  # the state while offload_states() holds it on the host
@@ -169,7 +159,7 @@ class Stage:
                                   "param_names": names})
         self.pieces += pieces
         self._stepped += stepped
-        self._counts += _norm_counts(self.placement, self.placement.norm_params(pieces))
+        self._counts += self.placement.norm_counts(self.placement.norm_params(pieces))
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         return self.param_groups[-1]
 
@@ -275,24 +265,15 @@ class Stage:
         """``torch_state``, for a placement that spreads parameters' state over ranks with element-wise
         tensors as ``ShardedTensor``s of the flattened parameter, for every parameter some rank holds
         (``stage/sharded.py``; what DCP needs to reshard). Collective over that group."""
-        comm = self.placement.shard_comm
-        entries = self.torch_state()
-        as_dtensors = getattr(self.placement, "as_dtensors", None)  # DTensor shards: state as the param's DTensors
-        if as_dtensors is not None:
-            return as_dtensors(entries, self.pieces)
-        if comm is None or comm.size == 1:
-            return entries
         params = [p for g in self.param_groups for p in g["params"]]
-        ranges = {id(p.param): (p.start, p.end, str(p.value.device)) for p in self.pieces}
-        return to_sharded(entries, params, ranges, comm)
+        return self.placement.sharded_state(self.torch_state(), self.pieces, params)
 
     def shards_from_torch(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, ParamShard]:
         """The ``ParamShard``s of this rank's pieces from ``torch_state``-like entries (keyed by ``id`` of the
         model parameter; tensors as stepped, or flat), checked to load (``ValueError`` naming the parameter);
         changes nothing. A piece without an entry gets no state (torch's rule); without a ``"master"`` its
         master is taken from the model's values."""
-        if (refresh := getattr(self.placement, "refresh", None)) is not None:
-            refresh()  # a placement stepping copies of the model (DTensor owners): take its current values
+        self.placement.refresh()  # where the stepped values are copies of the model (DTensor owners)
         shards = {}
         for piece in self.pieces:
             entry = entries.get(id(piece.param), {})
@@ -319,7 +300,7 @@ class Stage:
         held as a remainder is a fresh fp32 copy: checkpoints hold whole fp32 masters whatever the precision)."""
         self.reload_states()
         self.placement.finish()
-        for name, placements in getattr(self.placement, "not_flat", {}).items():  # a DTensor block shard
+        for name, placements in self.placement.not_flat.items():  # e.g. a tensor-parallel DTensor block
             raise ValueError(
                 f"{self.name}: this rank's shard of {name!r} (placements {placements}) is a block of the parameter, "
                 "not a range of its flattened elements, which the name-keyed state holds; save it with DCP: "
