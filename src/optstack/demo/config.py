@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from optstack.config import OptimizerConfig
 from optstack.demo.gpt import GPTConfig
+from optstack.typecheck import type_ok
 
 __all__ = [
     "DataConfig", "LoopConfig", "ScheduleConfig", "TrainConfig", "DEFAULT_LR",
@@ -140,25 +141,6 @@ class ConfigError(ValueError):
     """A user error in a config file or override; the message names the key (and line)."""
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True  # anything else is left to the dataclass's own validation
-
-
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin is Literal:
@@ -184,7 +166,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, where: dict[str, str]) 
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value, path, where)
-        elif not _type_ok(value, hint):
+        elif not type_ok(value, hint):
             raise ConfigError(f"{path}{where.get(path, '')} must be {_describe(hint)}, got {value!r}")
         else:
             is_float = hint is float or (typing.get_origin(hint) in (types.UnionType, typing.Union)

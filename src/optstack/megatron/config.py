@@ -36,7 +36,6 @@ nothing.
 
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 
 from optstack import config as core
+from optstack.typecheck import type_ok
 
 __all__ = [
     "OptimizerConfig", "AdamOptimizerConfig", "SGDOptimizerConfig", "to_core", "core_algorithm",
@@ -217,28 +217,6 @@ def _field_types(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, typing.get_type_hints(cls)[f.name]) for f in dataclasses.fields(cls))
 
 
-def _type_ok(value: Any, hint: Any, *, inf_allowed: bool) -> bool:
-    """Whether ``value`` is of the annotated type ``hint``: a bool only for bool (bool("false") is True), an int
-    (never a bool) for int, a finite int or float for float (inf where ``inf_allowed``), a str, a torch.dtype, a
-    callable; a union takes any of its members."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg, inf_allowed=inf_allowed) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return (isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-                and (inf_allowed or math.isfinite(value)))
-    if hint in (str, torch.dtype):
-        return isinstance(value, hint)
-    if hint is Callable or typing.get_origin(hint) is collections.abc.Callable:
-        return callable(value)
-    return True  # a type this check does not know: left to the field's own check
-
-
 def _type_name(hint: Any, *, inf_allowed: bool) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(arg, inf_allowed=inf_allowed) for arg in typing.get_args(hint))
@@ -252,7 +230,7 @@ def check_types(config: OptimizerConfig) -> None:
     ``initial_loss_scale=None``, ``loss_scale_window=float("inf")``, ``muon_num_ns_steps=True``)."""
     for name, hint in _field_types(type(config)):
         value, inf_allowed = getattr(config, name), name in _INF_ALLOWED
-        if not _type_ok(value, hint, inf_allowed=inf_allowed):
+        if not type_ok(value, hint, inf_allowed=inf_allowed):
             raise ValueError(f"OptimizerConfig.{name} must be {_type_name(hint, inf_allowed=inf_allowed)}, got "
                              f"{type(value).__name__} {value!r:.80}")
 
