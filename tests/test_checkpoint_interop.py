@@ -104,3 +104,25 @@ def test_import_needs_names_and_the_same_parameters(tmp_path: Path) -> None:
     assert not fresh.optimizer.stages[0].optimizer.state  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="names must list exactly"):
         export_torch_state_dict(path, names=["0.weight"])
+
+
+def test_export_with_a_key_checks_the_signature_and_every_file(tmp_path: Path) -> None:
+    model = _model()
+    built = _build(model)
+    _backward(model, 0)
+    built.optimizer.step()
+    plain = save_checkpoint(tmp_path / "plain", built.optimizer, step=1)
+    signed = save_checkpoint(tmp_path / "signed", built.optimizer, step=1, key=b"secret")
+    ref = export_torch_state_dict(plain)
+    got = export_torch_state_dict(signed, key=b"secret")
+    assert torch.equal(got["state"][0]["exp_avg"], ref["state"][0]["exp_avg"])
+    with pytest.raises(ValueError, match="HMAC-SHA256"):
+        export_torch_state_dict(signed, key=b"another key")
+    with pytest.raises(ValueError, match="not signed"):
+        export_torch_state_dict(plain, key=b"secret")
+    data = next(p for p in sorted(signed.rglob("*.distcp")))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # a flip the CRC would catch too; with a key the SHA-256 is checked as well
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="fails its"):
+        export_torch_state_dict(signed, key=b"secret")

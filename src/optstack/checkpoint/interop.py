@@ -27,22 +27,27 @@ from optstack.protocol import ParamShard
 __all__ = ["export_torch_state_dict", "import_torch_state_dict", "write_group_map"]
 
 
-def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str] | None = None) -> dict[str, Any]:
+def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str] | None = None,
+                            key: bytes | str | None = None) -> dict[str, Any]:
     """A checkpoint's optimizer state as a ``torch.optim`` state dict over the whole model (one process).
 
     Args:
         path: a checkpoint directory, or a root with a ``latest`` pointer.
         names: the parameter order within each group (e.g. ``[n for n, _ in model.named_parameters()]``;
             default: the checkpoint's).
+        key: the secret the checkpoint was saved with (``save_checkpoint(..., key=...)``): the manifest's
+            HMAC-SHA256 and every file's SHA-256 are checked before anything is read; without it, unsigned and
+            signed checkpoints alike are read after the CRC checks.
 
     Returns:
         A group per non-empty saved group (``betas`` a tuple); state shaped like the parameter, dtypes as saved.
 
     Raises:
-        ValueError: a damaged checkpoint, or ``names`` that are not exactly the checkpoint's parameters.
+        ValueError: a damaged checkpoint, (given ``key``) an unsigned one or one signed with another key, or
+            ``names`` that are not exactly the checkpoint's parameters.
     """
-    directory, manifest = read_manifest(path)
-    verify_files(directory, manifest["files"])
+    directory, manifest = read_manifest(path, key)
+    verify_files(directory, manifest["files"], sha256=key is not None)
     params = manifest["params"]
     order = list(params) if names is None else list(names)
     if sorted(order) != sorted(params):
