@@ -6,7 +6,9 @@ and defaults; ``DistributedDataParallel(config, ddp_config, module)`` translates
 ``optstack.distributed.ddp.DataParallel`` (it *is* one, so ``get_megatron_optimizer`` and ``build_optimizer``
 take it as the wrapped model):
 
-- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced);
+- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced), by a
+  reduce-scatter on every backend (emulated on gloo), so ranges a rank does not own hold its own scaled, unreduced
+  gradients, as in Megatron;
 - ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
   instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), reduced inside it into
   each rank's shard, then that shard all-reduced across instances (over the ranks holding the same shard, or
@@ -19,8 +21,9 @@ take it as the wrapped model):
   size), and there is a single bucket per buffer without ``overlap_grad_reduce``, with
   ``disable_bucketing``, or on a pipeline stage after the first;
 - ``check_for_nan_in_grad`` -> the non-finite check before each bucket's reduction;
-- ``average_in_collective``: gradients are averaged over data-parallel ranks either way (optstack divides
-  before the sum, Megatron's ``average_in_collective=False`` path); the numbers are the same.
+- ``average_in_collective``: gradients are averaged over data-parallel ranks either way: False divides each
+  bucket by the data-parallel size before the sum, True averages in the collective (after the sum), so, as in
+  Megatron, ranges a rank does not own under a reduce-scatter stay unscaled.
   ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
 - ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
   ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
@@ -56,6 +59,7 @@ into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +73,7 @@ from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
 
 __all__ = ["BucketGroup", "DistributedDataParallel", "DistributedDataParallelConfig", "GradSyncError",
-           "check_ddp_config", "megatron_bucket_size", "megatron_bucketing"]
+           "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
 
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -231,6 +235,10 @@ def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer
     return Bucketing(close="reach", pad="even", param_align=64, alone=shared)
 
 
+# Live wrappers, so partition_buckets (Megatron's signature: buffers only) finds the wrapper of its buffers.
+_WRAPPERS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+
+
 class _BufferList(list):
     """Megatron's ``model.buffers`` (a list of grad buffers) that is still ``nn.Module.buffers`` when called, so
     code iterating module buffers (``model.buffers()``) keeps working."""
@@ -248,25 +256,32 @@ class GradSyncError(RuntimeError, AssertionError):
 
 
 class BucketGroup:
-    """Megatron's bucket group: one bucket of the wrapper, its reduction started and finished on its own.
+    """Megatron's bucket group: buckets of the wrapper whose reductions are started and finished together
+    (one bucket each, as ``DistributedDataParallel.bucket_groups`` has them; several with
+    ``partition_buckets(..., force_single_bucket_group=True)``).
 
     Attributes:
-        buckets: the bucket (``param_data``, ``grad_data``, ``params``, ``numel_unpadded``), in a list.
-        params: its parameters (a set).
+        buckets: its buckets (``param_data``, ``grad_data``, ``params``, ``numel_unpadded``).
+        params: their parameters (a set).
     """
 
-    def __init__(self, ddp: DistributedDataParallel, position: int) -> None:
-        self._ddp, self._position = ddp, position
-        buffer, bucket = ddp.bucket_order[position]
-        self.buffer: ParamAndGradBuffer = buffer
-        self.buckets: list[Bucket] = [bucket]
-        self.params = set(bucket.params)
+    def __init__(self, ddp: DistributedDataParallel, positions: int | list[int]) -> None:
+        self._ddp = ddp
+        self._positions = [positions] if isinstance(positions, int) else sorted(positions)
+        order = ddp.bucket_order
+        self.buffer: ParamAndGradBuffer = order[self._positions[0]][0]
+        self.buckets: list[Bucket] = [order[p][1] for p in self._positions]
+        self.params = {p for bucket in self.buckets for p in bucket.params}
+        self._registered: set[torch.Tensor] = set()  # register_grad_ready calls this step
+        self._first_batch = True  # Megatron's: registrations are recorded, the reduction waits for finish
 
     def __repr__(self) -> str:
-        return f"BucketGroup(position={self._position}, {len(self.params)} params)"
+        return f"BucketGroup(positions={self._positions}, {len(self.params)} params)"
 
     def register_grad_ready(self, param: torch.Tensor) -> None:
-        """``param``'s gradient is complete in the buffer; the bucket's reduction starts once all are.
+        """``param``'s gradient is complete in the buffer (for a gradient written there directly; the backward
+        hooks need no call). As in Megatron, the first batch only records which parameters register; once
+        ``reset()`` has ended it, the group's reduction starts when all of them have registered.
 
         Raises:
             GradSyncError: without ``overlap_grad_reduce`` (Megatron's assertion).
@@ -276,41 +291,80 @@ class BucketGroup:
             raise GradSyncError("register_grad_ready() should only be called when overlap_grad_reduce is True")
         if param not in self.params:
             raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in this bucket group")
-        self._ddp.grad_ready(param)
+        self._registered.add(param)
+        if not self._first_batch and len(self._registered) == len(self.params):
+            for p in self._registered:
+                self._ddp.grad_ready(p)
+            self.start_grad_sync()
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Start this bucket's reduction (buckets earlier in the launch order start too: every rank reduces
+        """Start this group's reductions (buckets earlier in the launch order start too: every rank reduces
         them in one order)."""
-        self._ddp.start_grad_sync(through=self._position, force_all_reduce=force_all_reduce)
+        self._ddp.start_grad_sync(through=self._positions[-1], force_all_reduce=force_all_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Wait for this bucket's reduction (started here without ``overlap_grad_reduce``).
+        """Wait for this group's reductions (started here without ``overlap_grad_reduce``, or in the first batch).
+
+        With ``overlap_grad_reduce`` after the first batch and a reduction not started yet: a no-op with
+        ``num_distributed_optimizer_instances`` > 1 (as in Megatron), else an error.
 
         Raises:
-            GradSyncError: with ``overlap_grad_reduce``, a parameter of the bucket not registered ready yet.
+            GradSyncError: with ``overlap_grad_reduce`` after the first batch, one instance, a parameter of the group
+                not registered ready yet.
         """
         ddp = self._ddp
-        if not ddp.bucket_launched(self._position):
-            if ddp.ddp_config.overlap_grad_reduce:
+        if not all(ddp.bucket_launched(p) for p in self._positions):
+            config = ddp.ddp_config
+            if config.overlap_grad_reduce and not self._first_batch and config.num_distributed_optimizer_instances > 1:
+                return  # Megatron: with several instances the reduction runs on its own stream; nothing to wait for
+            if config.overlap_grad_reduce and not self._first_batch:
                 raise GradSyncError(
-                    "the bucket's reduction has not started: not every parameter's gradient is ready (call "
-                    "register_grad_ready for each, or finish_grad_sync() on the model)")
+                    f"the bucket's reduction has not started: {len(self._registered)} of {len(self.params)} "
+                    "parameters have their gradient ready (call register_grad_ready for each, or "
+                    "finish_grad_sync() on the model)")
             self.start_grad_sync(force_all_reduce)
-        ddp.wait_bucket(self._position)
-        ddp._finished.add(self._position)
+        for position in self._positions:
+            ddp.wait_bucket(position)
+        self._registered = set()
+        ddp._finished.update(self._positions)
         if len(ddp._finished) == len(ddp.bucket_order):
             ddp.finish_grad_sync()  # every bucket done: reset for the next step
 
     def reset(self) -> None:
-        """Megatron resets a group's bookkeeping here; the wrapper resets all of it in ``finish_grad_sync`` and
-        ``zero_grad_buffer``, so there is nothing to do."""
+        """End the first batch (if parameters registered in it) and forget this step's registrations; the
+        wrapper resets its own bookkeeping in ``finish_grad_sync`` and ``zero_grad_buffer``."""
+        if self._first_batch and self._registered:
+            self._first_batch = False
+        self._registered = set()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Gather this bucket's parameters from their owner ranks (distributed optimizer only)."""
-        self._ddp._gather_bucket(self.buffer, self.buckets[0])
+        """Gather this group's parameters from their owner ranks (distributed optimizer only)."""
+        for bucket in self.buckets:
+            self._ddp._gather_bucket(self.buffer, bucket)
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """The gather of ``start_param_sync`` is synchronous: nothing to wait for."""
+
+
+def partition_buckets(buffers: list[ParamAndGradBuffer], force_single_bucket_group: bool = False
+                      ) -> list[BucketGroup]:
+    """Megatron's grouping of the buckets of ``buffers`` (one ``DistributedDataParallel``'s): a group per bucket,
+    in launch order, or with ``force_single_bucket_group`` one group of every bucket.
+
+    Raises:
+        ValueError: ``buffers`` empty or not all of one live ``DistributedDataParallel``.
+    """
+    owners = {id(ddp): ddp for ddp in list(_WRAPPERS)
+              if any(b is own for b in buffers for own in ddp.param_and_grad_buffers)}
+    if not buffers or len(owners) != 1:
+        raise ValueError(f"partition_buckets: buffers must be a non-empty list of one DistributedDataParallel's "
+                         f"buffers (model.buffers), got {len(buffers)} buffers of {len(owners)} wrappers")
+    ddp = next(iter(owners.values()))
+    ids = {id(b) for b in buffers}
+    positions = [i for i, (buf, _) in enumerate(ddp.bucket_order) if id(buf) in ids]
+    if force_single_bucket_group:
+        return [BucketGroup(ddp, positions)]
+    return [BucketGroup(ddp, p) for p in positions]
 
 
 class DistributedDataParallel(DataParallel):
@@ -397,11 +451,16 @@ class DistributedDataParallel(DataParallel):
                                          distributed_optimizer=ddp_config.use_distributed_optimizer),
             shard_group=shard_group,
             cross_shard_group=cross_shard_group,
+            # Megatron's buffers hold unreduced gradients outside each rank's shard, on every backend (the core's
+            # "auto" all-reduces whole buckets on gloo, where that is faster).
+            sharded_reduction="reduce_scatter",
+            average_in_collective=ddp_config.average_in_collective,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
         self.ddp_config = dataclasses.replace(ddp_config)
         self.bucket_size = bucket_size
+        _WRAPPERS.add(self)
 
     @property
     def buffers(self) -> _BufferList:  # type: ignore[override]
