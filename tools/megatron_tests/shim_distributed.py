@@ -174,6 +174,13 @@ class Utils:
             dist.barrier()
 
 
+def _internal_buffer(*args: Any, **kwargs: Any) -> Any:
+    """Megatron's internal ``_ParamAndGradBuffer`` constructor (main's NVFP4 index-map tests build it with mocked
+    module internals): not part of optstack's face; the name exists only so the test file imports."""
+    raise NotImplementedError("out of scope: Megatron's internal _ParamAndGradBuffer constructor (optstack's face "
+                              "offers the wrapper's buffers, model.buffers, not Megatron's buffer class)")
+
+
 class TransformerConfig:
     """Stand-in for Megatron's ``TransformerConfig`` (a model class, out of scope): holds its keywords."""
 
@@ -233,7 +240,8 @@ def install() -> None:
     _module("megatron.core.distributed", **{n: getattr(face_ddp, n) for n in face_ddp.__all__})
     _module("megatron.core.distributed.param_and_grad_buffer",
             **{n: getattr(face_ddp, n) for n in ("partition_buckets", "dist_reduce_scatter_func",
-                                                 "dist_all_gather_func") if hasattr(face_ddp, n)})
+                                                 "dist_all_gather_func") if hasattr(face_ddp, n)},
+            _ParamAndGradBuffer=_internal_buffer)
     _module("megatron.core.optimizer", **{n: getattr(face, n) for n in face.__all__})
     _module("megatron.core.optimizer.distrib_optimizer", DistributedOptimizer=face.DistributedOptimizer)
     _module("megatron.core.process_groups_config", ProcessGroupCollection=face.ProcessGroupCollection)

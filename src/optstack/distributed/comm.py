@@ -24,7 +24,7 @@ import torch.distributed as dist
 from optstack.tensor_bytes import tensor_bytes
 
 __all__ = ["Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized", "world_rank",
-           "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group"]
+           "world_size", "new_group", "new_subgroups", "torch_group", "init_process_group", "destroy_process_group"]
 
 ProcessGroup = dist.ProcessGroup
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -315,6 +315,17 @@ def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | 
     except Exception as exc:
         raise CommError(f"creating the {name!r} group over ranks {ranks} failed on rank {me}: {exc}") from exc
     return Comm(group, name=name, timeout=timeout) if me in ranks else None
+
+
+def torch_group(comm: Comm | NullComm) -> dist.ProcessGroup | None:
+    """``comm``'s torch process group for code that calls torch.distributed itself (Megatron's face): the world's
+    for the world Comm, a group of only this rank for a NullComm in an initialised world (only it takes part in
+    creating it), None without torch.distributed."""
+    if isinstance(comm, Comm):
+        return comm.group if comm.group is not None else dist.group.WORLD
+    if not is_initialized():
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,

@@ -70,10 +70,16 @@ from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer
 from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
+from optstack.megatron.param_and_grad_buffer import (
+    BucketView,
+    BufferView,
+    FullParamLayout,
+    megatron_bucketing_for,
+)
 from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
 
-__all__ = ["BucketGroup", "DistributedDataParallel", "DistributedDataParallelConfig", "GradSyncError",
-           "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
+__all__ = ["BucketGroup", "DDPConfigAssertion", "DistributedDataParallel", "DistributedDataParallelConfig",
+           "GradSyncError", "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
 
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -119,6 +125,11 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self) -> None:
         check_ddp_config(self)
+
+
+class DDPConfigAssertion(ValueError, AssertionError):
+    """An invalid ``DistributedDataParallelConfig`` combination that Megatron asserts against (an
+    ``AssertionError`` too, for its callers)."""
 
 
 # (field, the only supported value, why / what to do instead)
@@ -181,8 +192,8 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     patterns = config.param_name_patterns_for_fp32_local_accumulation
     if patterns:
         if config.grad_reduce_in_fp32:  # Megatron's assertion
-            raise ValueError("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation is only "
-                             "needed when grad_reduce_in_fp32 is False")
+            raise DDPConfigAssertion("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation "
+                                     "is only needed when grad_reduce_in_fp32 is False")
         raise ValueError(
             f"DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation={patterns!r} is not "
             "supported by optstack (fp32 local accumulation of some bf16 gradients before a bf16 reduction); use "
@@ -228,11 +239,8 @@ def _instance_groups(dp: Comm | NullComm, instances: int, intra: Any, inter: Any
 
 def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
     """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
-    if not distributed_optimizer:
-        return Bucketing(close="reach", pad="none", param_align=1)
-    shared = frozenset(n for n, p in module.named_parameters()
-                       if p.requires_grad and getattr(p, "shared_embedding", False))
-    return Bucketing(close="reach", pad="even", param_align=64, alone=shared)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return megatron_bucketing_for(named, distributed_optimizer=distributed_optimizer)
 
 
 # Live wrappers, so partition_buckets (Megatron's signature: buffers only) finds the wrapper of its buffers.
@@ -243,7 +251,7 @@ class _BufferList(list):
     """Megatron's ``model.buffers`` (a list of grad buffers) that is still ``nn.Module.buffers`` when called, so
     code iterating module buffers (``model.buffers()``) keeps working."""
 
-    def __init__(self, items: list[ParamAndGradBuffer], module: nn.Module) -> None:
+    def __init__(self, items: list[BufferView], module: nn.Module) -> None:
         super().__init__(items)
         self._module = module
 
@@ -270,8 +278,13 @@ class BucketGroup:
         self._positions = [positions] if isinstance(positions, int) else sorted(positions)
         order = ddp.bucket_order
         self.buffer: ParamAndGradBuffer = order[self._positions[0]][0]
-        self.buckets: list[Bucket] = [order[p][1] for p in self._positions]
-        self.params = {p for bucket in self.buckets for p in bucket.params}
+        self._core_buckets: list[Bucket] = [order[p][1] for p in self._positions]
+        view = ddp._view_of(self.buffer)
+        self.buckets: list[BucketView] = [view.buckets[b.index] for b in self._core_buckets]
+        self.params = {p for bucket in self._core_buckets for p in bucket.params}
+        self.intra_distributed_optimizer_instance_size = ddp.shard_comm(self.buffer).size
+        self.param_gather_handle: Any = None  # Megatron's in-flight gather (optstack's gathers are synchronous)
+        self.param_gather_dispatched = False
         self._registered: set[torch.Tensor] = set()  # register_grad_ready calls this step
         self._first_batch = True  # Megatron's: registrations are recorded, the reduction waits for finish
 
@@ -338,12 +351,24 @@ class BucketGroup:
         self._registered = set()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Gather this group's parameters from their owner ranks (distributed optimizer only)."""
-        for bucket in self.buckets:
+        """Gather this group's parameters from their owner ranks (distributed optimizer only; nothing to gather
+        on one rank)."""
+        for bucket in self._core_buckets:
             self._ddp._gather_bucket(self.buffer, bucket)
+        self.param_gather_dispatched = True
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """The gather of ``start_param_sync`` is synchronous: nothing to wait for."""
+        self.param_gather_dispatched = False
+
+    def free_overlap_buffers(self) -> None:
+        """Wait for an in-flight parameter gather and drop the buckets' gather scratch (Megatron frees them
+        before an asynchronous checkpoint save)."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+        for bucket in self.buckets:
+            bucket.layerwise_gather_list = None
 
 
 def partition_buckets(buffers: list[ParamAndGradBuffer], force_single_bucket_group: bool = False
@@ -354,6 +379,7 @@ def partition_buckets(buffers: list[ParamAndGradBuffer], force_single_bucket_gro
     Raises:
         ValueError: ``buffers`` empty or not all of one live ``DistributedDataParallel``.
     """
+    buffers = [getattr(b, "core", b) for b in buffers]  # BufferView or the core buffer
     owners = {id(ddp): ddp for ddp in list(_WRAPPERS)
               if any(b is own for b in buffers for own in ddp.param_and_grad_buffers)}
     if not buffers or len(owners) != 1:
@@ -409,6 +435,7 @@ class DistributedDataParallel(DataParallel):
         module: nn.Module,
         disable_bucketing: bool = False,
         pg_collection: ParallelGroups | None = None,
+        full_param_layout: FullParamLayout | None = None,
     ) -> None:
         if not isinstance(ddp_config, DistributedDataParallelConfig):
             raise ValueError(f"ddp_config must be an optstack.megatron.DistributedDataParallelConfig, got "
@@ -460,17 +487,49 @@ class DistributedDataParallel(DataParallel):
         self._finished: set[int] = set()  # bucket groups finished one by one this step
         self.ddp_config = dataclasses.replace(ddp_config)
         self.bucket_size = bucket_size
+        self._views = {id(b): BufferView(b, self.shard_comm(b)) for b in self.param_and_grad_buffers}
+        self.full_param_layout = self._check_layout(full_param_layout)
         _WRAPPERS.add(self)
+
+    def _view_of(self, buffer: ParamAndGradBuffer) -> BufferView:
+        return self._views[id(buffer)]
+
+    def _check_layout(self, given: FullParamLayout | None) -> FullParamLayout | None:
+        """The layout of the buffers (Megatron's ``full_param_layout``): the given one, checked to be the one
+        built, or with the distributed optimizer the one built (Megatron computes it then)."""
+        built = FullParamLayout({b.key: self._view_of(b).param_layout() for b in self.param_and_grad_buffers})
+        if given is None:
+            return built if self.ddp_config.use_distributed_optimizer else None
+        if not isinstance(given, FullParamLayout) or set(given.layouts) != set(built.layouts):
+            raise ValueError(f"full_param_layout must be a FullParamLayout with a layout per buffer "
+                             f"{sorted(map(str, built.layouts))}; got {given!r:.200}")
+        for key, layout in built.layouts.items():
+            theirs = given.layouts[key]
+            if theirs.param_index_map != layout.param_index_map or theirs.bucket_indices != layout.bucket_indices:
+                raise ValueError(
+                    f"full_param_layout for buffer {key} differs from the layout this wrapper builds (bucket "
+                    f"{theirs.bucket_indices} vs {layout.bucket_indices}); compute it with "
+                    "DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp_size, ddp_config) "
+                    "over the same parameters, bucket size and data-parallel size, or pass None")
+        return given
 
     @property
     def buffers(self) -> _BufferList:  # type: ignore[override]
-        """The dense parameters' grad buffers, Megatron's list; called, ``nn.Module.buffers(recurse)``."""
-        return _BufferList([b for b in self.param_and_grad_buffers if not b.key.is_expert], self)
+        """The dense parameters' grad buffers (``BufferView``: Megatron's names over the core buffer), Megatron's
+        list; called, ``nn.Module.buffers(recurse)``."""
+        return _BufferList([self._view_of(b) for b in self.param_and_grad_buffers if not b.key.is_expert], self)
 
     @property
-    def expert_parallel_buffers(self) -> list[ParamAndGradBuffer]:
+    def expert_parallel_buffers(self) -> list[BufferView]:
         """The expert (``allreduce=False``) parameters' buffers."""
-        return [b for b in self.param_and_grad_buffers if b.key.is_expert]
+        return [self._view_of(b) for b in self.param_and_grad_buffers if b.key.is_expert]
+
+    def free_overlap_buffers(self) -> None:
+        """Wait for parameter gathers in flight and free every bucket group's gather scratch (Megatron calls it
+        before an asynchronous checkpoint save)."""
+        self.finish_param_sync()
+        for group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            group.free_overlap_buffers()
 
     @property
     def bucket_groups(self) -> list[BucketGroup]:
