@@ -60,7 +60,7 @@ def test_defaults_and_field_order_are_megatrons() -> None:
     [("align_param_gather", True), ("check_for_large_grads", True),
      ("pad_buckets_for_high_nccl_busbw", True), ("reduce_scatter_with_fp32_accumulation", True),
      ("fp8_param_gather", True), ("fp4_param_gather", True), ("reuse_grad_buf_for_mxfp8_param_ag", True),
-     ("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True), ("delay_wgrad_compute", True)],
+     ("use_custom_fsdp", True), ("nccl_ub", True), ("delay_wgrad_compute", True)],
 )
 def test_unsupported_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"DistributedDataParallelConfig\.{field}={value!r} is not supported"):

@@ -144,12 +144,6 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("fp8_param_gather", False, "FP8 parameters are not implemented; set it False"),
     ("fp4_param_gather", False, "FP4 parameters are not implemented; set it False"),
     ("reuse_grad_buf_for_mxfp8_param_ag", False, "MXFP8 parameters are not implemented; set it False"),
-    ("use_megatron_fsdp", False,
-     "Megatron FSDP is not implemented; for sharded parameters apply torch's fully_shard (FSDP2) to the module "
-     "and pass it to get_megatron_optimizer unwrapped (no DistributedDataParallel), or use "
-     "use_distributed_optimizer=True for ZeRO-1"),
-    ("use_custom_fsdp", False,
-     "Megatron FSDP is not implemented; use use_distributed_optimizer=True for ZeRO-1"),
     ("nccl_ub", False, "NCCL user-buffer registration is not implemented; set it False"),
     ("delay_wgrad_compute", False, "delayed weight-gradient computation is not implemented; set it False"),
 )
@@ -157,8 +151,46 @@ _BOOL_FIELDS = ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gat
                 "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective")
 
 
+# With use_megatron_fsdp=True (FSDP2 underneath, optstack.megatron.fsdp): (field, the only supported value, why).
+_FSDP_FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
+    ("outer_dp_sharding_strategy", "no_shard",
+     "HSDP's outer level replicates (set num_distributed_optimizer_instances for the number of replicas)"),
+    ("check_for_nan_in_grad", False, "FSDP2 reduces gradients inside backward, before a check could run; set it "
+     "False and rely on the optimizer's non-finite check"),
+    ("preserve_fp32_weights", True, "optstack's optimizer always keeps fp32 master weights for bf16/fp16 "
+     "parameters; set it True"),
+    ("fsdp_double_buffer", False, "FSDP2 manages its own communication buffers; set it False"),
+    ("keep_fp8_transpose_cache", False, "FP8 parameters are not implemented; set it False"),
+)
+_FSDP_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
+
+
+def _check_fsdp_config(config: DistributedDataParallelConfig) -> None:
+    """The fields ``use_megatron_fsdp=True`` reads, as FSDP2 can carry them out (module docstring of
+    ``optstack.megatron.fsdp``)."""
+    strategy = config.data_parallel_sharding_strategy
+    if strategy not in _FSDP_STRATEGIES:
+        raise ValueError(
+            f"DistributedDataParallelConfig.data_parallel_sharding_strategy={strategy!r} is not supported with "
+            f"use_megatron_fsdp=True (FSDP2 shards gradients with the optimizer state); use 'optim_grads' or "
+            f"'optim_grads_params', or for 'optim' (ZeRO-1) DistributedDataParallel with "
+            f"use_megatron_fsdp=False, use_distributed_optimizer=True")
+    for field, allowed, why in _FSDP_FIXED_FIELDS:
+        value = getattr(config, field)
+        if value != allowed:
+            raise ValueError(f"DistributedDataParallelConfig.{field}={value!r} is not supported with "
+                             f"use_megatron_fsdp=True: {why}")
+
+
 def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     """Raise a ``ValueError`` naming the first field of ``config`` that is invalid or unsupported."""
+    for field in ("use_megatron_fsdp", "use_custom_fsdp"):
+        if not isinstance(getattr(config, field), bool):
+            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got "
+                             f"{getattr(config, field)!r}")
+    if config.use_custom_fsdp and not config.use_megatron_fsdp:
+        raise ValueError("DistributedDataParallelConfig.use_custom_fsdp=True is not supported alone: it is "
+                         "Megatron's deprecated name; set use_megatron_fsdp=True (Megatron sets both)")
     for field, allowed, fix in _FIXED_FIELDS:
         value = getattr(config, field)
         if value != allowed or type(value) is not type(allowed):
@@ -179,6 +211,8 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value not in _SHARDING_STRATEGIES:
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r}; allowed: "
                              f"{list(_SHARDING_STRATEGIES)}")
+    if config.use_megatron_fsdp:
+        _check_fsdp_config(config)
     instances = config.num_distributed_optimizer_instances
     if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
         raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances must be an int >= 1, "
@@ -443,6 +477,11 @@ class DistributedDataParallel(DataParallel):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
         check_ddp_config(ddp_config)
+        if ddp_config.use_megatron_fsdp:
+            raise ValueError("DistributedDataParallelConfig.use_megatron_fsdp=True: wrap the model with "
+                             "optstack.megatron.FullyShardedDataParallel(config, ddp_config, module), Megatron's "
+                             "wrapper for Megatron-FSDP (optstack builds it on torch's FSDP2), not "
+                             "DistributedDataParallel")
         intra = inter = None
         if isinstance(pg_collection, ProcessGroupCollection):
             intra, inter = pg_collection.intra_dp_cp, pg_collection.inter_dist_opt
