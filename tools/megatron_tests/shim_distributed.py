@@ -5,7 +5,8 @@ Loaded by ``run_distributed.py`` (``-p shim_distributed``) in each of the N proc
 in ``sys.modules``, before the test files are imported:
 
 - ``megatron.core.distributed`` (and ``.param_and_grad_buffer``): optstack's Megatron face
-  (``DistributedDataParallel``, ``DistributedDataParallelConfig``, ``BucketGroup``, ``partition_buckets``);
+  (``DistributedDataParallel``, ``DistributedDataParallelConfig``, ``FullyShardedDataParallel``, ``BucketGroup``,
+  ``partition_buckets``);
 - ``megatron.core.optimizer`` / ``.distrib_optimizer``: ``optstack.megatron`` (``DistributedOptimizer``, ...);
 - ``megatron.core.process_groups_config``: optstack's ``ProcessGroupCollection``;
 - ``megatron.core.parallel_state``: the data-parallel part of Megatron's global groups over the gloo world
@@ -237,7 +238,8 @@ def install() -> None:
     _module("megatron")
     _module("megatron.core")
     _module("megatron.core.parallel_state", **_PARALLEL_STATE)
-    _module("megatron.core.distributed", **{n: getattr(face_ddp, n) for n in face_ddp.__all__})
+    _module("megatron.core.distributed", **{n: getattr(face_ddp, n) for n in face_ddp.__all__},
+            FullyShardedDataParallel=face.FullyShardedDataParallel)
     _module("megatron.core.distributed.param_and_grad_buffer",
             **{n: getattr(face_ddp, n) for n in ("partition_buckets", "dist_reduce_scatter_func",
                                                  "dist_all_gather_func") if hasattr(face_ddp, n)},

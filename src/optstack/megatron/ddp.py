@@ -19,7 +19,9 @@ take it as the wrapped model):
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
   size), and there is a single bucket per buffer without ``overlap_grad_reduce``, with
-  ``disable_bucketing``, or on a pipeline stage after the first;
+  ``disable_bucketing``, or on a pipeline stage after the first; ``num_buckets`` instead -> the wrapped module's
+  parameter count // ``num_buckets`` elements per bucket (Megatron's training script resolves it so, over all
+  model chunks);
 - ``check_for_nan_in_grad`` -> the non-finite check before each bucket's reduction;
 - ``average_in_collective``: gradients are averaged over data-parallel ranks either way: False divides each
   bucket by the data-parallel size before the sum, True averages in the collective (after the sum), so, as in
@@ -220,9 +222,14 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     if instances > 1 and not config.use_distributed_optimizer:
         raise ValueError("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
                          "use_distributed_optimizer=True (a partial distributed optimizer)")
-    if config.num_buckets is not None:
-        raise ValueError("DistributedDataParallelConfig.num_buckets is not supported by optstack; set bucket_size "
-                         "(elements per bucket) instead")
+    buckets = config.num_buckets
+    if buckets is not None:  # Megatron's assertions
+        if config.bucket_size is not None:
+            raise DDPConfigAssertion("DistributedDataParallelConfig: cannot specify both num_buckets and "
+                                     "bucket_size; set one of them")
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise DDPConfigAssertion(f"DistributedDataParallelConfig.num_buckets must be an int greater than 0, "
+                                     f"got {buckets!r}")
     patterns = config.param_name_patterns_for_fp32_local_accumulation
     if patterns:
         if config.grad_reduce_in_fp32:  # Megatron's assertion
@@ -234,14 +241,19 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
             "grad_reduce_in_fp32=True, which accumulates and reduces every gradient in fp32")
 
 
-def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool) -> int | None:
+def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool,
+                         num_parameters: int = 0) -> int | None:
     """Elements per bucket as Megatron chooses them (None: one bucket per buffer).
 
-    Megatron's default grows with the data-parallel size so that each rank's part of a bucket stays large
-    enough for the collectives to be bandwidth-bound rather than latency-bound.
+    ``num_buckets`` set: ``num_parameters // num_buckets`` (Megatron's training script counts every parameter of
+    the model chunks; here of the wrapped module). Megatron's default grows with the data-parallel size so that
+    each rank's part of a bucket stays large enough for the collectives to be bandwidth-bound rather than
+    latency-bound.
     """
     if not bucketing or not config.overlap_grad_reduce:
         return None
+    if config.num_buckets is not None:
+        return max(1, num_parameters // config.num_buckets)  # 0 elements: every parameter closes its bucket
     if config.bucket_size is None:
         return max(40_000_000, 1_000_000 * dp_size)
     return config.bucket_size
@@ -372,14 +384,14 @@ class BucketGroup:
             self.start_grad_sync(force_all_reduce)
         for position in self._positions:
             ddp.wait_bucket(position)
-        self._registered = set()
         ddp._finished.update(self._positions)
         if len(ddp._finished) == len(ddp.bucket_order):
             ddp.finish_grad_sync()  # every bucket done: reset for the next step
 
     def reset(self) -> None:
-        """End the first batch (if parameters registered in it) and forget this step's registrations; the
-        wrapper resets its own bookkeeping in ``finish_grad_sync`` and ``zero_grad_buffer``."""
+        """End the first batch (if parameters registered in it) and forget this step's registrations
+        (``zero_grad_buffer`` calls it); the wrapper resets its own bookkeeping in ``finish_grad_sync`` and
+        ``zero_grad_buffer``."""
         if self._first_batch and self._registered:
             self._first_batch = False
         self._registered = set()
@@ -503,7 +515,8 @@ class DistributedDataParallel(DataParallel):
                                                           intra, inter)
         # Later pipeline stages are off the critical path: one bucket each, as in Megatron.
         bucket_size = megatron_bucket_size(ddp_config, dp_size=groups.dp.size,
-                                           bucketing=not disable_bucketing and groups.pp.rank == 0)
+                                           bucketing=not disable_bucketing and groups.pp.rank == 0,
+                                           num_parameters=sum(p.numel() for p in module.parameters()))
         super().__init__(
             module,
             groups=groups,
@@ -623,9 +636,11 @@ class DistributedDataParallel(DataParallel):
             comm.all_gather_into(bucket.param_data, own)
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions and zero every gradient."""
+        """Wait for in-flight reductions, zero every gradient and reset the bucket groups (as Megatron does)."""
         super().zero_grad_buffer()
         self._finished = set()
+        for group in getattr(self, "_bucket_groups", ()):
+            group.reset()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient in the buffers by ``scaling_factor`` (e.g. 1 / tokens, after
