@@ -7,7 +7,8 @@ For each ref the test files are exported from the Megatron-LM mirror (``git arch
 ``'cuda'`` -> ``'cpu'``, ``.cuda()`` -> ``.cpu()`` and ``'nccl'`` -> ``'gloo'`` changed; ``shim_distributed.py``
 aliases Megatron's modules to optstack's face. For each world size N, N pytest processes run the files
 torchrun-like (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, one FileStore); a test passes when it passes on every rank,
-is skipped when skipped on every rank, and fails otherwise. The table (test x world) is printed and written
+is skipped when skipped on every rank, and fails otherwise; a failure listed in ``OUT_OF_SCOPE`` is reported
+as "out of scope" with the reason. The table (test x world) is printed and written
 to ``--out`` as markdown, with each failure's first line.
 """
 
@@ -27,6 +28,17 @@ ROOT = HERE.parents[1]
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 FILES = ("tests/unit_tests/distributed/test_param_and_grad_buffer.py",
          "tests/unit_tests/distributed/test_distributed_data_parallel.py")
+# Failures that are out of scope (issue 14's acceptance): test name fragment -> why. Reported as "out of scope".
+OUT_OF_SCOPE = {
+    "test_force_all_reduce_uses_correct_collective":
+        "mocks Megatron's module-internal dist_reduce_scatter_func; optstack's collectives go through "
+        "optstack.distributed.comm (gloo has no reduce-scatter: an all-reduce of a copy); force_all_reduce's "
+        "result is tested in tests/distributed/test_megatron_grad_sync.py",
+    "TestNVFP4IndexMaps": "NVFP4 (CUDA-only FP4) through Megatron's internal _ParamAndGradBuffer constructor "
+                          "with mocked module internals",
+    "TestFP32LocalGradAccumulation": "param_name_patterns_for_fp32_local_accumulation is refused (not built), and "
+                                     "the tests read param.main_grad, an attribute optstack never sets",
+}
 _SUBS = ((re.compile(r"\.cuda\(\)"), ".cpu()"), (re.compile(r"(['\"])cuda\1"), r"\1cpu\1"),
          (re.compile(r"(['\"])nccl\1"), r"\1gloo\1"))
 
@@ -89,6 +101,10 @@ def merge(xmls: list[Path]) -> dict:
             per_test.setdefault(name, []).append((status, reason))
     result = {}
     for name, runs in per_test.items():
+        why = next((w for key, w in OUT_OF_SCOPE.items() if key in name), None)
+        if why is not None and any(s == "fail" for s, _ in runs):
+            result[name] = ("out of scope", why)
+            continue
         runs += [("fail", "no result from a rank (crashed or timed out)")] * (len(xmls) - len(runs))
         fails = [r for r in runs if r[0] == "fail"]
         if fails:

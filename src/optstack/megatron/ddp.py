@@ -35,8 +35,10 @@ Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
 ``fsdp_double_buffer``, ``outer_dp_sharding_strategy``, ``gradient_reduce_div_fusion``) and
 ``disable_symmetric_registration`` (NCCL user buffers) are accepted and change nothing while
-``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. Every other field set to a value optstack
-does not implement is a ``ValueError`` naming it.
+``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. ``use_megatron_fsdp=True`` is for Megatron's
+``FullyShardedDataParallel`` wrapper (``optstack.megatron.fsdp``, on FSDP2, which reads those fields);
+``DistributedDataParallel`` refuses it, naming that wrapper. Every other field set to a value optstack does not
+implement is a ``ValueError`` naming it.
 
 Buckets are cut as Megatron cuts them (``optstack.distributed.buffers.Bucketing``): in backward order, a bucket
 closes once it holds ``bucket_size`` elements or more; with ``use_distributed_optimizer`` parameters start at
