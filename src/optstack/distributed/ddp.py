@@ -77,8 +77,9 @@ class DataParallel(nn.Module):
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
         average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
-        average_in_collective: with ``average``, average in the collective instead (divide after the sum, as
-            Megatron's ``average_in_collective``): gradients outside a rank's reduce-scatter shard stay unscaled.
+        divide_after_sum: with ``average``, divide after the sum (in the collective, Megatron's
+            ``average_in_collective``) instead of scaling before it: gradients outside a rank's reduce-scatter
+            shard stay unscaled.
         check_for_nan: check local gradients before each reduction; ``finish_grad_sync`` raises, naming them.
         sharded_reduction: how ``shard_grads`` reduces ("auto": the backend's fastest).
         shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
@@ -102,7 +103,7 @@ class DataParallel(nn.Module):
                  sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                  shard_group: Comm | NullComm | None = None,
-                 cross_shard_group: Comm | NullComm | None = None, average_in_collective: bool = False) -> None:
+                 cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -116,7 +117,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.groups = groups if groups is not None else ParallelGroups.from_world()
         self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
-        self.average_in_collective = average and average_in_collective
+        self.divide_after_sum = average and divide_after_sum
         self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
         self._dense_shard = shard_group if shard_group is not None else self.groups.dp
@@ -241,8 +242,8 @@ class DataParallel(nn.Module):
         scale = self._average_scale()
         if scale is not None and self._hook_scale is None:
             bucket.grad_data.mul_(scale)
-        op = "avg" if self.average_in_collective else "sum"
-        if self.average_in_collective and comm.size != self.groups.dp.size:  # expert: 1 / dp overall, as dense
+        op = "avg" if self.divide_after_sum else "sum"
+        if self.divide_after_sum and comm.size != self.groups.dp.size:  # expert: 1 / dp overall, as dense
             bucket.grad_data.mul_(comm.size / self.groups.dp.size)
         if self._partial(buf) and not self._force_all_reduce:
             handle = self._reduce_in_part(buf, bucket, op)
@@ -272,7 +273,7 @@ class DataParallel(nn.Module):
 
     def _average_scale(self) -> float | None:
         """The scale applied before the sum (None: none, or averaged in the collective)."""
-        if not self.average or self.average_in_collective or self.groups.dp.size == 1:
+        if not self.average or self.divide_after_sum or self.groups.dp.size == 1:
             return None
         return 1.0 / self.groups.dp.size
 

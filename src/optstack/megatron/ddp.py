@@ -535,7 +535,7 @@ class DistributedDataParallel(DataParallel):
             # Megatron's buffers hold unreduced gradients outside each rank's shard, on every backend (the core's
             # "auto" all-reduces whole buckets on gloo, where that is faster).
             sharded_reduction="reduce_scatter",
-            average_in_collective=ddp_config.average_in_collective,
+            divide_after_sum=ddp_config.average_in_collective,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step

@@ -118,8 +118,8 @@ def get_megatron_optimizer(
     _check_data_parallel(config, chunks, pg_collection)
     if any(isinstance(c, FullyShardedDataParallel) for c in chunks) and core_config.distributed.sharding == "zero1":
         # FSDP2 already shards: the DTensor placement steps each rank's shard (Megatron's distributed optimizer).
-        core_config = dataclasses.replace(
-            core_config, distributed=dataclasses.replace(core_config.distributed, sharding="replicated"))
+        core_config = dataclasses.replace(core_config, distributed=dataclasses.replace(
+            core_config.distributed, sharding="replicated", overlap_param_gather=False))
     _, resolved = resolve_chunks(chunks, rules)  # Megatron's matching, on each chunk's own names
     built = build_optimizer(core_config, chunks, resolved=resolved)
     if dump_param_to_param_group_map is not None:
