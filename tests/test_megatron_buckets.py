@@ -105,6 +105,10 @@ def test_wrapper_surface() -> None:
 def test_register_grad_ready_launches_the_bucket() -> None:
     model = wrap()
     groups = model.expert_parallel_bucket_groups + model.bucket_groups  # backward order: the launch order
+    for group in groups:  # Megatron's first batch only records who registers; reset() ends it
+        for param in group.params:
+            group.register_grad_ready(param)
+        group.reset()
     with pytest.raises(GradSyncError):
         groups[0].finish_grad_sync()  # nothing registered: Megatron asserts
     for param in groups[0].params:
@@ -121,3 +125,84 @@ def test_register_grad_ready_launches_the_bucket() -> None:
         wrap(overlap=False).bucket_groups[0].register_grad_ready(model.module.dense.weight)
     with pytest.raises(ValueError, match="not in this bucket group"):
         model.bucket_groups[0].register_grad_ready(model.module.expert.weight)
+
+
+def test_first_batch_only_records_then_registration_launches() -> None:
+    # Megatron's first batch: registering every parameter starts nothing; finish_grad_sync starts and waits
+    model = wrap(bucket_size=None)  # a bucket of 2 parameters per buffer
+    groups = model.expert_parallel_bucket_groups + model.bucket_groups
+    for group in groups:
+        for param in group.params:
+            group.register_grad_ready(param)
+    assert not any(model.bucket_launched(i) for i in range(len(model.bucket_order)))
+    for group in groups:
+        group.finish_grad_sync()  # first batch: starts the reduction here instead of asserting
+        group.reset()
+    group = groups[0]
+    param = next(iter(group.params))
+    group.register_grad_ready(param)
+    with pytest.raises(GradSyncError, match="1 of 2 parameters"):
+        group.finish_grad_sync()
+
+
+def test_partition_buckets_groups_a_wrappers_buckets() -> None:
+    from optstack.megatron.ddp import partition_buckets
+
+    model = wrap()
+    each = partition_buckets(model.buffers + model.expert_parallel_buffers)
+    assert [g.params for g in each] == [g.params for g in model.expert_parallel_bucket_groups + model.bucket_groups]
+    (single,) = partition_buckets(model.buffers + model.expert_parallel_buffers, force_single_bucket_group=True)
+    assert single.params == set(model.module.parameters()) and len(single.buckets) == 4
+    with pytest.raises(ValueError, match="one DistributedDataParallel's buffers"):
+        partition_buckets(model.buffers + wrap().buffers)
+
+
+def test_num_buckets_sizes_buckets_from_the_parameter_count() -> None:
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, num_buckets=3)
+    module = nn.Sequential(*[nn.Linear(10, 10, bias=False) for _ in range(6)])  # 600 elements -> 200 per bucket
+    model = DistributedDataParallel(None, config, module, pg_collection=ParallelGroups.single())
+    assert model.bucket_size == 200 and [b.numel_unpadded for b in model.buffers[0].buckets] == [200] * 3
+    no_overlap = DistributedDataParallelConfig(num_buckets=3)  # Megatron: one bucket without overlap
+    assert DistributedDataParallel(None, no_overlap, module, pg_collection=ParallelGroups.single()).bucket_size is None
+
+
+def test_megatron_buffer_names_and_layout() -> None:
+    from optstack.megatron import DistributedOptimizer
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # 16-element weights: 64-aligned starts pad
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    layout = DistributedOptimizer.compute_full_param_layout(list(module.parameters()), None, 1, config)
+    model = DistributedDataParallel(None, config, module, pg_collection=ParallelGroups.single(),
+                                    full_param_layout=layout)
+    (buffer,) = model.buffers
+    (bucket,) = buffer.buckets
+    assert bucket.params_list == [module[1].bias, module[1].weight, module[0].bias, module[0].weight]
+    assert buffer.param_index_map[module[1].weight] == (64, 80, 0) and bucket.offset == 0
+    for param, (start, end) in bucket.param_to_index.items():
+        assert torch.equal(bucket.param_data[start:end], param.detach().flatten())
+    ranges = DistributedOptimizer._build_model_gbuf_range(buffer, 0)["param_map"]
+    assert sum(r["param"].size for r in ranges.values()) == sum(p.numel() for p in module.parameters())
+    assert buffer.extra_main_grads == [] and bucket.params_with_extra_main_grads == []
+    other = DistributedOptimizer.compute_full_param_layout(list(module.parameters()), None, 4, config)
+    with pytest.raises(ValueError, match="full_param_layout for buffer .* differs"):
+        DistributedDataParallel(None, config, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                                pg_collection=ParallelGroups.single(), full_param_layout=other)
+
+
+def test_free_overlap_buffers_waits_and_clears() -> None:
+    class Handle:
+        waited = 0
+
+        def wait(self) -> None:
+            Handle.waited += 1
+
+    model = wrap(overlap=True)
+    group = model.bucket_groups[0]
+    group.param_gather_handle = Handle()
+    group.buckets[0].layerwise_gather_list = [torch.empty(2)]
+    model.free_overlap_buffers()
+    assert Handle.waited == 1 and group.param_gather_handle is None
+    assert group.buckets[0].layerwise_gather_list is None
+    assert not group.param_gather_dispatched
+    group.start_param_sync()
+    assert group.param_gather_dispatched and group.intra_distributed_optimizer_instance_size == 1

@@ -60,7 +60,7 @@ def test_defaults_and_field_order_are_megatrons() -> None:
     [("align_param_gather", True), ("check_for_large_grads", True),
      ("pad_buckets_for_high_nccl_busbw", True), ("reduce_scatter_with_fp32_accumulation", True),
      ("fp8_param_gather", True), ("fp4_param_gather", True), ("reuse_grad_buf_for_mxfp8_param_ag", True),
-     ("use_megatron_fsdp", True), ("use_custom_fsdp", True), ("nccl_ub", True), ("delay_wgrad_compute", True)],
+     ("use_custom_fsdp", True), ("nccl_ub", True), ("delay_wgrad_compute", True)],
 )
 def test_unsupported_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"DistributedDataParallelConfig\.{field}={value!r} is not supported"):
@@ -75,7 +75,8 @@ def test_unsupported_values_name_the_field(field: str, value: object) -> None:
         ({"bucket_size": True}, "bucket_size must be None"),
         ({"grad_reduce_in_fp32": "yes"}, "grad_reduce_in_fp32 must be True or False"),
         ({"data_parallel_sharding_strategy": "full"}, "data_parallel_sharding_strategy='full'; allowed"),
-        ({"num_buckets": 4}, "num_buckets is not supported"),
+        ({"num_buckets": 4, "bucket_size": 10}, "cannot specify both num_buckets and bucket_size"),
+        ({"num_buckets": 0}, "num_buckets must be an int greater than 0"),
         ({"num_distributed_optimizer_instances": 2}, "needs use_distributed_optimizer=True"),
         ({"num_distributed_optimizer_instances": 0}, "must be an int >= 1"),
         ({"param_name_patterns_for_fp32_local_accumulation": ("*.weight",)}, "use grad_reduce_in_fp32=True"),

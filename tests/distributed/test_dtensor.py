@@ -497,11 +497,12 @@ def megatron_face_on_fsdp2() -> dict[str, Any]:
 
 
 def test_megatron_face_steps_an_fsdp2_model_and_names_it_for_use_megatron_fsdp(world2) -> None:
-    # Megatron-FSDP itself stays refused; the refusal names the route that works: FSDP2 + get_megatron_optimizer
+    # use_megatron_fsdp=True builds on FSDP2 now (tests/distributed/test_megatron_fsdp.py); what it cannot carry
+    # out is refused naming the field and the route that works
     from optstack.megatron import DistributedDataParallelConfig
 
-    with pytest.raises(ValueError, match=r"use_megatron_fsdp=True is not .*fully_shard.*get_megatron_optimizer"):
-        DistributedDataParallelConfig(use_megatron_fsdp=True)
+    with pytest.raises(ValueError, match=r"data_parallel_sharding_strategy='optim' is not .*use_megatron_fsdp=True"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")
     for out in world2.run(megatron_face_on_fsdp2):
         assert out["moved"] > 1e-3
         assert out["param"] <= 1e-6, out

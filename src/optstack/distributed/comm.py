@@ -24,7 +24,8 @@ import torch.distributed as dist
 from optstack.tensor_bytes import tensor_bytes
 
 __all__ = ["Comm", "NullComm", "CommError", "Handle", "ProcessGroup", "world_comm", "is_initialized", "world_rank",
-           "world_size", "new_group", "new_subgroups", "init_process_group", "destroy_process_group"]
+           "world_size", "new_group", "new_subgroups", "torch_group", "device_mesh", "init_process_group",
+           "destroy_process_group"]
 
 ProcessGroup = dist.ProcessGroup
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -315,6 +316,40 @@ def new_group(ranks: Sequence[int], *, name: str, timeout: datetime.timedelta | 
     except Exception as exc:
         raise CommError(f"creating the {name!r} group over ranks {ranks} failed on rank {me}: {exc}") from exc
     return Comm(group, name=name, timeout=timeout) if me in ranks else None
+
+
+def torch_group(comm: Comm | NullComm) -> dist.ProcessGroup | None:
+    """``comm``'s torch process group for code that calls torch.distributed itself (Megatron's face): the world's
+    for the world Comm, a group of only this rank for a NullComm in an initialised world (only it takes part in
+    creating it), None without torch.distributed."""
+    if isinstance(comm, Comm):
+        return comm.group if comm.group is not None else dist.group.WORLD
+    if not is_initialized():
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def device_mesh(comm: Comm | NullComm, device_type: str, *, replicas: int = 1) -> Any:
+    """A torch ``DeviceMesh`` over ``comm``'s ranks for FSDP2 (``fully_shard``): 1-D ("shard",) or, with
+    ``replicas`` > 1, HSDP's 2-D ("replicate", "shard") of ``replicas`` x ``size // replicas`` (consecutive ranks
+    shard together). Collective over the world when it creates groups.
+
+    Raises:
+        ValueError: ``replicas`` does not divide the size, or a 2-D mesh over a group smaller than the world.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if replicas < 1 or comm.size % replicas:
+        raise ValueError(f"device_mesh: replicas={replicas} must divide the group size {comm.size}")
+    whole = isinstance(comm, NullComm) or comm.group is None or comm.size == world_size()
+    if replicas > 1 and not whole:
+        raise ValueError("device_mesh: a 2-D (replicate x shard) mesh needs the whole world as the group")
+    if whole and replicas > 1:
+        return init_device_mesh(device_type, (replicas, comm.size // replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    if whole:
+        return init_device_mesh(device_type, (comm.size,), mesh_dim_names=("shard",))
+    return DeviceMesh.from_group(comm.group, device_type, mesh_dim_names=("shard",))
 
 
 def new_subgroups(rank_lists: Sequence[Sequence[int]], *, name: str,

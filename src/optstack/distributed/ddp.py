@@ -77,6 +77,9 @@ class DataParallel(nn.Module):
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
         average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
+        divide_after_sum: with ``average``, divide after the sum (in the collective, Megatron's
+            ``average_in_collective``) instead of scaling before it: gradients outside a rank's reduce-scatter
+            shard stay unscaled.
         check_for_nan: check local gradients before each reduction; ``finish_grad_sync`` raises, naming them.
         sharded_reduction: how ``shard_grads`` reduces ("auto": the backend's fastest).
         shard_align, param_align: buffer alignment in elements (``optstack.distributed.buffers``).
@@ -100,7 +103,7 @@ class DataParallel(nn.Module):
                  sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                  shard_group: Comm | NullComm | None = None,
-                 cross_shard_group: Comm | NullComm | None = None) -> None:
+                 cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -114,6 +117,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.groups = groups if groups is not None else ParallelGroups.from_world()
         self.overlap_grad_reduce, self.shard_grads, self.average = overlap_grad_reduce, shard_grads, average
+        self.divide_after_sum = average and divide_after_sum
         self.check_for_nan, self._sharded_reduction = check_for_nan, sharded_reduction
 
         self._dense_shard = shard_group if shard_group is not None else self.groups.dp
@@ -238,12 +242,15 @@ class DataParallel(nn.Module):
         scale = self._average_scale()
         if scale is not None and self._hook_scale is None:
             bucket.grad_data.mul_(scale)
+        op = "avg" if self.divide_after_sum else "sum"
+        if self.divide_after_sum and comm.size != self.groups.dp.size:  # expert: 1 / dp overall, as dense
+            bucket.grad_data.mul_(comm.size / self.groups.dp.size)
         if self._partial(buf) and not self._force_all_reduce:
-            handle = self._reduce_in_part(buf, bucket)
+            handle = self._reduce_in_part(buf, bucket, op)
         elif self.shard_grads and not self._force_all_reduce and self._sharded_via(comm) == "reduce_scatter":
-            handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data)
+            handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data, op)
         else:  # force_all_reduce: the whole sum on every rank (even under a partial shard_group)
-            handle = comm.all_reduce_async(bucket.grad_data)
+            handle = comm.all_reduce_async(bucket.grad_data, op)
         self._handles[pos] = handle
         self._next = pos + 1
 
@@ -251,21 +258,24 @@ class DataParallel(nn.Module):
         """Whether ``buf`` is sharded over a part of the group it is reduced over (a partial ZeRO-1)."""
         return self._cross_shard is not None and self.shard_comm(buf) is not self.reduce_comm(buf)
 
-    def _reduce_in_part(self, buf: ParamAndGradBuffer, bucket: Bucket) -> Handle:
+    def _reduce_in_part(self, buf: ParamAndGradBuffer, bucket: Bucket, op: str) -> Handle:
         """Megatron's multi-instance reduction: inside the part into this rank's shard, then that shard across
         the parts. The first is waited for here, so the second is issued in launch order on every rank (Megatron
         runs both synchronously too, on a side stream)."""
         part = self._dense_shard
         own = buf.grad_shard_view(bucket.index, part.rank)
         if self._sharded_via(part) == "reduce_scatter":
-            part.reduce_scatter(own, bucket.grad_data)
+            part.reduce_scatter(own, bucket.grad_data, op)
         else:
-            part.all_reduce(bucket.grad_data)
+            part.all_reduce(bucket.grad_data, op)
         assert self._cross_shard is not None
-        return self._cross_shard.all_reduce_async(own)
+        return self._cross_shard.all_reduce_async(own, op)
 
     def _average_scale(self) -> float | None:
-        return 1.0 / self.groups.dp.size if self.average and self.groups.dp.size > 1 else None
+        """The scale applied before the sum (None: none, or averaged in the collective)."""
+        if not self.average or self.divide_after_sum or self.groups.dp.size == 1:
+            return None
+        return 1.0 / self.groups.dp.size
 
     def _sharded_via(self, comm: Comm | NullComm) -> str:
         if self._sharded_reduction != "auto":

@@ -9,6 +9,7 @@
 
 from optstack.megatron.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig
+from optstack.megatron.fsdp import FullyShardedDataParallel
 from optstack.megatron.groups import _get_param_groups, get_param_groups
 from optstack.megatron.keys import (
     ParamGroupOverride,
@@ -52,5 +53,5 @@ __all__ = [
     "DistributedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
     "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "ProcessGroupCollection",
     "param_group_identifier_keys", "HybridDeviceOptimizer", "TensorParallelMuon", "_get_param_groups",
-    "DistributedDataParallel", "DistributedDataParallelConfig",
+    "DistributedDataParallel", "DistributedDataParallelConfig", "FullyShardedDataParallel",
 ]

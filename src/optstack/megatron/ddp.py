@@ -6,7 +6,9 @@ and defaults; ``DistributedDataParallel(config, ddp_config, module)`` translates
 ``optstack.distributed.ddp.DataParallel`` (it *is* one, so ``get_megatron_optimizer`` and ``build_optimizer``
 take it as the wrapped model):
 
-- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced);
+- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced), by a
+  reduce-scatter on every backend (emulated on gloo), so ranges a rank does not own hold its own scaled, unreduced
+  gradients, as in Megatron;
 - ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
   instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), reduced inside it into
   each rank's shard, then that shard all-reduced across instances (over the ranks holding the same shard, or
@@ -17,10 +19,13 @@ take it as the wrapped model):
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
   size), and there is a single bucket per buffer without ``overlap_grad_reduce``, with
-  ``disable_bucketing``, or on a pipeline stage after the first;
+  ``disable_bucketing``, or on a pipeline stage after the first; ``num_buckets`` instead -> the wrapped module's
+  parameter count // ``num_buckets`` elements per bucket (Megatron's training script resolves it so, over all
+  model chunks);
 - ``check_for_nan_in_grad`` -> the non-finite check before each bucket's reduction;
-- ``average_in_collective``: gradients are averaged over data-parallel ranks either way (optstack divides
-  before the sum, Megatron's ``average_in_collective=False`` path); the numbers are the same.
+- ``average_in_collective``: gradients are averaged over data-parallel ranks either way: False divides each
+  bucket by the data-parallel size before the sum, True averages in the collective (after the sum), so, as in
+  Megatron, ranges a rank does not own under a reduce-scatter stay unscaled.
   ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
 - ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
   ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
@@ -30,8 +35,10 @@ Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
 ``fsdp_double_buffer``, ``outer_dp_sharding_strategy``, ``gradient_reduce_div_fusion``) and
 ``disable_symmetric_registration`` (NCCL user buffers) are accepted and change nothing while
-``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. Every other field set to a value optstack
-does not implement is a ``ValueError`` naming it.
+``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. ``use_megatron_fsdp=True`` is for Megatron's
+``FullyShardedDataParallel`` wrapper (``optstack.megatron.fsdp``, on FSDP2, which reads those fields);
+``DistributedDataParallel`` refuses it, naming that wrapper. Every other field set to a value optstack does not
+implement is a ``ValueError`` naming it.
 
 Buckets are cut as Megatron cuts them (``optstack.distributed.buffers.Bucketing``): in backward order, a bucket
 closes once it holds ``bucket_size`` elements or more; with ``use_distributed_optimizer`` parameters start at
@@ -56,6 +63,7 @@ into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,10 +74,16 @@ from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer
 from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
+from optstack.megatron.param_and_grad_buffer import (
+    BucketView,
+    BufferView,
+    FullParamLayout,
+    megatron_bucketing_for,
+)
 from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
 
-__all__ = ["BucketGroup", "DistributedDataParallel", "DistributedDataParallelConfig", "GradSyncError",
-           "check_ddp_config", "megatron_bucket_size", "megatron_bucketing"]
+__all__ = ["BucketGroup", "DDPConfigAssertion", "DistributedDataParallel", "DistributedDataParallelConfig",
+           "GradSyncError", "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
 
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -117,6 +131,11 @@ class DistributedDataParallelConfig:
         check_ddp_config(self)
 
 
+class DDPConfigAssertion(ValueError, AssertionError):
+    """An invalid ``DistributedDataParallelConfig`` combination that Megatron asserts against (an
+    ``AssertionError`` too, for its callers)."""
+
+
 # (field, the only supported value, why / what to do instead)
 _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("align_param_gather", False,
@@ -129,12 +148,6 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("fp8_param_gather", False, "FP8 parameters are not implemented; set it False"),
     ("fp4_param_gather", False, "FP4 parameters are not implemented; set it False"),
     ("reuse_grad_buf_for_mxfp8_param_ag", False, "MXFP8 parameters are not implemented; set it False"),
-    ("use_megatron_fsdp", False,
-     "Megatron FSDP is not implemented; for sharded parameters apply torch's fully_shard (FSDP2) to the module "
-     "and pass it to get_megatron_optimizer unwrapped (no DistributedDataParallel), or use "
-     "use_distributed_optimizer=True for ZeRO-1"),
-    ("use_custom_fsdp", False,
-     "Megatron FSDP is not implemented; use use_distributed_optimizer=True for ZeRO-1"),
     ("nccl_ub", False, "NCCL user-buffer registration is not implemented; set it False"),
     ("delay_wgrad_compute", False, "delayed weight-gradient computation is not implemented; set it False"),
 )
@@ -142,8 +155,46 @@ _BOOL_FIELDS = ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gat
                 "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective")
 
 
+# With use_megatron_fsdp=True (FSDP2 underneath, optstack.megatron.fsdp): (field, the only supported value, why).
+_FSDP_FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
+    ("outer_dp_sharding_strategy", "no_shard",
+     "HSDP's outer level replicates (set num_distributed_optimizer_instances for the number of replicas)"),
+    ("check_for_nan_in_grad", False, "FSDP2 reduces gradients inside backward, before a check could run; set it "
+     "False and rely on the optimizer's non-finite check"),
+    ("preserve_fp32_weights", True, "optstack's optimizer always keeps fp32 master weights for bf16/fp16 "
+     "parameters; set it True"),
+    ("fsdp_double_buffer", False, "FSDP2 manages its own communication buffers; set it False"),
+    ("keep_fp8_transpose_cache", False, "FP8 parameters are not implemented; set it False"),
+)
+_FSDP_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
+
+
+def _check_fsdp_config(config: DistributedDataParallelConfig) -> None:
+    """The fields ``use_megatron_fsdp=True`` reads, as FSDP2 can carry them out (module docstring of
+    ``optstack.megatron.fsdp``)."""
+    strategy = config.data_parallel_sharding_strategy
+    if strategy not in _FSDP_STRATEGIES:
+        raise ValueError(
+            f"DistributedDataParallelConfig.data_parallel_sharding_strategy={strategy!r} is not supported with "
+            f"use_megatron_fsdp=True (FSDP2 shards gradients with the optimizer state); use 'optim_grads' or "
+            f"'optim_grads_params', or for 'optim' (ZeRO-1) DistributedDataParallel with "
+            f"use_megatron_fsdp=False, use_distributed_optimizer=True")
+    for field, allowed, why in _FSDP_FIXED_FIELDS:
+        value = getattr(config, field)
+        if value != allowed:
+            raise ValueError(f"DistributedDataParallelConfig.{field}={value!r} is not supported with "
+                             f"use_megatron_fsdp=True: {why}")
+
+
 def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     """Raise a ``ValueError`` naming the first field of ``config`` that is invalid or unsupported."""
+    for field in ("use_megatron_fsdp", "use_custom_fsdp"):
+        if not isinstance(getattr(config, field), bool):
+            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got "
+                             f"{getattr(config, field)!r}")
+    if config.use_custom_fsdp and not config.use_megatron_fsdp:
+        raise ValueError("DistributedDataParallelConfig.use_custom_fsdp=True is not supported alone: it is "
+                         "Megatron's deprecated name; set use_megatron_fsdp=True (Megatron sets both)")
     for field, allowed, fix in _FIXED_FIELDS:
         value = getattr(config, field)
         if value != allowed or type(value) is not type(allowed):
@@ -164,6 +215,8 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value not in _SHARDING_STRATEGIES:
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r}; allowed: "
                              f"{list(_SHARDING_STRATEGIES)}")
+    if config.use_megatron_fsdp:
+        _check_fsdp_config(config)
     instances = config.num_distributed_optimizer_instances
     if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
         raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances must be an int >= 1, "
@@ -171,28 +224,38 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     if instances > 1 and not config.use_distributed_optimizer:
         raise ValueError("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
                          "use_distributed_optimizer=True (a partial distributed optimizer)")
-    if config.num_buckets is not None:
-        raise ValueError("DistributedDataParallelConfig.num_buckets is not supported by optstack; set bucket_size "
-                         "(elements per bucket) instead")
+    buckets = config.num_buckets
+    if buckets is not None:  # Megatron's assertions
+        if config.bucket_size is not None:
+            raise DDPConfigAssertion("DistributedDataParallelConfig: cannot specify both num_buckets and "
+                                     "bucket_size; set one of them")
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise DDPConfigAssertion(f"DistributedDataParallelConfig.num_buckets must be an int greater than 0, "
+                                     f"got {buckets!r}")
     patterns = config.param_name_patterns_for_fp32_local_accumulation
     if patterns:
         if config.grad_reduce_in_fp32:  # Megatron's assertion
-            raise ValueError("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation is only "
-                             "needed when grad_reduce_in_fp32 is False")
+            raise DDPConfigAssertion("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation "
+                                     "is only needed when grad_reduce_in_fp32 is False")
         raise ValueError(
             f"DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation={patterns!r} is not "
             "supported by optstack (fp32 local accumulation of some bf16 gradients before a bf16 reduction); use "
             "grad_reduce_in_fp32=True, which accumulates and reduces every gradient in fp32")
 
 
-def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool) -> int | None:
+def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool,
+                         num_parameters: int = 0) -> int | None:
     """Elements per bucket as Megatron chooses them (None: one bucket per buffer).
 
-    Megatron's default grows with the data-parallel size so that each rank's part of a bucket stays large
-    enough for the collectives to be bandwidth-bound rather than latency-bound.
+    ``num_buckets`` set: ``num_parameters // num_buckets`` (Megatron's training script counts every parameter of
+    the model chunks; here of the wrapped module). Megatron's default grows with the data-parallel size so that
+    each rank's part of a bucket stays large enough for the collectives to be bandwidth-bound rather than
+    latency-bound.
     """
     if not bucketing or not config.overlap_grad_reduce:
         return None
+    if config.num_buckets is not None:
+        return max(1, num_parameters // config.num_buckets)  # 0 elements: every parameter closes its bucket
     if config.bucket_size is None:
         return max(40_000_000, 1_000_000 * dp_size)
     return config.bucket_size
@@ -224,18 +287,19 @@ def _instance_groups(dp: Comm | NullComm, instances: int, intra: Any, inter: Any
 
 def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
     """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
-    if not distributed_optimizer:
-        return Bucketing(close="reach", pad="none", param_align=1)
-    shared = frozenset(n for n, p in module.named_parameters()
-                       if p.requires_grad and getattr(p, "shared_embedding", False))
-    return Bucketing(close="reach", pad="even", param_align=64, alone=shared)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return megatron_bucketing_for(named, distributed_optimizer=distributed_optimizer)
+
+
+# Live wrappers, so partition_buckets (Megatron's signature: buffers only) finds the wrapper of its buffers.
+_WRAPPERS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
 class _BufferList(list):
     """Megatron's ``model.buffers`` (a list of grad buffers) that is still ``nn.Module.buffers`` when called, so
     code iterating module buffers (``model.buffers()``) keeps working."""
 
-    def __init__(self, items: list[ParamAndGradBuffer], module: nn.Module) -> None:
+    def __init__(self, items: list[BufferView], module: nn.Module) -> None:
         super().__init__(items)
         self._module = module
 
@@ -248,25 +312,37 @@ class GradSyncError(RuntimeError, AssertionError):
 
 
 class BucketGroup:
-    """Megatron's bucket group: one bucket of the wrapper, its reduction started and finished on its own.
+    """Megatron's bucket group: buckets of the wrapper whose reductions are started and finished together
+    (one bucket each, as ``DistributedDataParallel.bucket_groups`` has them; several with
+    ``partition_buckets(..., force_single_bucket_group=True)``).
 
     Attributes:
-        buckets: the bucket (``param_data``, ``grad_data``, ``params``, ``numel_unpadded``), in a list.
-        params: its parameters (a set).
+        buckets: its buckets (``param_data``, ``grad_data``, ``params``, ``numel_unpadded``).
+        params: their parameters (a set).
     """
 
-    def __init__(self, ddp: DistributedDataParallel, position: int) -> None:
-        self._ddp, self._position = ddp, position
-        buffer, bucket = ddp.bucket_order[position]
-        self.buffer: ParamAndGradBuffer = buffer
-        self.buckets: list[Bucket] = [bucket]
-        self.params = set(bucket.params)
+    def __init__(self, ddp: DistributedDataParallel, positions: int | list[int]) -> None:
+        self._ddp = ddp
+        self._positions = [positions] if isinstance(positions, int) else sorted(positions)
+        order = ddp.bucket_order
+        self.buffer: ParamAndGradBuffer = order[self._positions[0]][0]
+        self._core_buckets: list[Bucket] = [order[p][1] for p in self._positions]
+        view = ddp._view_of(self.buffer)
+        self.buckets: list[BucketView] = [view.buckets[b.index] for b in self._core_buckets]
+        self.params = {p for bucket in self._core_buckets for p in bucket.params}
+        self.intra_distributed_optimizer_instance_size = ddp.shard_comm(self.buffer).size
+        self.param_gather_handle: Any = None  # Megatron's in-flight gather (optstack's gathers are synchronous)
+        self.param_gather_dispatched = False
+        self._registered: set[torch.Tensor] = set()  # register_grad_ready calls this step
+        self._first_batch = True  # Megatron's: registrations are recorded, the reduction waits for finish
 
     def __repr__(self) -> str:
-        return f"BucketGroup(position={self._position}, {len(self.params)} params)"
+        return f"BucketGroup(positions={self._positions}, {len(self.params)} params)"
 
     def register_grad_ready(self, param: torch.Tensor) -> None:
-        """``param``'s gradient is complete in the buffer; the bucket's reduction starts once all are.
+        """``param``'s gradient is complete in the buffer (for a gradient written there directly; the backward
+        hooks need no call). As in Megatron, the first batch only records which parameters register; once
+        ``reset()`` has ended it, the group's reduction starts when all of them have registered.
 
         Raises:
             GradSyncError: without ``overlap_grad_reduce`` (Megatron's assertion).
@@ -276,41 +352,93 @@ class BucketGroup:
             raise GradSyncError("register_grad_ready() should only be called when overlap_grad_reduce is True")
         if param not in self.params:
             raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in this bucket group")
-        self._ddp.grad_ready(param)
+        self._registered.add(param)
+        if not self._first_batch and len(self._registered) == len(self.params):
+            for p in self._registered:
+                self._ddp.grad_ready(p)
+            self.start_grad_sync()
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Start this bucket's reduction (buckets earlier in the launch order start too: every rank reduces
+        """Start this group's reductions (buckets earlier in the launch order start too: every rank reduces
         them in one order)."""
-        self._ddp.start_grad_sync(through=self._position, force_all_reduce=force_all_reduce)
+        self._ddp.start_grad_sync(through=self._positions[-1], force_all_reduce=force_all_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Wait for this bucket's reduction (started here without ``overlap_grad_reduce``).
+        """Wait for this group's reductions (started here without ``overlap_grad_reduce``, or in the first batch).
+
+        With ``overlap_grad_reduce`` after the first batch and a reduction not started yet: a no-op with
+        ``num_distributed_optimizer_instances`` > 1 (as in Megatron), else an error.
 
         Raises:
-            GradSyncError: with ``overlap_grad_reduce``, a parameter of the bucket not registered ready yet.
+            GradSyncError: with ``overlap_grad_reduce`` after the first batch, one instance, a parameter of the group
+                not registered ready yet.
         """
         ddp = self._ddp
-        if not ddp.bucket_launched(self._position):
-            if ddp.ddp_config.overlap_grad_reduce:
+        if not all(ddp.bucket_launched(p) for p in self._positions):
+            config = ddp.ddp_config
+            if config.overlap_grad_reduce and not self._first_batch and config.num_distributed_optimizer_instances > 1:
+                return  # Megatron: with several instances the reduction runs on its own stream; nothing to wait for
+            if config.overlap_grad_reduce and not self._first_batch:
                 raise GradSyncError(
-                    "the bucket's reduction has not started: not every parameter's gradient is ready (call "
-                    "register_grad_ready for each, or finish_grad_sync() on the model)")
+                    f"the bucket's reduction has not started: {len(self._registered)} of {len(self.params)} "
+                    "parameters have their gradient ready (call register_grad_ready for each, or "
+                    "finish_grad_sync() on the model)")
             self.start_grad_sync(force_all_reduce)
-        ddp.wait_bucket(self._position)
-        ddp._finished.add(self._position)
+        for position in self._positions:
+            ddp.wait_bucket(position)
+        ddp._finished.update(self._positions)
         if len(ddp._finished) == len(ddp.bucket_order):
             ddp.finish_grad_sync()  # every bucket done: reset for the next step
 
     def reset(self) -> None:
-        """Megatron resets a group's bookkeeping here; the wrapper resets all of it in ``finish_grad_sync`` and
-        ``zero_grad_buffer``, so there is nothing to do."""
+        """End the first batch (if parameters registered in it) and forget this step's registrations
+        (``zero_grad_buffer`` calls it); the wrapper resets its own bookkeeping in ``finish_grad_sync`` and
+        ``zero_grad_buffer``."""
+        if self._first_batch and self._registered:
+            self._first_batch = False
+        self._registered = set()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Gather this bucket's parameters from their owner ranks (distributed optimizer only)."""
-        self._ddp._gather_bucket(self.buffer, self.buckets[0])
+        """Gather this group's parameters from their owner ranks (distributed optimizer only; nothing to gather
+        on one rank)."""
+        for bucket in self._core_buckets:
+            self._ddp._gather_bucket(self.buffer, bucket)
+        self.param_gather_dispatched = True
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """The gather of ``start_param_sync`` is synchronous: nothing to wait for."""
+        self.param_gather_dispatched = False
+
+    def free_overlap_buffers(self) -> None:
+        """Wait for an in-flight parameter gather and drop the buckets' gather scratch (Megatron frees them
+        before an asynchronous checkpoint save)."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+        for bucket in self.buckets:
+            bucket.layerwise_gather_list = None
+
+
+def partition_buckets(buffers: list[ParamAndGradBuffer], force_single_bucket_group: bool = False
+                      ) -> list[BucketGroup]:
+    """Megatron's grouping of the buckets of ``buffers`` (one ``DistributedDataParallel``'s): a group per bucket,
+    in launch order, or with ``force_single_bucket_group`` one group of every bucket.
+
+    Raises:
+        ValueError: ``buffers`` empty or not all of one live ``DistributedDataParallel``.
+    """
+    buffers = [getattr(b, "core", b) for b in buffers]  # BufferView or the core buffer
+    owners = {id(ddp): ddp for ddp in list(_WRAPPERS)
+              if any(b is own for b in buffers for own in ddp.param_and_grad_buffers)}
+    if not buffers or len(owners) != 1:
+        raise ValueError(f"partition_buckets: buffers must be a non-empty list of one DistributedDataParallel's "
+                         f"buffers (model.buffers), got {len(buffers)} buffers of {len(owners)} wrappers")
+    ddp = next(iter(owners.values()))
+    ids = {id(b) for b in buffers}
+    positions = [i for i, (buf, _) in enumerate(ddp.bucket_order) if id(buf) in ids]
+    if force_single_bucket_group:
+        return [BucketGroup(ddp, positions)]
+    return [BucketGroup(ddp, p) for p in positions]
 
 
 class DistributedDataParallel(DataParallel):
@@ -355,6 +483,7 @@ class DistributedDataParallel(DataParallel):
         module: nn.Module,
         disable_bucketing: bool = False,
         pg_collection: ParallelGroups | None = None,
+        full_param_layout: FullParamLayout | None = None,
     ) -> None:
         if not isinstance(ddp_config, DistributedDataParallelConfig):
             raise ValueError(f"ddp_config must be an optstack.megatron.DistributedDataParallelConfig, got "
@@ -362,6 +491,11 @@ class DistributedDataParallel(DataParallel):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
         check_ddp_config(ddp_config)
+        if ddp_config.use_megatron_fsdp:
+            raise ValueError("DistributedDataParallelConfig.use_megatron_fsdp=True: wrap the model with "
+                             "optstack.megatron.FullyShardedDataParallel(config, ddp_config, module), Megatron's "
+                             "wrapper for Megatron-FSDP (optstack builds it on torch's FSDP2), not "
+                             "DistributedDataParallel")
         intra = inter = None
         if isinstance(pg_collection, ProcessGroupCollection):
             intra, inter = pg_collection.intra_dp_cp, pg_collection.inter_dist_opt
@@ -383,7 +517,8 @@ class DistributedDataParallel(DataParallel):
                                                           intra, inter)
         # Later pipeline stages are off the critical path: one bucket each, as in Megatron.
         bucket_size = megatron_bucket_size(ddp_config, dp_size=groups.dp.size,
-                                           bucketing=not disable_bucketing and groups.pp.rank == 0)
+                                           bucketing=not disable_bucketing and groups.pp.rank == 0,
+                                           num_parameters=sum(p.numel() for p in module.parameters()))
         super().__init__(
             module,
             groups=groups,
@@ -397,21 +532,58 @@ class DistributedDataParallel(DataParallel):
                                          distributed_optimizer=ddp_config.use_distributed_optimizer),
             shard_group=shard_group,
             cross_shard_group=cross_shard_group,
+            # Megatron's buffers hold unreduced gradients outside each rank's shard, on every backend (the core's
+            # "auto" all-reduces whole buckets on gloo, where that is faster).
+            sharded_reduction="reduce_scatter",
+            divide_after_sum=ddp_config.average_in_collective,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
         self.ddp_config = dataclasses.replace(ddp_config)
         self.bucket_size = bucket_size
+        self._views = {id(b): BufferView(b, self.shard_comm(b)) for b in self.param_and_grad_buffers}
+        self.full_param_layout = self._check_layout(full_param_layout)
+        _WRAPPERS.add(self)
+
+    def _view_of(self, buffer: ParamAndGradBuffer) -> BufferView:
+        return self._views[id(buffer)]
+
+    def _check_layout(self, given: FullParamLayout | None) -> FullParamLayout | None:
+        """The layout of the buffers (Megatron's ``full_param_layout``): the given one, checked to be the one
+        built, or with the distributed optimizer the one built (Megatron computes it then)."""
+        built = FullParamLayout({b.key: self._view_of(b).param_layout() for b in self.param_and_grad_buffers})
+        if given is None:
+            return built if self.ddp_config.use_distributed_optimizer else None
+        if not isinstance(given, FullParamLayout) or set(given.layouts) != set(built.layouts):
+            raise ValueError(f"full_param_layout must be a FullParamLayout with a layout per buffer "
+                             f"{sorted(map(str, built.layouts))}; got {given!r:.200}")
+        for key, layout in built.layouts.items():
+            theirs = given.layouts[key]
+            if theirs.param_index_map != layout.param_index_map or theirs.bucket_indices != layout.bucket_indices:
+                raise ValueError(
+                    f"full_param_layout for buffer {key} differs from the layout this wrapper builds (bucket "
+                    f"{theirs.bucket_indices} vs {layout.bucket_indices}); compute it with "
+                    "DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp_size, ddp_config) "
+                    "over the same parameters, bucket size and data-parallel size, or pass None")
+        return given
 
     @property
     def buffers(self) -> _BufferList:  # type: ignore[override]
-        """The dense parameters' grad buffers, Megatron's list; called, ``nn.Module.buffers(recurse)``."""
-        return _BufferList([b for b in self.param_and_grad_buffers if not b.key.is_expert], self)
+        """The dense parameters' grad buffers (``BufferView``: Megatron's names over the core buffer), Megatron's
+        list; called, ``nn.Module.buffers(recurse)``."""
+        return _BufferList([self._view_of(b) for b in self.param_and_grad_buffers if not b.key.is_expert], self)
 
     @property
-    def expert_parallel_buffers(self) -> list[ParamAndGradBuffer]:
+    def expert_parallel_buffers(self) -> list[BufferView]:
         """The expert (``allreduce=False``) parameters' buffers."""
-        return [b for b in self.param_and_grad_buffers if b.key.is_expert]
+        return [self._view_of(b) for b in self.param_and_grad_buffers if b.key.is_expert]
+
+    def free_overlap_buffers(self) -> None:
+        """Wait for parameter gathers in flight and free every bucket group's gather scratch (Megatron calls it
+        before an asynchronous checkpoint save)."""
+        self.finish_param_sync()
+        for group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            group.free_overlap_buffers()
 
     @property
     def bucket_groups(self) -> list[BucketGroup]:
@@ -466,9 +638,11 @@ class DistributedDataParallel(DataParallel):
             comm.all_gather_into(bucket.param_data, own)
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions and zero every gradient."""
+        """Wait for in-flight reductions, zero every gradient and reset the bucket groups (as Megatron does)."""
         super().zero_grad_buffer()
         self._finished = set()
+        for group in getattr(self, "_bucket_groups", ()):
+            group.reset()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient in the buffers by ``scaling_factor`` (e.g. 1 / tokens, after

@@ -27,6 +27,7 @@ from optstack.factory import BuiltOptimizer, build_optimizer
 from optstack.groups import group_map
 from optstack.megatron.config import OptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
+from optstack.megatron.fsdp import FullyShardedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
 from optstack.megatron.keys import (
     ConfigOverrides,
@@ -115,6 +116,10 @@ def get_megatron_optimizer(
     if core_config.algorithm == "muon":
         rules.append(muon_routing_rule(core_config.muon.scalar_algorithm))
     _check_data_parallel(config, chunks, pg_collection)
+    if any(isinstance(c, FullyShardedDataParallel) for c in chunks) and core_config.distributed.sharding == "zero1":
+        # FSDP2 already shards: the DTensor placement steps each rank's shard (Megatron's distributed optimizer).
+        core_config = dataclasses.replace(core_config, distributed=dataclasses.replace(
+            core_config.distributed, sharding="replicated", overlap_param_gather=False))
     _, resolved = resolve_chunks(chunks, rules)  # Megatron's matching, on each chunk's own names
     built = build_optimizer(core_config, chunks, resolved=resolved)
     if dump_param_to_param_group_map is not None:
@@ -185,6 +190,11 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
             f"got {type(pg_collection).__name__}; pass pg_collection=None"
         )
     layer_wise = config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"
+    if layer_wise and any(isinstance(c, FullyShardedDataParallel) for c in chunks):
+        raise ValueError("the layer-wise distributed optimizer needs DistributedDataParallel; over a "
+                         "FullyShardedDataParallel model use optimizer='muon' (DTensor Muon gathers each matrix)")
+    if any(isinstance(c, FullyShardedDataParallel) for c in chunks):
+        return  # FSDP2 DTensor parameters: the DTensor placement is the distributed optimizer
     if not wrapped and (config.use_distributed_optimizer or layer_wise):
         field = "use_distributed_optimizer" if config.use_distributed_optimizer else (
             "use_layer_wise_distributed_optimizer" if config.use_layer_wise_distributed_optimizer

@@ -29,6 +29,7 @@ import torch
 
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.keys import ParamGroupOverride
+from optstack.megatron.param_and_grad_buffer import build_model_gbuf_range, compute_full_param_layout
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
@@ -397,6 +398,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             overlap_param_gather=wrapped[0].ddp_config.overlap_param_gather
                             if hasattr(wrapped[0], "ddp_config") else False)
         self._attach(stage, _core_chain([stage], config, self.grad_scaler, [wrapped[0]]))
+
+    # Megatron's (current main) layout helpers, for code that precomputes the wrapper's layout.
+    compute_full_param_layout = staticmethod(compute_full_param_layout)
+    _build_model_gbuf_range = staticmethod(build_model_gbuf_range)
 
 
 def _step(chain: CoreChained, groups: Sequence[dict[str, Any]]) -> StepResult:

@@ -1,0 +1,220 @@
+"""Megatron's view of the wrapper's buffers: ``param_index_map``, ``bucket.param_to_index``, parameter layouts.
+
+Megatron code reads its ``_ParamAndGradBuffer`` and buckets by attribute (``param_index_map``, ``params_list``,
+``offset``, ``data_parallel_group``, ...) and, on current main, computes a ``FullParamLayout`` up front
+(``DistributedOptimizer.compute_full_param_layout``) and hands it to ``DistributedDataParallel``. optstack's
+core buffers (``optstack.distributed.buffers``) hold the same layout under their own names; ``BufferView`` and
+``BucketView`` present one core buffer with Megatron's names (reads only, plus Megatron's per-bucket scratch
+attribute ``layerwise_gather_list``), and ``compute_full_param_layout`` runs the core's layout plan with
+Megatron's bucket rule, so a precomputed layout is the layout the wrapper builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from optstack.distributed.buffers import Bucket, Bucketing, BufferKey, BufferLayout, ParamAndGradBuffer
+from optstack.distributed.comm import Comm, NullComm, torch_group
+
+__all__ = ["BucketView", "BufferView", "FullParamLayout", "PerBufferParamLayout", "Range", "build_model_gbuf_range",
+           "compute_full_param_layout", "megatron_bucketing_for"]
+
+
+def megatron_bucketing_for(params: Sequence[tuple[str, nn.Parameter]], *, distributed_optimizer: bool) -> Bucketing:
+    """Megatron's bucket rule for (name, param) pairs: closes a bucket once it reaches ``bucket_size``; with the
+    distributed optimizer, parameters 64-aligned, buckets padded to ``lcm(dp, 128)`` and a truthy
+    ``shared_embedding`` parameter in a bucket of its own; without it nothing padded."""
+    if not distributed_optimizer:
+        return Bucketing(close="reach", pad="none", param_align=1)
+    shared = frozenset(n for n, p in params if getattr(p, "shared_embedding", False))
+    return Bucketing(close="reach", pad="even", param_align=64, alone=shared)
+
+
+@dataclass
+class PerBufferParamLayout:
+    """Megatron's layout of one buffer: ``param_index_map`` {param: (start, end, bucket_id)}, ``bucket_indices``
+    [(start, end)] (padding included), ``per_bucket_numel_unpadded``, ``param_indices`` and
+    ``num_optimizer_shards`` (the ranks each bucket is split across)."""
+
+    param_index_map: dict[nn.Parameter, tuple[int, int, int]] = field(default_factory=dict)
+    bucket_indices: list[tuple[int, int]] = field(default_factory=list)
+    per_bucket_numel_unpadded: list[int] = field(default_factory=list)
+    param_indices: list[int] = field(default_factory=list)
+    num_optimizer_shards: int | None = None
+
+
+@dataclass
+class FullParamLayout:
+    """Megatron's layouts of every buffer of a model chunk, keyed by (param dtype, grad dtype, expert)."""
+
+    layouts: dict[BufferKey, PerBufferParamLayout] = field(default_factory=dict)
+
+
+def _per_buffer(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards: int | None
+                ) -> PerBufferParamLayout:
+    """Megatron's ``PerBufferParamLayout`` of a core layout whose slots are ``params`` (backward order)."""
+    return PerBufferParamLayout(
+        param_index_map={p: (s.offset, s.end, s.bucket) for p, s in zip(params, layout.params, strict=True)},
+        bucket_indices=[(b.offset, b.end) for b in layout.buckets],
+        per_bucket_numel_unpadded=[b.numel_unpadded for b in layout.buckets],
+        param_indices=list(range(len(params)))[::-1],
+        num_optimizer_shards=shards)
+
+
+def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None,
+                              data_parallel_world_size: int, ddp_config: Any,
+                              expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
+    """Megatron's ``DistributedOptimizer.compute_full_param_layout``: the padded layout of each buffer group of
+    ``params`` (forward order; grouped by param dtype, grad dtype and ``allreduce=False`` expert flag), its
+    buckets split across ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``)."""
+    grad_fp32 = bool(getattr(ddp_config, "grad_reduce_in_fp32", False))
+    groups: dict[BufferKey, list[nn.Parameter]] = {}
+    for p in params:
+        if p.requires_grad:
+            key = BufferKey(p.dtype, torch.float32 if grad_fp32 else p.dtype, not getattr(p, "allreduce", True))
+            groups.setdefault(key, []).append(p)
+    layouts = {}
+    for key, members in groups.items():
+        dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert \
+            else data_parallel_world_size
+        backward = list(reversed(members))
+        named = [(str(i), p) for i, p in enumerate(backward)]
+        plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp, bucket_size=bucket_size,
+                                 bucketing=megatron_bucketing_for(named, distributed_optimizer=True))
+        layouts[key] = _per_buffer(plan, backward, shards=dp)
+    return FullParamLayout(layouts)
+
+
+@dataclass(frozen=True)
+class Range:
+    """Megatron's index range ``[start, end)``."""
+
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def normalize(self, start: int = 0) -> Range:
+        return Range(start, start + self.size)
+
+
+class BucketView:
+    """One core bucket with Megatron's attribute names; other attributes are the core bucket's.
+
+    Attributes:
+        params_list: its parameters in buffer order; params: the same, as a set.
+        param_to_index: {param: (start, end)} relative to the bucket's start.
+        offset: the bucket's start in the buffer. layerwise_gather_list: Megatron's scratch slot (None).
+    """
+
+    def __init__(self, bucket: Bucket, buffer: ParamAndGradBuffer) -> None:
+        self.core = bucket
+        self.offset = bucket.slot.offset
+        self.params_list = list(bucket.params)
+        self.params = set(bucket.params)
+        self.param_to_index = {p: (buffer.slot_of(p).offset - self.offset, buffer.slot_of(p).end - self.offset)
+                               for p in bucket.params}
+        self.layerwise_gather_list: list[torch.Tensor] | None = None
+        # Megatron's fp32 local accumulation (param_name_patterns_for_fp32_local_accumulation) is refused: none.
+        self.params_with_extra_main_grads: list[nn.Parameter] = []
+
+    def __getattr__(self, name: str) -> Any:  # only for names not set here: the core bucket's
+        if name == "core":
+            raise AttributeError(name)
+        return getattr(self.core, name)
+
+    @property
+    def param_data(self) -> torch.Tensor:
+        return self.core.param_data
+
+    @property
+    def grad_data(self) -> torch.Tensor:
+        return self.core.grad_data
+
+    @property
+    def numel_unpadded(self) -> int:
+        return self.core.numel_unpadded
+
+    @property
+    def bucket_id(self) -> int:
+        return self.core.index
+
+    def __repr__(self) -> str:
+        return f"BucketView({self.core.index}, {len(self.params_list)} params, offset {self.offset})"
+
+
+class BufferView:
+    """One core ``ParamAndGradBuffer`` with Megatron's attribute names; other attributes are the core buffer's.
+
+    Attributes:
+        buckets: ``BucketView`` per bucket. param_index_map: {param: (start, end, bucket_id)}.
+        data_parallel_group: the torch process group its buckets are split across (None on one process).
+        param_dtype / grad_dtype: the buffer's dtypes. num_optimizer_shards: ranks a bucket is split across.
+    """
+
+    def __init__(self, buffer: ParamAndGradBuffer, shard_comm: Comm | NullComm) -> None:
+        self.core = buffer
+        self._comm = shard_comm
+        self.buckets = tuple(BucketView(b, buffer) for b in buffer.buckets)
+        self.param_index_map = {p: (buffer.slot_of(p).offset, buffer.slot_of(p).end, buffer.slot_of(p).bucket)
+                                for p in buffer.params}
+        self._group: Any = None
+        self.param_dtype, self.grad_dtype = buffer.key.param_dtype, buffer.key.grad_dtype
+        self.num_optimizer_shards = shard_comm.size
+        self.extra_main_grads: list[torch.Tensor] = []  # no fp32 local accumulation (BucketView)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not set above: the core buffer's
+        if name in ("core", "_comm"):
+            raise AttributeError(name)
+        return getattr(self.core, name)
+
+    def __contains__(self, param: object) -> bool:
+        return param in self.core
+
+    def __repr__(self) -> str:
+        return f"BufferView({self.core!r})"
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The torch process group the buckets are split across: the group's own, or for a group of one rank a
+        group of just this rank (None when torch.distributed is not initialised)."""
+        if self._group is None:
+            self._group = torch_group(self._comm)
+        return self._group
+
+    @property
+    def shard_rank(self) -> int:
+        return self._comm.rank
+
+    def param_layout(self) -> PerBufferParamLayout:
+        """This buffer's layout as Megatron's ``PerBufferParamLayout``."""
+        return _per_buffer(self.core.layout, self.core.params, shards=self.num_optimizer_shards)
+
+
+def build_model_gbuf_range(buffer: BufferView, bucket_index: int) -> dict[str, Any]:
+    """Megatron's ``DistributedOptimizer._build_model_gbuf_range``: ``{"param_map": {param: ranges}}`` for the
+    parameters of bucket ``bucket_index`` inside this rank's shard; ranges are Megatron's ``gbuf_world``,
+    ``gbuf_world_in_bucket``, ``gbuf_local`` and ``param`` ``Range``s."""
+    core, rank = buffer.core, buffer.shard_rank
+    bucket = core.layout.buckets[bucket_index]
+    shards = bucket.numel // bucket.shard_numel if bucket.shard_numel else 1
+    if shards != buffer.num_optimizer_shards:
+        raise ValueError(f"bucket {bucket_index} is split into {shards} shards but the buffer's group has "
+                         f"{buffer.num_optimizer_shards} ranks")
+    param_map = {}
+    for part in core.layout.owned_slices(bucket_index, rank):
+        world = Range(part.buffer_start, part.buffer_start + part.numel)
+        param_map[core.param_of(part.name)] = {
+            "gbuf_world": world,
+            "gbuf_world_in_bucket": Range(world.start - bucket.offset, world.end - bucket.offset),
+            "gbuf_local": Range(part.shard_start, part.shard_start + part.numel),
+            "param": Range(part.param_start, part.param_end),
+        }
+    return {"param_map": param_map}
