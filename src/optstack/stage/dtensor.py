@@ -15,6 +15,11 @@ it; each step is then one sum (max for the inf-norm) over ``comm``. Non-DTensor 
 model are taken as replicated on every rank of ``comm`` (their gradients must already agree, as for torch's
 own optimizers): stepped whole everywhere and counted once.
 
+State: ``DTensorLocal``'s element-wise state is the parameters' DTensors for DCP; in the name-keyed format a
+shard that is a block (tensor-parallel ``Shard(1)``, FSDP2's strided shards over a tensor-parallel split) is
+converted to an even flat range per rank of its mesh (``flat_shards``) and back (``local_shards``), collectively,
+so optstack's checkpoints reshard it like any other. ``DTensorOwners``' state is whole, in the parameter's shape.
+
 A ``Partial`` placement, or any placement other than ``Shard`` / ``Replicate`` (and the strided shards FSDP2
 makes over tensor-parallel dims), is refused at construction, naming the parameter.
 """
@@ -22,7 +27,8 @@ makes over tensor-parallel dims), is refused at construction, naming the paramet
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from optstack.distributed.comm import Comm, NullComm
-from optstack.protocol import MakeOptimizer, phase
+from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, assign_params, newton_schulz_cost
 from optstack.stage.precision import Direct, Masters, Precision
 from optstack.stage.stage import Stage
@@ -83,19 +89,43 @@ def _shard_key(name: str, param: torch.Tensor) -> tuple[Any, ...] | None:
     return (name, tuple(-1 if p.is_replicate() else c for c, p in zip(coordinate, param.placements, strict=True)))
 
 
+def _is_block(param: torch.Tensor) -> bool:
+    """Whether the parameter's shards are blocks, not ranges of its flattened elements (a shard of a dim other
+    than 0, or a strided shard, over a mesh dim of more than one rank); the same answer on every rank."""
+    return any((isinstance(p, _StridedShard) or (isinstance(p, Shard) and p.dim > 0)) and size > 1
+               for p, size in zip(param.placements, param.device_mesh.shape, strict=True))
+
+
 def flat_range(param: torch.Tensor) -> tuple[int, int] | None:
     """The range ``[start, end)`` of the flattened global parameter this rank's shard is, or None when the shard
-    is not one contiguous range (a shard of a dim other than 0, or a strided shard)."""
+    is a block (``_is_block``)."""
     if not is_dtensor(param):
         return 0, param.numel()
-    if any(isinstance(p, _StridedShard) for p in param.placements):
+    if _is_block(param):
         return None
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    if tuple(shape[1:]) != tuple(param.shape[1:]):
-        return None
     row = math.prod(shape[1:])
     start = offset[0] * row if shape else 0
     return start, start + math.prod(shape)
+
+
+def _cut(param: torch.Tensor) -> tuple[int, int]:
+    """This rank's even range of the flattened block parameter: its row-major place among the mesh's ranks."""
+    mesh = param.device_mesh
+    index, n, k = 0, param.numel(), mesh.size()
+    for coordinate, size in zip(mesh.get_coordinate(), mesh.shape, strict=True):
+        index = index * size + coordinate
+    return index * n // k, (index + 1) * n // k
+
+
+def _tiles(ranges: Sequence[tuple[int, int]], numel: int) -> bool:
+    """Whether the sorted ``ranges`` (overlaps allowed: replicas) cover ``[0, numel)``."""
+    end = 0
+    for lo, hi in ranges:
+        if lo > end:
+            return False
+        end = max(end, hi)
+    return end >= numel
 
 
 def _counted_once(keys: Sequence[tuple[Any, ...] | None], comm: Comm | NullComm) -> list[bool]:
@@ -137,12 +167,13 @@ class DTensorLocal(_DTensorPlacement):
 
     def __init__(self, *, comm: Comm | NullComm, device: torch.device | None = None) -> None:
         super().__init__(comm=comm, device=device)
-        #: names of parameters whose shard here is not one flat range (the name-keyed state cannot hold them)
-        self.not_flat: dict[str, str] = {}
+        #: the parameters whose shards are blocks (``_is_block``), in one order on every rank
+        self.blocks: list[tuple[str, torch.Tensor]] = []
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         flat = [(n, p) for gn, gp in zip(names, params, strict=True) for n, p in zip(gn, gp, strict=True)]
         check_dtensor_params(flat)
+        self.blocks += [(n, p) for n, p in flat if is_dtensor(p) and _is_block(p)]
         keys = [_shard_key(n, p) for n, p in flat]
         keys = [k if k is not None and _local(p).numel() else None for k, (_, p) in zip(keys, flat, strict=True)]
         self._counted.update({id(p): c for (_, p), c in zip(flat, _counted_once(keys, self.dp), strict=True)})
@@ -151,11 +182,11 @@ class DTensorLocal(_DTensorPlacement):
             group = []
             for name, param in zip(gn, gp, strict=True):
                 value = _local(param)
-                if not value.numel():
-                    continue  # a rank with an empty shard (fewer rows than ranks) steps nothing of it
                 span = flat_range(param)
-                if span is None:
-                    self.not_flat[name] = str(tuple(param.placements))
+                if not value.numel() and span is not None:
+                    continue  # a rank with an empty shard (fewer rows than ranks) steps nothing of it
+                # a block's piece stands for its elements in the local shard's order (kept even when empty:
+                # every rank of its mesh takes part in flat_shards / local_shards)
                 start, end = span or (0, value.numel())
                 group.append(Piece(name, param, start, end, value))
             out.append(group)
@@ -175,6 +206,67 @@ class DTensorLocal(_DTensorPlacement):
             out.append(_local(grad) if grad is not None else None)
         return out
 
+
+    def flat_shards(self, shards: dict[str, ParamShard]) -> dict[str, ParamShard]:
+        """Each block's state as a flat range: rank ``i`` of the ``k`` ranks of the parameter's mesh (row-major
+        coordinate) gets elements ``[i n / k, (i+1) n / k)`` of the assembled whole. Collective over each block
+        parameter's mesh (one all-gather per state tensor); the other shards pass as they are."""
+        out = dict(shards)
+        with torch.no_grad():
+            for name, param in self.blocks:
+                shard = shards.get(name)
+                if shard is None:
+                    continue  # this rank is not in the parameter's mesh
+                start, end = _cut(param)
+                shape, mesh = _local(param).shape, param.device_mesh
+                tensors = {}
+                for key, value in shard.tensors.items():  # one key order on every rank: one algorithm's
+                    whole = DTensor.from_local(value.reshape(shape), mesh, param.placements, run_check=False,
+                                               shape=param.shape, stride=param.stride()).full_tensor()
+                    tensors[key] = whole.reshape(-1)[start:end].clone()
+                out[name] = replace(shard, start=start, end=end, tensors=tensors)
+        return out
+
+    def local_shards(self, shards: Mapping[str, ParamShard]) -> Mapping[str, ParamShard]:
+        """Each block's name-keyed state (flat ranges, from any layout) cut to this rank's block: every rank's
+        ranges are gathered over ``comm`` and the whole assembled. Collective over ``comm``.
+
+        Raises:
+            ValueError: on every rank alike, when the ranks' ranges of a block parameter leave a gap.
+        """
+        if not self.blocks:
+            return shards
+        mine = {n: (s.start, s.end, {k: str(t.dtype) for k, t in s.tensors.items()})
+                for n, _ in self.blocks if (s := shards.get(n)) is not None}
+        tables = self.dp.all_gather_object(mine)
+        out = dict(shards)
+        with torch.no_grad():
+            for name, param in self.blocks:
+                held = [(rank, table[name]) for rank, table in enumerate(tables) if name in table]
+                dtypes = {k: d for *_, keys in (h for _, h in held) for k, d in keys.items()}
+                covered = sorted((lo, hi) for _, (lo, hi, _) in held)
+                if held and not _tiles(covered, param.numel()):
+                    raise ValueError(f"the ranks' ranges of {name!r} ({covered}) do not cover its {param.numel()} "
+                                     "elements; load state saved from a whole optimizer (every rank's ranges)")
+                shard = shards.get(name)
+                tensors = {}
+                for key, dtype in dtypes.items():
+                    value = shard.tensors.get(key) if shard is not None else None
+                    dt = getattr(torch, dtype.removeprefix("torch."))
+                    empty = torch.empty(0, dtype=dt, device=_local(param).device)
+                    parts = self.dp.all_gather_uneven(value.reshape(-1).to(dt) if value is not None else empty)
+                    whole = torch.empty(param.numel(), dtype=dt, device=empty.device)
+                    for (rank, (lo, hi, keys)) in held:
+                        if key in keys:
+                            whole[lo:hi] = parts[rank]
+                    if shard is not None:
+                        mesh = param.device_mesh
+                        block = distribute_tensor(whole.view(param.shape), mesh, param.placements, src_data_rank=None)
+                        tensors[key] = block.to_local().reshape(-1).clone()
+                if shard is not None:
+                    numel = _local(param).numel()
+                    out[name] = replace(shard, start=0, end=numel, tensors=tensors)
+        return out
 
     def sharded_state(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece],
                       params: Sequence[torch.Tensor]) -> dict[int, dict[str, Any]]:
@@ -210,6 +302,7 @@ class DTensorOwners(_DTensorPlacement):
     """
 
     kind = "dtensor-owners"
+    owns_whole = True
 
     def __init__(self, *, comm: Comm | NullComm, masters: bool, device: torch.device | None = None,
                  cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:

@@ -292,7 +292,7 @@ class Stage:
                     scalars[key] = value
             shards[piece.name] = ParamShard(tuple(piece.param.shape), piece.start, piece.end, tensors, scalars)
         load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
-        return shards
+        return self.placement.flat_shards(shards)
 
     # -- state: the one name-keyed format ------------------------------------------------------------
     def param_shards(self) -> dict[str, ParamShard]:
@@ -300,17 +300,12 @@ class Stage:
         held as a remainder is a fresh fp32 copy: checkpoints hold whole fp32 masters whatever the precision)."""
         self.reload_states()
         self.placement.finish()
-        for name, placements in self.placement.not_flat.items():  # e.g. a tensor-parallel DTensor block
-            raise ValueError(
-                f"{self.name}: this rank's shard of {name!r} (placements {placements}) is a block of the parameter, "
-                "not a range of its flattened elements, which the name-keyed state holds; save it with DCP: "
-                "optstack.checkpoint.OptimizerState(model, optimizer) (its state is the parameters' DTensors)")
         shards = shards_of(self.optimizer, self.pieces, self.param_groups)
         for piece, inner, value in zip(self.pieces, self._stepped, self.precision.readable(self._stepped),
                                        strict=True):
             if value is not inner:
                 shards[piece.name].tensors["param"] = value.reshape(-1)
-        return shards
+        return self.placement.flat_shards(shards)  # e.g. tensor-parallel blocks as flat ranges (collective)
 
     def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
         """Load name-keyed state (each shard must cover this rank's range of its parameter; the range is cut
@@ -321,6 +316,7 @@ class Stage:
         """
         self.reload_states()
         self.placement.finish()
+        shards = self.placement.local_shards(shards)  # e.g. flat ranges to tensor-parallel blocks (collective)
         self.precision.materialize()  # a remainder-held master is written whole, then split by the publish
         try:
             load_into(self.name, self.optimizer, self.pieces, shards)
@@ -352,7 +348,7 @@ class Stage:
             masters = [id(t) in ids for t in self._stepped]
             state_dict = migrate(state_dict, self.pieces, self._stepped, masters)
         shards = from_plain(self.name, state_dict, self.param_groups)
-        load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
+        load_into(self.name, self.optimizer, self.pieces, self.placement.local_shards(shards), apply=False)
         settings = state_dict["groups"]
         if any(not isinstance(s, dict) for s in settings):
             raise ValueError(f"{self.name}: the state dict's 'groups' must be dicts of settings")
