@@ -523,3 +523,61 @@ def test_megatron_face_steps_an_fsdp2_model_and_names_it_for_use_megatron_fsdp(w
     for out in world2.run(megatron_face_on_fsdp2):
         assert out["moved"] > 1e-3
         assert out["param"] <= 1e-6, out
+
+
+def owners_traffic() -> dict[str, Any]:
+    """One Muon step of a DTensorOwners stage over FSDP2 dp=2 with a Comm that counts the elements each rank
+    sends, against one process's Muon on the whole matrices."""
+    from optstack.algorithms.muon import Muon
+    from optstack.distributed.comm import Comm
+    from optstack.stage.dtensor import dtensor_stage
+
+    class Counting(Comm):
+        sent = 0
+
+        def gather_async(self, tensor, dst, parts=(), tag=0):  # noqa: ANN001, ANN202
+            self.sent += tensor.numel() if tensor is not None and self.rank != dst else 0
+            return super().gather_async(tensor, dst, parts, tag)
+
+        def scatter_async(self, out, src, parts=(), tag=0):  # noqa: ANN001, ANN202
+            self.sent += sum(p.numel() for r, p in enumerate(parts) if p is not None and r != src)
+            return super().scatter_async(out, src, parts, tag)
+
+    rank = world_comm().rank
+    out: dict[str, Any] = {}
+    for name, model in (("one", _model()), ("fsdp", _fully_shard(_model()))):
+        mats = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+        group = {"params": [p for _, p in mats], "param_names": [n for n, _ in mats]}
+        comm = Counting(None, name="counting")
+        stage = dtensor_stage([group], lambda groups: Muon(groups, lr=0.05), comm=comm, whole_matrices=True)
+        comm.sent = 0  # the step's traffic only
+        x, y = _batch(0, torch.float32)
+        rows = slice(None) if name == "one" else slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
+        (2 * (model(x[rows]) - y[rows]).pow(2).sum() / y.numel() if name == "fsdp"
+         else (model(x) - y).pow(2).mean()).backward()
+        stage.grad_stats(2.0)
+        stage.step()
+        out[name] = _full(model)
+        out[f"{name}_sent"] = comm.sent
+        owners = stage.placement.owners
+        # what the owner does not hold of its matrices: each comes in twice (values, grads), goes out once
+        pairs = [(p, o) for (_, p), o in zip(mats, owners, strict=True) if hasattr(p, "to_local")]
+        out[f"{name}_expected"] = sum(3 * (p.numel() - p.to_local().numel()) for p, o in pairs if o == rank)
+        # what full_tensor() all-gathers (values, grads) and a broadcast sends: each rank receives the rest
+        out[f"{name}_all_gather"] = sum(2 * (p.numel() - p.to_local().numel()) + (p.numel() if o == rank else 0)
+                                        for p, o in pairs)
+    return {"param": max((out["fsdp"][n] - out["one"][n]).abs().max().item() for n in out["one"]),
+            "moved": max((out["one"][n] - _full(_model())[n]).abs().max().item() for n in out["one"]),
+            "sent": out["fsdp_sent"], "expected": out["fsdp_expected"], "all_gather": out["fsdp_all_gather"]}
+
+
+def test_owners_gather_each_matrix_to_its_owner_only(world2) -> None:
+    outs = world2.run(owners_traffic)
+    for out in outs:
+        assert out["moved"] > 1e-3 and out["param"] <= 1e-6, out
+    sent, expected = sum(o["sent"] for o in outs), sum(o["expected"] for o in outs)
+    all_gather = sum(o["all_gather"] for o in outs)
+    assert sent == expected > 0, outs  # one copy of each shard the owner lacks, and its shard back to each rank
+    # all-gathering every matrix to both ranks and broadcasting the result moves about twice as much (240 vs 456
+    # elements here: the 5-row matrix splits 3 / 2, so the owner may lack the larger part)
+    assert sent <= 0.55 * all_gather, outs

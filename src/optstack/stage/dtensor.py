@@ -5,8 +5,9 @@ tensor parallelism's ``parallelize_module``, both on a 2-D ``DeviceMesh``, or HS
   ``grad.to_local()``) with the same fused kernels as any placement; the model's sharding is left as it is,
   so there is nothing to publish. For element-wise algorithms (AdamW, SGD, Lion, ...).
 - ``DTensorOwners``: whole matrices, for Muon: each parameter has one owner rank (cost-balanced over the
-  ranks); its value and gradient are assembled (``full_tensor``), the owner steps the whole matrix (its state
-  and fp32 master are whole, on the owner only), then broadcasts the result and every rank keeps its shard.
+  ranks); its gradient (and value, where stepped without a master) is gathered to the owner only, one copy of
+  each distinct shard (``Comm.gather_async``), the owner steps the whole matrix (its state and fp32 master are
+  whole, on the owner only), then scatters each rank its shard of the result (``Comm.scatter_async``).
 
 The global grad norm counts every element once across shards and replicas: when the stage is built every
 rank tells the others which shard of which parameter it holds (a parameter's name and its mesh coordinates
@@ -288,10 +289,81 @@ class DTensorLocal(_DTensorPlacement):
         return out
 
 
+class _Route:
+    """Who sends which part of one DTensor parameter to its owner, and who gets which part back: per rank,
+    the per-dim global indices of its local shard (``_dim_indices``). The same on every rank; the index
+    tensors are kept on the owner only."""
+
+    def __init__(self, owner: int, me: int, shards: Sequence[Any]) -> None:
+        holders: dict[Any, list[int]] = {}  # one shard's description -> the ranks holding it (replicas)
+        for rank, shard in enumerate(shards):
+            if shard is not None:
+                holders.setdefault(shard, []).append(rank)
+        senders = {(owner if owner in ranks else ranks[0]): shard for shard, ranks in holders.items()}
+        self.sends_mine = me in senders and me != owner
+        self.gets_mine = shards[me] is not None and me != owner
+        self.sends: list[tuple[int, list[torch.Tensor | None]]] = []
+        self.gets: list[tuple[int, list[torch.Tensor | None]]] = []
+        if me == owner:
+            self.sends = [(rank, _decode(shard)) for rank, shard in sorted(senders.items())]
+            self.gets = [(rank, _decode(shard)) for rank, shard in enumerate(shards) if shard is not None]
+
+
+def _dim_indices(param: torch.Tensor) -> list[torch.Tensor | None] | None:
+    """Per dim, the global indices of this rank's local shard along it in local order (None: the whole dim),
+    or None when this rank holds none of it. Found by placing ``arange`` of each sharded dim as the parameter
+    is placed over that dim (no exchange): a shard is the product of its dims' indices, strided shards too."""
+    mesh = param.device_mesh
+    local = _local(param)
+    if mesh.get_coordinate() is None or not local.numel():
+        return None
+    out: list[torch.Tensor | None] = []
+    for dim in range(param.dim()):
+        placements = [(_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0))
+                      if isinstance(p, (Shard, _StridedShard)) and p.dim == dim else Replicate()
+                      for p in param.placements]
+        if all(p.is_replicate() for p in placements):
+            out.append(None)
+            continue
+        index = torch.arange(param.shape[dim], device=local.device)
+        out.append(distribute_tensor(index, mesh, placements, src_data_rank=None).to_local().cpu())
+    return out
+
+
+def _encode(indices: list[torch.Tensor | None] | None) -> tuple[Any, ...] | None:
+    """``_dim_indices`` as runs ``((start, stop), ...)`` per dim: small, hashable, exchanged between ranks."""
+    if indices is None:
+        return None
+    out: list[Any] = []
+    for index in indices:
+        if index is None:
+            out.append(None)
+            continue
+        values = index.tolist()
+        cuts = [0] + [k for k in range(1, len(values)) if values[k] != values[k - 1] + 1] + [len(values)]
+        out.append(tuple((values[a], values[b - 1] + 1) for a, b in zip(cuts, cuts[1:], strict=False)))
+    return tuple(out)
+
+
+def _decode(runs: tuple[Any, ...]) -> list[torch.Tensor | None]:
+    return [None if r is None else torch.cat([torch.arange(a, b) for a, b in r]) for r in runs]
+
+
+def _region(indices: Sequence[torch.Tensor | None], shape: torch.Size, device: torch.device
+            ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """Advanced indices selecting a shard of a whole tensor of ``shape`` (broadcast per dim), and its shape."""
+    index, sizes = [], []
+    for dim, values in enumerate(indices):
+        values = torch.arange(shape[dim]) if values is None else values
+        index.append(values.to(device).view([1] * dim + [-1] + [1] * (len(shape) - dim - 1)))
+        sizes.append(values.numel())
+    return tuple(index), sizes
+
+
 class DTensorOwners(_DTensorPlacement):
-    """Whole matrices stepped by owner ranks (Muon): each gradient assembled with ``full_tensor()``, the owner
-    steps the whole matrix (state and master whole, on the owner only), broadcasts the result over ``comm``,
-    and every rank keeps its shard of it.
+    """Whole matrices stepped by owner ranks (Muon): each gradient is gathered to its owner only (one copy of
+    each distinct shard, point-to-point: ``Comm.gather_async``), the owner steps the whole matrix (state and
+    master whole, on the owner only), and scatters each rank its shard of the result (``Comm.scatter_async``).
 
     Args:
         comm: every rank holding a part of these parameters (owners are assigned over it).
@@ -312,6 +384,7 @@ class DTensorOwners(_DTensorPlacement):
         self.cost = cost
         self.owners: list[int] = []
         self._all: list[tuple[str, torch.Tensor]] = []
+        self._routes: list[_Route | None] = []  # per parameter of _all; None: not a DTensor (replicated)
         self._whole: dict[int, torch.Tensor] = {}  # id(param) -> the owner's whole copy (model dtype)
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
@@ -320,13 +393,46 @@ class DTensorOwners(_DTensorPlacement):
         self.owners = assign_params([self.cost(tuple(p.shape)) for _, p in self._all], self.dp.size)
         mine = {id(p) for (_, p), owner in zip(self._all, self.owners, strict=True) if owner == self.dp.rank}
         self._counted.update({id(p): id(p) in mine for _, p in self._all})
-        with torch.no_grad():
-            for _, param in self._all:  # full_tensor() is collective over the parameter's mesh: every rank calls
-                whole = param.full_tensor() if is_dtensor(param) else param
-                if id(param) in mine:
-                    self._whole[id(param)] = whole
+        shards = [_encode(_dim_indices(p)) if is_dtensor(p) else None for _, p in self._all]
+        tables = self.dp.all_gather_object(shards)
+        me = self.dp.rank
+        self._routes = [_Route(owner, me, [t[i] for t in tables]) if is_dtensor(p) else None
+                        for i, ((_, p), owner) in enumerate(zip(self._all, self.owners, strict=True))]
+        for _, param in self._all:
+            if id(param) in mine:
+                self._whole[id(param)] = (torch.empty(param.shape, dtype=param.dtype, device=_local(param).device)
+                                          if is_dtensor(param) else param)
+        self.refresh()
         return [[Piece(n, p, 0, p.numel(), self._whole[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
                 for gn, gp in zip(names, params, strict=True)]
+
+    def _gather(self, locals_: Sequence[torch.Tensor | None], into: dict[int, torch.Tensor]) -> None:
+        """Assemble ``into[i]`` (an owner's whole tensor of parameter i) from the ranks' local shards
+        ``locals_[i]`` (each distinct shard sent once; None where parameter i is skipped). Collective over
+        ``comm``: every rank passes the same skips."""
+        comm, me = self.dp, self.dp.rank
+        handles, placed = [], []
+        for i, (route, local) in enumerate(zip(self._routes, locals_, strict=True)):
+            if route is None or local is None:
+                continue
+            owner = self.owners[i]
+            if me != owner:
+                handles.append(comm.gather_async(local if route.sends_mine else None, owner, (), tag=i))
+                continue
+            whole = into[i]
+            parts: list[torch.Tensor | None] = [None] * comm.size
+            regions = []
+            for rank, indices in route.sends:
+                region, sizes = _region(indices, whole.shape, whole.device)
+                parts[rank] = whole.new_empty(sizes)
+                regions.append((rank, region))
+            handles.append(comm.gather_async(local, owner, parts, tag=i))
+            placed.append((whole, parts, regions))
+        for handle in handles:
+            handle.wait()
+        for whole, parts, regions in placed:
+            for rank, region in regions:
+                whole[region] = parts[rank]
 
     def refresh(self, stepped_only: bool = False) -> None:
         """Copy the model's current values into the owners' whole copies (collective; before a load, where a
@@ -334,41 +440,62 @@ class DTensorOwners(_DTensorPlacement):
         master), as each step does: the model is the truth for those and may have been loaded or written
         since the last step (a version counter would miss writes through ``to_local()``, so each step gathers)."""
         low = (torch.bfloat16, torch.float16)
+        skip = [stepped_only and self.masters and p.dtype in low for _, p in self._all]
         with torch.no_grad():
-            for (_, param), owner in zip(self._all, self.owners, strict=True):
-                if is_dtensor(param) and not (stepped_only and self.masters and param.dtype in low):
-                    whole = param.full_tensor()  # collective over the parameter's mesh: every rank calls
-                    if owner == self.dp.rank:
-                        self._whole[id(param)].copy_(whole)
+            values = [None if s else _local(p).contiguous() for (_, p), s in zip(self._all, skip, strict=True)]
+            into = {i: self._whole[id(p)] for i, (_, p) in enumerate(self._all) if id(p) in self._whole}
+            self._gather(values, into)
 
     def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
         self.refresh(stepped_only=True)
         held: dict[int, torch.Tensor | None] = {}
         with phase("gather_grads"), torch.no_grad():
-            for (_, param), owner in zip(self._all, self.owners, strict=True):
+            locals_: list[torch.Tensor | None] = []
+            into: dict[int, torch.Tensor] = {}
+            for i, ((_, param), owner) in enumerate(zip(self._all, self.owners, strict=True)):
                 grad = self.grad_of(param)
-                whole = grad.full_tensor() if is_dtensor(grad) else grad  # collective: every rank calls
+                if is_dtensor(grad) and grad.placements != param.placements:
+                    grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a Partial grad: reduce it
+                if not is_dtensor(param):
+                    locals_.append(None)
+                    if owner == self.dp.rank:
+                        held[id(param)] = grad
+                    continue
+                # a rank without a gradient sends zeros (all ranks have one, or none: FSDP2 reduces them)
+                local = _local(grad).contiguous() if grad is not None else torch.zeros_like(_local(param))
+                locals_.append(local)
                 if owner == self.dp.rank:
-                    held[id(param)] = whole
+                    into[i] = local.new_empty(param.shape)
+                    held[id(param)] = into[i] if grad is not None else None
+            self._gather(locals_, into)
         return [held[id(p.param)] for p in pieces]
 
     def publish(self) -> None:
-        comm = self.dp
+        comm, me = self.dp, self.dp.rank
         with phase("scatter_params"), torch.no_grad():
-            for (_, param), owner in zip(self._all, self.owners, strict=True):
-                if not is_dtensor(param):
+            handles, copies = [], []
+            for i, ((_, param), owner) in enumerate(zip(self._all, self.owners, strict=True)):
+                route = self._routes[i]
+                if route is None:
                     if comm.size > 1:
-                        comm.broadcast(param.data, owner)
+                        handles.append(comm.broadcast_async(param.data, owner))
                     continue
                 local = _local(param)
-                whole = self._whole.get(id(param))
-                if whole is None:
-                    whole = local.new_empty(param.shape)
-                if comm.size > 1:
-                    comm.broadcast(whole, owner)
-                # src_data_rank=None: every rank has the whole value, each cuts out its own shard (no exchange)
-                mine = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
-                local.copy_(mine.to_local())
+                out = local if local.is_contiguous() else torch.empty_like(local)
+                if out is not local:
+                    copies.append((local, out))
+                if me != owner:
+                    handles.append(comm.scatter_async(out if route.gets_mine else None, owner, (), tag=i))
+                    continue
+                whole = self._whole[id(param)]
+                parts: list[torch.Tensor | None] = [None] * comm.size
+                for rank, indices in route.gets:
+                    parts[rank] = whole[_region(indices, whole.shape, whole.device)[0]]
+                handles.append(comm.scatter_async(out if parts[me] is not None else None, owner, parts, tag=i))
+            for handle in handles:
+                handle.wait()
+            for local, out in copies:
+                local.copy_(out)
 
 
 def dtensor_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, comm: Comm | NullComm,
