@@ -581,3 +581,48 @@ def test_owners_gather_each_matrix_to_its_owner_only(world2) -> None:
     # all-gathering every matrix to both ranks and broadcasting the result moves about twice as much (240 vs 456
     # elements here: the 5-row matrix splits 3 / 2, so the owner may lack the larger part)
     assert sent <= 0.55 * all_gather, outs
+
+
+def tp_modes() -> dict[str, float]:
+    """One Muon step on a dp=1 x tp=2 model (0.weight Shard(0), 2.weight Shard(1) over the "tp" mesh dim) per
+    ``muon.tp_mode``, against one process's Muon and Newton-Schulz of each tensor-parallel block by hand."""
+    from optstack.algorithms.newton_schulz import newton_schulz
+    from optstack.config import MuonConfig
+
+    def config(mode: str) -> OptimizerConfig:
+        return OptimizerConfig(algorithm="muon", lr=0.05, weight_decay=0.1,
+                               muon=MuonConfig(tp_mode=mode, matmul_precision="highest"))
+
+    got = {}
+    for mode in ("duplicated", "blockwise", "distributed"):
+        model = _tensor_parallel(_model())
+        _steps(model, build_optimizer(config(mode), model).optimizer, range(1), slice(None))
+        got[mode] = _full(model)
+    ref, before = _model(), _full(_model())
+    _steps(ref, build_optimizer(config("duplicated"), ref).optimizer, range(1), slice(None))
+    want = _full(ref)
+    grad_model = _model()
+    x, y = _batch(0, torch.float32)
+    (grad_model(x) - y).pow(2).mean().backward()
+    by_hand = {}
+    for name, dim in (("0.weight", 0), ("2.weight", 1)):  # momentum after one step: (1 - 0.95) g
+        blocks = (0.05 * dict(grad_model.named_parameters())[name].grad).chunk(2, dim)
+        update = torch.cat([newton_schulz(b, steps=5, coefficients="quintic") * max(b.shape) ** 0.5 for b in blocks],
+                           dim)
+        by_hand[name] = before[name] * (1 - 0.05 * 0.1) - 0.05 * update
+    split = ("0.weight", "2.weight")
+    return {"duplicated": max((got["duplicated"][n] - want[n]).abs().max().item() for n in want),
+            "blockwise": max((got["blockwise"][n] - by_hand[n]).abs().max().item() for n in split),
+            "blockwise_rest": max((got["blockwise"][n] - want[n]).abs().max().item() for n in want if n not in split),
+            "blockwise_differs": min((got["blockwise"][n] - want[n]).abs().max().item() for n in split),
+            "distributed": max((got["distributed"][n] - got["duplicated"][n]).abs().max().item() for n in want),
+            "moved": max((want[n] - before[n]).abs().max().item() for n in want)}
+
+
+def test_muon_tp_modes_on_a_tensor_parallel_model(world2) -> None:
+    for out in world2.run(tp_modes):
+        assert out["moved"] > 1e-2, out
+        assert out["duplicated"] <= 1e-6, out  # the whole matrix: one process's Muon
+        assert out["blockwise"] <= 1e-6 and out["blockwise_rest"] <= 1e-6, out  # each block its own matrix
+        assert out["blockwise_differs"] > 1e-4, out  # which is another update than the whole matrix's
+        assert out["distributed"] <= 1e-5, out  # the whole matrix by blocks: duplicated to fp32 round-off

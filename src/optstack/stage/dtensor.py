@@ -43,7 +43,8 @@ from optstack.stage.placement import Piece, Placement, assign_params, newton_sch
 from optstack.stage.precision import Direct, Masters, Precision
 from optstack.stage.stage import Stage
 
-__all__ = ["DTensorLocal", "DTensorOwners", "check_dtensor_params", "dtensor_stage", "flat_range", "is_dtensor"]
+__all__ = ["TP_MESH_DIMS", "DTensorLocal", "DTensorOwners", "check_dtensor_params", "dtensor_stage", "flat_range",
+           "is_dtensor", "tp_blocks"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -330,6 +331,21 @@ def _dim_indices(param: torch.Tensor) -> list[torch.Tensor | None] | None:
     return out
 
 
+#: mesh dims with these names are tensor-parallel: a matrix split over them is what Muon's ``tp_mode`` is about
+TP_MESH_DIMS = ("tp",)
+
+
+def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None:
+    """``(dim, parts)`` when the 2-D DTensor ``param`` is split by tensor parallelism (``Shard(dim)`` over one mesh
+    dim named in ``TP_MESH_DIMS``, of ``parts`` > 1 ranks), else None (also for a split over two such dims)."""
+    if not is_dtensor(param) or param.dim() != 2:
+        return None
+    names = param.device_mesh.mesh_dim_names or ()
+    splits = [(p.dim, size) for p, size, name in zip(param.placements, param.device_mesh.shape, names, strict=False)
+              if name in TP_MESH_DIMS and isinstance(p, Shard) and not isinstance(p, _StridedShard) and size > 1]
+    return splits[0] if len(splits) == 1 else None
+
+
 def _encode(indices: list[torch.Tensor | None] | None) -> tuple[Any, ...] | None:
     """``_dim_indices`` as runs ``((start, stop), ...)`` per dim: small, hashable, exchanged between ranks."""
     if indices is None:
@@ -405,6 +421,11 @@ class DTensorOwners(_DTensorPlacement):
         self.refresh()
         return [[Piece(n, p, 0, p.numel(), self._whole[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
                 for gn, gp in zip(names, params, strict=True)]
+
+    def group_settings(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        """Muon's ``tp_blocks``: how each tensor-parallel matrix of the group is split (for its ``tp_mode``)."""
+        blocks = {p.name: split for p in pieces if (split := tp_blocks(p.param)) is not None}
+        return {"tp_blocks": blocks} if blocks else {}
 
     def _gather(self, locals_: Sequence[torch.Tensor | None], into: dict[int, torch.Tensor]) -> None:
         """Assemble ``into[i]`` (an owner's whole tensor of parameter i) from the ranks' local shards

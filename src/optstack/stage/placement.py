@@ -109,6 +109,11 @@ class Placement:
     #: keeps the parameter's shape (``sharded_state``)
     owns_whole = False
 
+    def group_settings(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        """Settings the inner optimizer's group over ``pieces`` gets from the placement (not the model-side
+        group's: what the placement knows of its parameters' layout); none here."""
+        return {}
+
     def flat_shards(self, shards: dict[str, ParamShard]) -> dict[str, ParamShard]:
         """This rank's ``ParamShard``s as the name-keyed state holds them: ranges of flattened parameters (the
         pieces are those already here; a placement whose pieces are blocks converts them, collectively)."""

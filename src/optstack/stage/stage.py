@@ -95,8 +95,9 @@ class Stage:
         fallback = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
         self.device: torch.device = self.placement.device or first or fallback
         stepped = self.precision.inner(by_group, self.device)
-        inner_groups = [{**g, "params": s, "param_names": [p.name for p in pg]}
-                        for g, s, pg in zip(groups, stepped, by_group, strict=True)]
+        placed = [self.placement.group_settings(pg) for pg in by_group]  # the inner groups' only
+        inner_groups = [{**g, **extra, "params": s, "param_names": [p.name for p in pg]}
+                        for g, extra, s, pg in zip(groups, placed, stepped, by_group, strict=True)]
         optimizer = make_optimizer(inner_groups)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"{owner}: make_optimizer must return a torch.optim.Optimizer, got {optimizer!r:.80}")
@@ -110,8 +111,9 @@ class Stage:
         # The model-side groups, what users and schedulers see and write: every parameter of the group (on
         # every rank, whatever this rank steps) and the inner group's settings, copied in at each step.
         self.param_groups: list[dict[str, Any]] = [
-            {"params": list(g["params"]), **_settings(inner), "param_names": n}
-            for g, inner, n in zip(groups, optimizer.param_groups, names, strict=True)]
+            {"params": list(g["params"]), **{k: v for k, v in _settings(inner).items() if k not in extra},
+             "param_names": n}
+            for g, inner, n, extra in zip(groups, optimizer.param_groups, names, placed, strict=True)]
         self._stepped = [t for group in stepped for t in group]
         self._ready: list[torch.Tensor | None] = []
         self._counts = self.placement.norm_counts(self.placement.norm_params(self.pieces))
