@@ -619,6 +619,40 @@ def tp_modes() -> dict[str, float]:
             "moved": max((want[n] - before[n]).abs().max().item() for n in want)}
 
 
+def tp_qkv() -> dict[str, float]:
+    """A fused QKV weight split by tensor parallelism (layer 0, column-wise: 8 rows = 2 attention groups of
+    q, k, v = 2, 1, 1 rows, one group per rank), ``qkv_split_shapes`` set by a rule: one Muon step per
+    ``tp_mode`` against one process and against Newton-Schulz of each rank's q, k, v rows by hand."""
+    from optstack.algorithms.newton_schulz import newton_schulz
+    from optstack.config import MuonConfig
+    from optstack.factory import default_rules
+    from optstack.rules import Name, Rule
+
+    def build(model: nn.Module, mode: str) -> Any:
+        config = OptimizerConfig(algorithm="muon", lr=0.05, weight_decay=0.0,
+                                 muon=MuonConfig(tp_mode=mode, matmul_precision="highest"))
+        rules = [*default_rules(config), Rule(Name("0.weight"), qkv_split_shapes=(2, 1, 1), why="fused QKV")]
+        return build_optimizer(config, model, rules=rules).optimizer
+
+    got = {}
+    for mode in ("duplicated", "blockwise", "distributed"):
+        model = _tensor_parallel(_model())
+        _steps(model, build(model, mode), range(1), slice(None))
+        got[mode] = _full(model)["0.weight"]
+    ref, before = _model(), _full(_model())["0.weight"]
+    _steps(ref, build(ref, "duplicated"), range(1), slice(None))
+    grad_model = _model()
+    x, y = _batch(0, torch.float32)
+    (grad_model(x) - y).pow(2).mean().backward()
+    grad = 0.05 * grad_model[0].weight.grad  # the momentum after one step
+    by_hand = torch.cat([torch.cat([newton_schulz(m) * max(m.shape) ** 0.5 for m in block.split([2, 1, 1])])
+                         for block in grad.chunk(2)])  # each rank's group: its q, k and v rows
+    return {"duplicated": (got["duplicated"] - _full(ref)["0.weight"]).abs().max().item(),
+            "blockwise": (got["blockwise"] - (before - 0.05 * by_hand)).abs().max().item(),
+            "distributed": (got["distributed"] - got["duplicated"]).abs().max().item(),
+            "split": (got["duplicated"] - (before - 0.05 * newton_schulz(grad) * 8**0.5)).abs().max().item()}
+
+
 def test_muon_tp_modes_on_a_tensor_parallel_model(world2) -> None:
     for out in world2.run(tp_modes):
         assert out["moved"] > 1e-2, out
@@ -626,3 +660,11 @@ def test_muon_tp_modes_on_a_tensor_parallel_model(world2) -> None:
         assert out["blockwise"] <= 1e-6 and out["blockwise_rest"] <= 1e-6, out  # each block its own matrix
         assert out["blockwise_differs"] > 1e-4, out  # which is another update than the whole matrix's
         assert out["distributed"] <= 1e-5, out  # the whole matrix by blocks: duplicated to fp32 round-off
+
+
+def test_muon_qkv_split_on_a_tensor_parallel_qkv_weight(world2) -> None:
+    for out in world2.run(tp_qkv):
+        assert out["split"] > 1e-3, out  # q, k and v orthogonalised apart, not the fused matrix
+        assert out["duplicated"] <= 1e-6, out  # the whole QKV weight on its owner: one process's split
+        assert out["blockwise"] <= 1e-6, out  # each rank's attention group split and orthogonalised on its own
+        assert out["distributed"] <= 1e-5, out
