@@ -426,3 +426,7 @@ def test_tp_mode_blockwise_splits_qkv_within_each_block_and_refuses_uneven_block
     with pytest.raises(ValueError, match=r"tp_mode 'blockwise' needs param 'odd' .* split evenly"):
         Muon([dict(params=[torch.nn.Parameter(torch.zeros(5, 4))], param_names=["odd"], tp_mode="blockwise",
                    tp_blocks={"odd": (0, 2)})])
+    with pytest.raises(ValueError, match=r"'distributed' takes a matrix split .* 'both' .*tp_mode='duplicated'"):
+        Muon([dict(params=[torch.nn.Parameter(torch.zeros(4, 4))], param_names=["both"], tp_mode="distributed",
+                   tp_blocks={"both": None})])
+    Muon([dict(params=[torch.nn.Parameter(torch.zeros(4, 4))], param_names=["both"], tp_blocks={"both": None})])

@@ -176,7 +176,8 @@ class Muon(torch.optim.Optimizer):
         tp_mode: ``"duplicated"``, ``"blockwise"`` or ``"distributed"``: how a matrix in ``tp_blocks`` is
             orthogonalised (see the module docstring).
         tp_blocks: ``{param name: (dim, parts)}``: the parameters (by ``param_names``) split by tensor
-            parallelism into ``parts`` equal blocks along ``dim`` (0 or 1); set by the DTensor owner placement.
+            parallelism into ``parts`` equal blocks along ``dim`` (0 or 1), None for one split otherwise (only
+            ``duplicated`` takes it); set by the DTensor owner placement.
         matmul_precision: the lowest precision Newton-Schulz's matmuls may use: ``"highest"`` (fp32), ``"high"``
             (TF32 on a CUDA GPU, else fp32) or ``"medium"`` (bf16 where the device has native bf16 matmul, else
             fp32; ``newton_schulz.ns_matmul_dtype``).
@@ -361,8 +362,9 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
     _require(group.get("tp_mode", "duplicated") in TP_MODES,
              f"{where}: tp_mode must be one of {list(TP_MODES)}, got {group.get('tp_mode')!r}")
     for name, blocks in (group.get("tp_blocks") or {}).items():
-        _require(isinstance(blocks, tuple) and len(blocks) == 2 and blocks[0] in (0, 1) and isinstance(blocks[1], int)
-                 and blocks[1] >= 1, f"{where}: tp_blocks[{name!r}] must be (dim 0 or 1, parts >= 1), got {blocks!r}")
+        _require(blocks is None or (isinstance(blocks, tuple) and len(blocks) == 2 and blocks[0] in (0, 1)
+                                    and isinstance(blocks[1], int) and blocks[1] >= 1),
+                 f"{where}: tp_blocks[{name!r}] must be (dim 0 or 1, parts >= 1) or None, got {blocks!r}")
     names = group.get("param_names")
     tp = group.get("tp_blocks") or {}
     for i, p in enumerate(group["params"]):
@@ -376,6 +378,9 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
                  f"attention group) do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight "
                  "has num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group.")
         if group.get("tp_mode", "duplicated") != "duplicated" and name in tp:
+            _require(tp[name] is not None, f"{where}: tp_mode {group['tp_mode']!r} takes a matrix split by tensor "
+                     f"parallelism along one dim; {what} is split otherwise (over two tensor-parallel mesh dims, or a "
+                     "3-D stack). Use tp_mode='duplicated' (the whole matrix)")
             dim, parts = tp[name]
             _require(p.size(dim) % parts == 0, f"{where}: tp_mode {group['tp_mode']!r} needs {what}'s dim {dim} "
                      f"({p.size(dim)}) split evenly over its {parts} tensor-parallel ranks; use tp_mode='duplicated'")

@@ -335,15 +335,22 @@ def _dim_indices(param: torch.Tensor) -> list[torch.Tensor | None] | None:
 TP_MESH_DIMS = ("tp",)
 
 
-def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None:
-    """``(dim, parts)`` when the 2-D DTensor ``param`` is split by tensor parallelism (``Shard(dim)`` over one mesh
-    dim named in ``TP_MESH_DIMS``, of ``parts`` > 1 ranks), else None (also for a split over two such dims)."""
-    if not is_dtensor(param) or param.dim() != 2:
+def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None | bool:
+    """``(dim, parts)`` when the DTensor ``param`` is a matrix split by tensor parallelism (``Shard(dim)`` over one
+    mesh dim named in ``TP_MESH_DIMS``, of ``parts`` > 1 ranks); True when it is split by tensor parallelism
+    otherwise (over two such dims, or a 3-D stack), which Muon's ``blockwise`` / ``distributed`` cannot take;
+    None when it is not split by tensor parallelism."""
+    if not is_dtensor(param):
         return None
     names = param.device_mesh.mesh_dim_names or ()
-    splits = [(p.dim, size) for p, size, name in zip(param.placements, param.device_mesh.shape, names, strict=False)
-              if name in TP_MESH_DIMS and isinstance(p, Shard) and not isinstance(p, _StridedShard) and size > 1]
-    return splits[0] if len(splits) == 1 else None
+    splits = [p for p, size, name in zip(param.placements, param.device_mesh.shape, names, strict=False)
+              if name in TP_MESH_DIMS and isinstance(p, (Shard, _StridedShard)) and size > 1]
+    if not splits:
+        return None
+    [first, *rest] = splits
+    if rest or isinstance(first, _StridedShard) or param.dim() != 2:
+        return True
+    return first.dim, param.device_mesh.shape[param.placements.index(first)]
 
 
 def _encode(indices: list[torch.Tensor | None] | None) -> tuple[Any, ...] | None:
@@ -424,7 +431,8 @@ class DTensorOwners(_DTensorPlacement):
 
     def group_settings(self, pieces: Sequence[Piece]) -> dict[str, Any]:
         """Muon's ``tp_blocks``: how each tensor-parallel matrix of the group is split (for its ``tp_mode``)."""
-        blocks = {p.name: split for p in pieces if (split := tp_blocks(p.param)) is not None}
+        blocks = {p.name: None if split is True else split for p in pieces
+                  if (split := tp_blocks(p.param)) is not None}  # None: split in a way only `duplicated` takes
         return {"tp_blocks": blocks} if blocks else {}
 
     def _gather(self, locals_: Sequence[torch.Tensor | None], into: dict[int, torch.Tensor]) -> None:
