@@ -169,7 +169,8 @@ class DTensorLocal(_DTensorPlacement):
 
     def __init__(self, *, comm: Comm | NullComm, device: torch.device | None = None) -> None:
         super().__init__(comm=comm, device=device)
-        #: the parameters whose shards are blocks (``_is_block``), in one order on every rank
+        #: the parameters whose shards are blocks (``_is_block``), in one order on every rank (all of them: the
+        #: exchange of ``local_shards`` is over ``comm``)
         self.blocks: list[tuple[str, torch.Tensor]] = []
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
@@ -185,8 +186,9 @@ class DTensorLocal(_DTensorPlacement):
             for name, param in zip(gn, gp, strict=True):
                 value = _local(param)
                 span = flat_range(param)
-                if not value.numel() and span is not None:
-                    continue  # a rank with an empty shard (fewer rows than ranks) steps nothing of it
+                if (not value.numel() and span is not None) or (is_dtensor(param)
+                                                               and param.device_mesh.get_coordinate() is None):
+                    continue  # a rank with an empty shard (fewer rows than ranks), or none, steps nothing of it
                 # a block's piece stands for its elements in the local shard's order (kept even when empty:
                 # every rank of its mesh takes part in flat_shards / local_shards)
                 start, end = span or (0, value.numel())
