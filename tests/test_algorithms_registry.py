@@ -130,7 +130,8 @@ def test_builtin_kwargs_come_from_their_config_section() -> None:
     cfg = OptimizerConfig(
         lr=0.5, weight_decay=0.25, adam=AdamConfig(beta1=0.8, beta2=0.9, eps=1e-6, exp_avg_dtype="bf16"),
         sgd=SGDConfig(momentum=0.7, nesterov=True), lion=LionConfig(beta1=0.5, beta2=0.6),
-        muon=MuonConfig(momentum=0.9, ns_steps=3, coefficients="simple", scale_mode="unit_rms_norm"),
+        muon=MuonConfig(momentum=0.9, ns_steps=3, coefficients="simple", scale_mode="unit_rms_norm",
+                        tp_mode="blockwise"),
     )
     base = {"lr": 0.5, "weight_decay": 0.25}
     adam = {"betas": (0.8, 0.9), "eps": 1e-6, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.float32}
@@ -140,7 +141,8 @@ def test_builtin_kwargs_come_from_their_config_section() -> None:
     assert get_algorithm("lion").kwargs(cfg) == base | {"betas": (0.5, 0.6)}
     assert get_algorithm("muon").kwargs(cfg) == base | {
         "momentum": 0.9, "nesterov": False, "ns_steps": 3, "ns_coefficients": "simple",
-        "scale_mode": "unit_rms_norm", "extra_scale_factor": 1.0, "matmul_precision": "medium"}
+        "scale_mode": "unit_rms_norm", "extra_scale_factor": 1.0, "matmul_precision": "medium",
+        "tp_mode": "blockwise"}
     assert get_algorithm("torch.optim.RMSprop").kwargs(cfg) == base  # a plug-in gets only lr / weight_decay
     for name in ("adamw", "sgd", "lion", "muon", "torch.optim.RMSprop"):  # every set builds its optimizer
         get_algorithm(name).cls([torch.zeros(2, 2, requires_grad=True)], **get_algorithm(name).kwargs(cfg))

@@ -21,7 +21,7 @@ MEGATRON_DEFAULTS = {
     "decoupled_weight_decay": True, "sgd_momentum": 0.9, "lion_beta1": 0.95, "lion_beta2": 0.98,
     "muon_momentum": 0.95, "muon_split_qkv": True, "muon_nesterov": False, "muon_scale_mode": "spectral",
     "muon_fp32_matmul_prec": "medium", "muon_coefficient_type": "quintic", "muon_num_ns_steps": 5,
-    "muon_tp_mode": "blockwise", "muon_extra_scale_factor": 1.0, "muon_scalar_optimizer": "adam",
+    "muon_tp_mode": "duplicated", "muon_extra_scale_factor": 1.0, "muon_scalar_optimizer": "adam",
     "use_distributed_optimizer": False, "overlap_param_gather": False,
     "overlap_param_gather_with_optimizer_step": False, "use_layer_wise_distributed_optimizer": False,
     "optimizer_cpu_offload": False, "optimizer_offload_fraction": 0.0, "clip_grad": 1.0,
@@ -192,11 +192,16 @@ def test_core_validation_speaks_megatron_names(changes: dict, match: str) -> Non
 
 def test_ignored_fields_are_accepted() -> None:
     cfg = OptimizerConfig(lr=1e-3, store_param_remainders=False, pin_cpu_grads=False, timers=print,
-                          barrier_with_L1_time=True, config_logger_dir="/tmp/x", muon_tp_mode="distributed",
+                          barrier_with_L1_time=True, config_logger_dir="/tmp/x",
                           soap_shampoo_beta=0.5, adaptive_muon_eps=1e-6)
     assert to_core(cfg) == to_core(OptimizerConfig(lr=1e-3))
     with pytest.raises(ValueError, match="optstack.megatron.OptimizerConfig"):
         to_core(core.OptimizerConfig())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed"])
+def test_muon_tp_mode_maps_to_muon_tp_mode(mode: str) -> None:
+    assert to_core(OptimizerConfig(optimizer="muon", lr=0.02, muon_tp_mode=mode)).muon.tp_mode == mode
 
 
 @pytest.mark.parametrize("field", ["muon_nesterov", "muon_use_nesterov"])

@@ -377,3 +377,56 @@ def test_rejected_group_is_not_added() -> None:
     with pytest.raises(ValueError):
         opt.add_param_group(dict(params=_params([(4, 4)], 1), momentum=2.0))
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tp_modes_blockwise_per_block_and_distributed_equal_to_the_whole(dim: int) -> None:
+    # tp_blocks {name: (dim, parts)}: blockwise orthogonalises each block (and scales it by its own shape);
+    # distributed runs Newton-Schulz over the blocks with summed Grams: the whole matrix's result to round-off
+    shape = (12, 8)
+    grad = torch.randn(shape, generator=_gen(3))
+    out = {}
+    for mode in ("duplicated", "blockwise", "distributed"):
+        (w,) = _params([shape], 4)
+        start = w.detach().clone()
+        opt = Muon([dict(params=[w], param_names=["w"], tp_mode=mode, tp_blocks={"w": (dim, 2)})], lr=0.1,
+                   momentum=0.0, matmul_precision="highest")
+        w.grad = grad.clone()
+        opt.step()
+        out[mode] = (start - w.detach()) / 0.1
+    blocks = grad.chunk(2, dim)
+    by_hand = torch.cat([newton_schulz(b) * math.sqrt(max(b.shape)) for b in blocks], dim)
+    torch.testing.assert_close(out["blockwise"], by_hand, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["duplicated"], newton_schulz(grad) * math.sqrt(max(shape)), atol=1e-5, rtol=0)
+    gap = (out["distributed"] - out["duplicated"]).abs().max().item()
+    assert 0 < gap <= 1e-5  # the same matrix by other arithmetic (a block-wise Gram), not the duplicated path
+    assert (out["blockwise"] - out["duplicated"]).abs().max().item() > 1e-2
+
+
+def test_tp_mode_blockwise_splits_qkv_within_each_block_and_refuses_uneven_blocks() -> None:
+    groups, (q, k, v), cols = 4, (4, 2, 2), 8
+    rows = groups * (q + k + v)
+    grad = torch.randn(rows, cols, generator=_gen(5))
+    (w,) = _params([(rows, cols)], 6)
+    start = w.detach().clone()
+    opt = Muon([dict(params=[w], param_names=["qkv"], tp_mode="blockwise", tp_blocks={"qkv": (0, 2)},
+                     qkv_split_shapes=(q, k, v))], lr=0.1, momentum=0.0, matmul_precision="highest")
+    w.grad = grad.clone()
+    opt.step()
+    # each tensor-parallel block holds 2 whole attention groups: its own q, k, v split (Megatron's local split)
+    expected = torch.empty_like(grad)
+    for half in range(2):
+        part = slice(half * rows // 2, (half + 1) * rows // 2)
+        local = Muon([dict(params=[p := torch.nn.Parameter(torch.zeros(rows // 2, cols))], qkv_split_shapes=(q, k, v))],
+                     lr=1.0, momentum=0.0, matmul_precision="highest")
+        p.grad = grad[part].clone()
+        local.step()
+        expected[part] = -p.detach()
+    torch.testing.assert_close((start - w.detach()) / 0.1, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"tp_mode 'blockwise' needs param 'odd' .* split evenly"):
+        Muon([dict(params=[torch.nn.Parameter(torch.zeros(5, 4))], param_names=["odd"], tp_mode="blockwise",
+                   tp_blocks={"odd": (0, 2)})])
+    with pytest.raises(ValueError, match=r"'distributed' takes a matrix split .* 'both' .*tp_mode='duplicated'"):
+        Muon([dict(params=[torch.nn.Parameter(torch.zeros(4, 4))], param_names=["both"], tp_mode="distributed",
+                   tp_blocks={"both": None})])
+    Muon([dict(params=[torch.nn.Parameter(torch.zeros(4, 4))], param_names=["both"], tp_blocks={"both": None})])

@@ -229,13 +229,18 @@ class MuonConfig:
     split_qkv: bool = True
     matmul_precision: Literal["highest", "high", "medium"] = "medium"
     scalar_algorithm: str = "adamw"
+    #: Megatron's ``muon_tp_mode``, for matrices split by tensor parallelism (DTensor ``Shard`` over a mesh dim
+    #: named "tp"): ``duplicated`` orthogonalises the whole matrix, ``blockwise`` each tensor-parallel block as
+    #: a matrix of its own (the update depends on the TP size), ``distributed`` the whole matrix by
+    #: Newton-Schulz over its blocks with their Gram products summed (equal to ``duplicated`` to round-off)
+    tp_mode: Literal["duplicated", "blockwise", "distributed"] = "duplicated"
 
     def __post_init__(self) -> None:
         _validate("muon.", self, momentum=_BETA, nesterov=_flag, ns_steps=_int(1),
                   coefficients=_one_of("quintic", "simple", "polar_express"),
                   scale_mode=_one_of("spectral", "unit_rms_norm", "shape_scaling"), extra_scale_factor=_POSITIVE,
                   matmul_precision=_one_of("highest", "high", "medium"), split_qkv=_flag,
-                  scalar_algorithm=_registry_name)
+                  scalar_algorithm=_registry_name, tp_mode=_one_of("duplicated", "blockwise", "distributed"))
         if self.scalar_algorithm == "muon":
             raise ValueError("muon.scalar_algorithm must not be 'muon' (it takes what Muon cannot)")
 

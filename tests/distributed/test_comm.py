@@ -264,3 +264,40 @@ def test_null_comm_collectives_are_identity():
     assert b.op == "broadcast" and b.is_completed() and torch.equal(t, torch.arange(4.0))
     with pytest.raises(ValueError, match="equal size"):
         c.reduce_scatter(torch.empty(3), t)
+
+
+def _gather_scatter() -> dict:
+    """A gather to rank 1 of uneven parts (rank 2 sends nothing, as a replica would) and two in flight at once
+    (tags), then a scatter from rank 1 of uneven parts (rank 0 gets nothing)."""
+    comm = world_comm()
+    rank = comm.rank
+    mine = torch.arange(rank + 2, dtype=torch.float32) + 10 * rank
+    parts = [torch.empty(2), torch.empty(3), None] if rank == 1 else []
+    again = [torch.empty(2), torch.empty(3), torch.empty(4)] if rank == 1 else []
+    first = comm.gather_async(mine if rank != 2 else None, 1, parts, tag=0)
+    second = comm.gather_async(mine * 2, 1, again, tag=1)
+    second.wait()
+    first.wait()
+    out = {"gathered": [None if p is None else p.tolist() for p in parts], "again": [p.tolist() for p in again]}
+    got = torch.full((rank + 1,), -1.0) if rank != 0 else None
+    send = [None, torch.tensor([5.0, 6.0]), torch.tensor([7.0, 8.0, 9.0])] if rank == 1 else []
+    comm.scatter(got, 1, send)
+    out["scattered"] = None if got is None else got.tolist()
+    return out
+
+
+def test_gather_to_one_rank_and_scatter_with_uneven_and_absent_parts(world3):
+    r0, r1, r2 = world3.run(_gather_scatter)
+    assert r1["gathered"] == [[0.0, 1.0], [10.0, 11.0, 12.0], None]
+    assert r1["again"] == [[0.0, 2.0], [20.0, 22.0, 24.0], [40.0, 42.0, 44.0, 46.0]]
+    assert r0["scattered"] is None and r1["scattered"] == [5.0, 6.0] and r2["scattered"] == [7.0, 8.0, 9.0]
+
+
+def test_null_comm_gather_and_scatter_copy():
+    c = NullComm()
+    part, out = torch.empty(3), torch.empty(3)
+    c.gather(torch.arange(3.0), 0, [part])
+    c.scatter(out, 0, [torch.arange(3.0) * 2])
+    assert part.tolist() == [0.0, 1.0, 2.0] and out.tolist() == [0.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="dst=0 and one part"):
+        c.gather(part, 1, [part])

@@ -20,6 +20,13 @@ Scale modes (``rows, cols`` the matrix's shape): ``spectral`` ``sqrt(max(rows, c
 QKV split (``qkv_split_shapes=(q, k, v)``, as Megatron's ``TensorParallelMuon``): a fused attention weight of
 ``num_groups`` blocks of ``q + k + v`` rows has its q, k and v rows orthogonalised as three matrices
 ``(num_groups * q, in)`` etc., each scaled by its own shape (in a 3-D stack, each matrix of the stack is split).
+Tensor-parallel matrices (``tp_mode``, Megatron's ``muon_tp_mode``; ``tp_blocks`` names each parameter split by
+tensor parallelism and how: ``{name: (dim, parts)}``, set by the placement that holds the whole matrix):
+``duplicated`` orthogonalises the whole matrix; ``blockwise`` each of the ``parts`` equal blocks along ``dim`` as a
+matrix of its own, scaled by its own shape (then its q, k, v rows when split); ``distributed`` the whole matrix by
+Newton-Schulz over the blocks, their Gram products summed (Megatron's tensor-parallel all-reduce, here over the
+blocks the owner holds; equal to ``duplicated`` to fp32 round-off).
+
 The step batches same-shaped matrices into one Newton-Schulz (fewer, larger matmuls), equal to the reference to
 fp32 round-off. Its matmuls run in bf16 where the hardware multiplies bf16 natively (``matmul_precision="medium"``,
 the default; see ``newton_schulz.ns_matmul_dtype``), else in fp32.
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -46,9 +53,12 @@ from optstack.algorithms.newton_schulz import (
     ns_matmul_dtype,
 )
 
-__all__ = ["Muon", "ScaleMode", "kwargs_from_config", "muon_reference", "muon_scale_factor", "SCALE_MODES"]
+__all__ = ["Muon", "ScaleMode", "TP_MODES", "TpMode", "kwargs_from_config", "muon_reference", "muon_scale_factor",
+           "newton_schulz_blocks", "SCALE_MODES"]
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
+TpMode = Literal["duplicated", "blockwise", "distributed"]
+TP_MODES: tuple[str, ...] = ("duplicated", "blockwise", "distributed")
 _SCALES: dict[str, Callable[[int, int], float]] = {
     "spectral": lambda rows, cols: math.sqrt(max(rows, cols)),
     "unit_rms_norm": lambda rows, cols: math.sqrt(rows / cols),
@@ -121,7 +131,26 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
     m = config.muon
     return {"momentum": m.momentum, "nesterov": m.nesterov, "ns_steps": m.ns_steps,
             "ns_coefficients": m.coefficients, "scale_mode": m.scale_mode,
-            "extra_scale_factor": m.extra_scale_factor, "matmul_precision": m.matmul_precision}
+            "extra_scale_factor": m.extra_scale_factor, "matmul_precision": m.matmul_precision, "tp_mode": m.tp_mode}
+
+
+def newton_schulz_blocks(blocks: Sequence[Tensor], dim: int, *, steps: int, coefficients: Coefficients,
+                         eps: float = _NS_EPS, matmul_dtype: torch.dtype | None = None) -> list[Tensor]:
+    """``newton_schulz`` of the matrix the ``(m, n)`` ``blocks`` make when joined along ``dim``, block by block:
+    the norm and the Gram products are sums over the blocks (``A = sum X_i X_i^T`` for column blocks, the right
+    Gram ``G = sum X_i^T X_i`` with ``X <- a X + X (b G + c G^2)`` for row blocks), as tensor-parallel ranks
+    compute it with one all-reduce each; here the blocks are on one rank. Equal to ``newton_schulz`` of the
+    joined matrix to round-off. Returns the blocks of the result, in ``blocks``' dtype."""
+    schedule = coefficient_schedule(coefficients, steps)
+    work = torch.float32 if matmul_dtype is None else matmul_dtype
+    xs = [b.to(torch.float32) for b in blocks]
+    norm = torch.stack([torch.linalg.vector_norm(x) ** 2 for x in xs]).sum().sqrt().clamp_min(eps)
+    xs = [(x / norm).to(work) for x in xs]
+    for a, b, c in schedule:
+        gram = sum(x @ x.mT for x in xs) if dim == 1 else sum(x.mT @ x for x in xs)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        xs = [torch.addmm(x, poly, x, beta=a) if dim == 1 else torch.addmm(x, x, poly, beta=a) for x in xs]
+    return [x.to(blk.dtype) for x, blk in zip(xs, blocks, strict=True)]
 
 
 class Muon(torch.optim.Optimizer):
@@ -144,6 +173,11 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations (>= 1).
         scale_mode: ``"spectral"``, ``"unit_rms_norm"`` or ``"shape_scaling"`` (see the module docstring).
         extra_scale_factor: multiplies the scale (0.2 with ``"spectral"`` matches AdamW's update RMS).
+        tp_mode: ``"duplicated"``, ``"blockwise"`` or ``"distributed"``: how a matrix in ``tp_blocks`` is
+            orthogonalised (see the module docstring).
+        tp_blocks: ``{param name: (dim, parts)}``: the parameters (by ``param_names``) split by tensor
+            parallelism into ``parts`` equal blocks along ``dim`` (0 or 1), None for one split otherwise (only
+            ``duplicated`` takes it); set by the DTensor owner placement.
         matmul_precision: the lowest precision Newton-Schulz's matmuls may use: ``"highest"`` (fp32), ``"high"``
             (TF32 on a CUDA GPU, else fp32) or ``"medium"`` (bf16 where the device has native bf16 matmul, else
             fp32; ``newton_schulz.ns_matmul_dtype``).
@@ -154,11 +188,13 @@ class Muon(torch.optim.Optimizer):
                  nesterov: bool = False, weight_decay: float = 0.0, *, ns_coefficients: Coefficients = "quintic",
                  ns_steps: int = 5, scale_mode: ScaleMode = "spectral", extra_scale_factor: float = 1.0,
                  matmul_precision: MatmulPrecision = "medium",
-                 qkv_split_shapes: tuple[int, int, int] | None = None) -> None:
+                 qkv_split_shapes: tuple[int, int, int] | None = None, tp_mode: TpMode = "duplicated",
+                 tp_blocks: Mapping[str, tuple[int, int]] | None = None) -> None:
         super().__init__(params, dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_coefficients=ns_coefficients,
             ns_steps=ns_steps, scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
-            matmul_precision=matmul_precision, qkv_split_shapes=qkv_split_shapes))
+            matmul_precision=matmul_precision, qkv_split_shapes=qkv_split_shapes, tp_mode=tp_mode,
+            tp_blocks=tp_blocks))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (defaults fill missing keys) after checking its settings and parameters.
@@ -186,7 +222,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+        names = group.get("param_names") or [None] * len(group["params"])
+        named = [(p, n) for p, n in zip(group["params"], names, strict=True) if p.grad is not None]
+        params = [p for p, _ in named]
         if not params:
             return
         for p in params:
@@ -203,16 +241,55 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_add_(updates, buffers, alpha=beta)
         else:
             updates = buffers
-        steps = _orthogonalise(updates, group)
+        steps = _orthogonalise(updates, group, [n for _, n in named])
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])  # a scheduler may write tensors
         if weight_decay != 0:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_add_(params, steps, alpha=-lr)
 
 
-def _orthogonalise(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+def _orthogonalise(updates: list[Tensor], group: dict[str, Any], names: Sequence[str | None] = ()) -> list[Tensor]:
+    """Scaled Newton-Schulz of every matrix of every update (per tensor-parallel block when ``blockwise``, per
+    q/k/v block when split), the same-shaped matrices of the group (2-D updates and the matrices of 3-D ones
+    alike) batched into stacks; a ``distributed`` tensor-parallel matrix by ``newton_schulz_blocks``."""
+    mode, split = group.get("tp_mode", "duplicated"), group.get("tp_blocks") or {}
+    tp = [split.get(n) if mode != "duplicated" and n is not None else None for n in (names or [None] * len(updates))]
+    if not any(tp):
+        return _orthogonalise_matrices(updates, group)
+    out: list[Tensor] = []
+    for update, blocks in zip(updates, tp, strict=True):
+        if blocks is None:
+            out += _orthogonalise_matrices([update], group)
+        elif mode == "blockwise":
+            dim, parts = blocks
+            out.append(torch.cat(_orthogonalise_matrices([b.contiguous() for b in update.chunk(parts, dim)], group),
+                                 dim))
+        else:
+            out.append(_distributed(update, blocks, group))
+    return out
+
+
+def _distributed(update: Tensor, blocks: tuple[int, int], group: dict[str, Any]) -> Tensor:
+    """``tp_mode="distributed"``: each matrix (q, k, v when split) by Newton-Schulz over its tensor-parallel
+    blocks, scaled by the matrix's shape."""
+    dim, parts = blocks
+    shapes = group["qkv_split_shapes"]
+    matrices = [update] if shapes is None else _qkv_blocks(update, shapes)
+    precision, device = group["matmul_precision"], update.device
+    results = []
+    for m in matrices:
+        with matmul_precision(precision, device):
+            joined = newton_schulz_blocks(m.chunk(parts, dim), dim, steps=group["ns_steps"],
+                                          coefficients=group["ns_coefficients"],
+                                          matmul_dtype=ns_matmul_dtype(precision, device))
+        scale = group["extra_scale_factor"] * muon_scale_factor(m.size(0), m.size(1), group["scale_mode"])
+        results.append(torch.cat(joined, dim).mul_(scale))
+    return results[0] if shapes is None else _merge_qkv(results, shapes, update.shape)
+
+
+def _orthogonalise_matrices(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
     """Scaled Newton-Schulz of every matrix of every update (per q/k/v block when split), the same-shaped
-    matrices of the group (2-D updates and the matrices of 3-D ones alike) batched into stacks."""
+    matrices batched into stacks."""
     shapes = group["qkv_split_shapes"]
     matrices = [m for u in updates for m in ([u] if shapes is None else _qkv_blocks(u, shapes))]
     by_kind: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
@@ -282,7 +359,14 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
     _require(shapes is None or (not isinstance(shapes, str) and isinstance(shapes, Sequence) and len(shapes) == 3
                                 and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes)),
              f"{where}: qkv_split_shapes must be None or three positive ints (q, k, v), got {shapes!r}")
+    _require(group.get("tp_mode", "duplicated") in TP_MODES,
+             f"{where}: tp_mode must be one of {list(TP_MODES)}, got {group.get('tp_mode')!r}")
+    for name, blocks in (group.get("tp_blocks") or {}).items():
+        _require(blocks is None or (isinstance(blocks, tuple) and len(blocks) == 2 and blocks[0] in (0, 1)
+                                    and isinstance(blocks[1], int) and blocks[1] >= 1),
+                 f"{where}: tp_blocks[{name!r}] must be (dim 0 or 1, parts >= 1) or None, got {blocks!r}")
     names = group.get("param_names")
+    tp = group.get("tp_blocks") or {}
     for i, p in enumerate(group["params"]):
         name = names[i] if names is not None and i < len(names) else None
         what = f"param {i}" if name is None else f"param {name!r} (index {i})"
@@ -293,6 +377,17 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
                  f"{where}: qkv_split_shapes {tuple(shapes or ())} (q + k + v = {sum(shapes or ())} rows per "
                  f"attention group) do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight "
                  "has num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group.")
+        if group.get("tp_mode", "duplicated") != "duplicated" and name in tp:
+            _require(tp[name] is not None, f"{where}: tp_mode {group['tp_mode']!r} takes a matrix split by tensor "
+                     f"parallelism along one dim; {what} is split otherwise (over two tensor-parallel mesh dims, or a "
+                     "3-D stack). Use tp_mode='duplicated' (the whole matrix)")
+            dim, parts = tp[name]
+            _require(p.size(dim) % parts == 0, f"{where}: tp_mode {group['tp_mode']!r} needs {what}'s dim {dim} "
+                     f"({p.size(dim)}) split evenly over its {parts} tensor-parallel ranks; use tp_mode='duplicated'")
+            rows = p.size(0) // (parts if dim == 0 and group["tp_mode"] == "blockwise" else 1)
+            _require(shapes is None or rows % sum(shapes) == 0,
+                     f"{where}: each tensor-parallel block of {what} has {rows} rows, not a multiple of q + k + v = "
+                     f"{sum(shapes or ())} (qkv_split_shapes {tuple(shapes or ())})")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -7,10 +7,12 @@
 It goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (state keyed by parameter
 name; a fresh optimizer's state is made first, so ``dcp.load`` has a tensor to read each entry into), and adds
 what they leave out: the loss scaler and, if given, the scheduler. Replicated, ZeRO-1 and layer-wise state
-loads at another data-parallel size (ZeRO-1 and layer-wise state are ``ShardedTensor``s: ``stage/sharded.py``);
-between placements, use ``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. With torch 2.13, load
-ZeRO-1 and layer-wise state with ``DefaultLoadPlanner(flatten_sharded_tensors=False)``: the default planner's
-flattening (meant for FSDP's nested ShardedTensors) fails on ranks that hold no part of some parameter.
+loads at another data-parallel size (ZeRO-1 and layer-wise state are ``ShardedTensor``s: ``stage/sharded.py``).
+State held whole (one process, layer-wise, Muon's owner ranks on DTensor models) keeps the parameter's shape,
+as FSDP2's DTensor state does, so it moves between those; ZeRO-1's is flat: between other placements, use
+``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. With torch 2.13, load ZeRO-1 and layer-wise
+state with ``DefaultLoadPlanner(flatten_sharded_tensors=False)``: the default planner's flattening (meant for
+FSDP's nested ShardedTensors) fails on ranks that hold no part of some parameter.
 
 DCP's own ``FileSystemReader`` (``checkpoint_id=d``) unpickles ``.metadata`` with ``pickle.load`` and bytes
 items with ``torch.load(weights_only=False)``: loading a checkpoint from anyone else can run their code.

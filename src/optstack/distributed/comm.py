@@ -114,6 +114,16 @@ class _Blocking:
         self.broadcast_async(tensor, src).wait()  # type: ignore[attr-defined]
         return tensor
 
+    def gather(self, tensor: torch.Tensor | None, dst: int, parts: Sequence[torch.Tensor | None] = (),
+               tag: int = 0) -> None:
+        """Gather into ``parts`` on group rank ``dst`` (see ``gather_async``), waited for."""
+        self.gather_async(tensor, dst, parts, tag).wait()  # type: ignore[attr-defined]
+
+    def scatter(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
+                tag: int = 0) -> None:
+        """Scatter ``parts`` from group rank ``src`` into each rank's ``out`` (see ``scatter_async``), waited for."""
+        self.scatter_async(out, src, parts, tag).wait()  # type: ignore[attr-defined]
+
 
 class Comm(_Blocking):
     """Collectives over one process group.
@@ -200,6 +210,62 @@ class Comm(_Blocking):
                              f"got {src}")
         return Handle("broadcast", self, [self._start("broadcast", dist.broadcast, tensor, src=self.global_ranks[src])])
 
+    def _p2p(self, op: str, fn: Any, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        try:
+            return fn(tensor.contiguous() if fn is dist.isend else tensor, self.global_ranks[peer], group=self.group,
+                      tag=tag)
+        except Exception as exc:
+            raise CommError(f"{op} between group ranks {self.rank} and {peer} of the {self.name!r} group "
+                            f"failed: {exc}") from exc
+
+    def gather_async(self, tensor: torch.Tensor | None, dst: int, parts: Sequence[torch.Tensor | None] = (),
+                     tag: int = 0) -> Handle:
+        """Start a gather to group rank ``dst``: each rank's ``tensor`` (None: it sends nothing) into ``parts[r]``
+        on ``dst`` (``size`` receive buffers of the senders' sizes, None where a rank sends nothing; ``dst``'s
+        own is copied). Unlike torch's gather, sizes may differ and ranks may stay out (replicas of a shard):
+        point-to-point underneath, ``tag`` telling apart gathers in flight between the same ranks. Every rank
+        must agree on who sends what; the parts are filled once the handle's ``wait()`` returns."""
+        self._check_rank("gather", dst)
+        works = []
+        if self.rank == dst:
+            if len(parts) != self.size:
+                raise ValueError(f"gather on {self.name!r}: dst needs {self.size} parts (None where a rank sends "
+                                 f"nothing), got {len(parts)}")
+            for peer, part in enumerate(parts):
+                if part is not None and peer != dst:
+                    works.append(self._p2p("gather", dist.irecv, part, peer, tag))
+            own = parts[dst]
+            if own is not None and tensor is not None and own.data_ptr() != tensor.data_ptr():
+                own.copy_(tensor.view_as(own))
+        elif tensor is not None:
+            works.append(self._p2p("gather", dist.isend, tensor, dst, tag))
+        return Handle("gather", self, works)
+
+    def scatter_async(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
+                      tag: int = 0) -> Handle:
+        """Start a scatter from group rank ``src``: ``parts[r]`` (given on ``src``; None: rank ``r`` gets nothing)
+        into rank ``r``'s ``out`` (None where it gets nothing). Sizes may differ; point-to-point underneath, as
+        ``gather_async``. ``out`` is filled once the handle's ``wait()`` returns."""
+        self._check_rank("scatter", src)
+        works = []
+        if self.rank == src:
+            if len(parts) != self.size:
+                raise ValueError(f"scatter on {self.name!r}: src needs {self.size} parts (None where a rank gets "
+                                 f"nothing), got {len(parts)}")
+            for peer, part in enumerate(parts):
+                if part is not None and peer != src:
+                    works.append(self._p2p("scatter", dist.isend, part, peer, tag))
+            own = parts[src]
+            if own is not None and out is not None and own.data_ptr() != out.data_ptr():
+                out.copy_(own.view_as(out))
+        elif out is not None:
+            works.append(self._p2p("scatter", dist.irecv, out, src, tag))
+        return Handle("scatter", self, works)
+
+    def _check_rank(self, op: str, rank: int) -> None:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"{op} on {self.name!r}: the root must be a group rank in [0, {self.size}), got {rank}")
+
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` in group-rank order; shapes may differ, dtypes may not. gloo has no uneven
         all-gather: shapes go first, then data padded to the largest; the results are views of one buffer."""
@@ -279,6 +345,22 @@ class NullComm(_Blocking):
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         return Handle("broadcast", self)
+
+    def gather_async(self, tensor: torch.Tensor | None, dst: int, parts: Sequence[torch.Tensor | None] = (),
+                     tag: int = 0) -> Handle:
+        if dst != 0 or len(parts) != 1:
+            raise ValueError(f"gather on one rank needs dst=0 and one part, got dst={dst} and {len(parts)} parts")
+        if parts[0] is not None and tensor is not None and parts[0].data_ptr() != tensor.data_ptr():
+            parts[0].copy_(tensor.view_as(parts[0]))
+        return Handle("gather", self)
+
+    def scatter_async(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
+                      tag: int = 0) -> Handle:
+        if src != 0 or len(parts) != 1:
+            raise ValueError(f"scatter on one rank needs src=0 and one part, got src={src} and {len(parts)} parts")
+        if parts[0] is not None and out is not None and parts[0].data_ptr() != out.data_ptr():
+            out.copy_(parts[0].view_as(out))
+        return Handle("scatter", self)
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]

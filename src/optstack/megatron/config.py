@@ -9,8 +9,7 @@ mutates configs after construction); it is never silently ignored.
 Fields that are accepted but change nothing, because they only tune Megatron's implementation or its
 logging: ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
 ``pin_cpu_params``, ``barrier_with_L1_time``, ``timers``, ``config_logger_dir``; the ``soap_*`` and
-``adaptive_muon_*`` fields (their optimizers are rejected); ``muon_tp_mode`` (optstack has no tensor
-parallelism, where the three modes coincide); ``optimizer_offload_fraction`` while
+``adaptive_muon_*`` fields (their optimizers are rejected); ``optimizer_offload_fraction`` while
 ``optimizer_cpu_offload`` is False (as in Megatron).
 
 ``muon_use_nesterov`` (megatron-core 0.16's name) and ``muon_nesterov`` (later releases) are both accepted;
@@ -141,7 +140,7 @@ class OptimizerConfig:
     muon_fp32_matmul_prec: str = "medium"
     muon_coefficient_type: str = "quintic"
     muon_num_ns_steps: int = 5
-    muon_tp_mode: str = "blockwise"
+    muon_tp_mode: str = "duplicated"  # Megatron main's default (was "blockwise")
     muon_extra_scale_factor: float = 1.0
     soap_shampoo_beta: float = 0.95
     soap_precondition_frequency: int = 1
@@ -419,6 +418,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
                 extra_scale_factor=config.muon_extra_scale_factor,
                 split_qkv=config.muon_split_qkv,
                 matmul_precision=config.muon_fp32_matmul_prec,
+                tp_mode=config.muon_tp_mode,  # for tensor-parallel DTensor matrices (muon.tp_mode)
                 scalar_algorithm=core_algorithm(config.muon_scalar_optimizer, config.decoupled_weight_decay),
             ),
             distributed=core.DistributedConfig(

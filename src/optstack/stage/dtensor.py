@@ -5,8 +5,9 @@ tensor parallelism's ``parallelize_module``, both on a 2-D ``DeviceMesh``, or HS
   ``grad.to_local()``) with the same fused kernels as any placement; the model's sharding is left as it is,
   so there is nothing to publish. For element-wise algorithms (AdamW, SGD, Lion, ...).
 - ``DTensorOwners``: whole matrices, for Muon: each parameter has one owner rank (cost-balanced over the
-  ranks); its value and gradient are assembled (``full_tensor``), the owner steps the whole matrix (its state
-  and fp32 master are whole, on the owner only), then broadcasts the result and every rank keeps its shard.
+  ranks); its gradient (and value, where stepped without a master) is gathered to the owner only, one copy of
+  each distinct shard (``Comm.gather_async``), the owner steps the whole matrix (its state and fp32 master are
+  whole, on the owner only), then scatters each rank its shard of the result (``Comm.scatter_async``).
 
 The global grad norm counts every element once across shards and replicas: when the stage is built every
 rank tells the others which shard of which parameter it holds (a parameter's name and its mesh coordinates
@@ -15,6 +16,11 @@ it; each step is then one sum (max for the inf-norm) over ``comm``. Non-DTensor 
 model are taken as replicated on every rank of ``comm`` (their gradients must already agree, as for torch's
 own optimizers): stepped whole everywhere and counted once.
 
+State: ``DTensorLocal``'s element-wise state is the parameters' DTensors for DCP; in the name-keyed format a
+shard that is a block (tensor-parallel ``Shard(1)``, FSDP2's strided shards over a tensor-parallel split) is
+converted to an even flat range per rank of its mesh (``flat_shards``) and back (``local_shards``), collectively,
+so optstack's checkpoints reshard it like any other. ``DTensorOwners``' state is whole, in the parameter's shape.
+
 A ``Partial`` placement, or any placement other than ``Shard`` / ``Replicate`` (and the strided shards FSDP2
 makes over tensor-parallel dims), is refused at construction, naming the parameter.
 """
@@ -22,7 +28,8 @@ makes over tensor-parallel dims), is refused at construction, naming the paramet
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,12 +38,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from optstack.distributed.comm import Comm, NullComm
-from optstack.protocol import MakeOptimizer, phase
+from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, assign_params, newton_schulz_cost
 from optstack.stage.precision import Direct, Masters, Precision
 from optstack.stage.stage import Stage
 
-__all__ = ["DTensorLocal", "DTensorOwners", "check_dtensor_params", "dtensor_stage", "flat_range", "is_dtensor"]
+__all__ = ["TP_MESH_DIMS", "DTensorLocal", "DTensorOwners", "check_dtensor_params", "dtensor_stage", "flat_range",
+           "is_dtensor", "tp_blocks"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -83,19 +91,43 @@ def _shard_key(name: str, param: torch.Tensor) -> tuple[Any, ...] | None:
     return (name, tuple(-1 if p.is_replicate() else c for c, p in zip(coordinate, param.placements, strict=True)))
 
 
+def _is_block(param: torch.Tensor) -> bool:
+    """Whether the parameter's shards are blocks, not ranges of its flattened elements (a shard of a dim other
+    than 0, or a strided shard, over a mesh dim of more than one rank); the same answer on every rank."""
+    return any((isinstance(p, _StridedShard) or (isinstance(p, Shard) and p.dim > 0)) and size > 1
+               for p, size in zip(param.placements, param.device_mesh.shape, strict=True))
+
+
 def flat_range(param: torch.Tensor) -> tuple[int, int] | None:
     """The range ``[start, end)`` of the flattened global parameter this rank's shard is, or None when the shard
-    is not one contiguous range (a shard of a dim other than 0, or a strided shard)."""
+    is a block (``_is_block``)."""
     if not is_dtensor(param):
         return 0, param.numel()
-    if any(isinstance(p, _StridedShard) for p in param.placements):
+    if _is_block(param):
         return None
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    if tuple(shape[1:]) != tuple(param.shape[1:]):
-        return None
     row = math.prod(shape[1:])
     start = offset[0] * row if shape else 0
     return start, start + math.prod(shape)
+
+
+def _cut(param: torch.Tensor) -> tuple[int, int]:
+    """This rank's even range of the flattened block parameter: its row-major place among the mesh's ranks."""
+    mesh = param.device_mesh
+    index, n, k = 0, param.numel(), mesh.size()
+    for coordinate, size in zip(mesh.get_coordinate(), mesh.shape, strict=True):
+        index = index * size + coordinate
+    return index * n // k, (index + 1) * n // k
+
+
+def _tiles(ranges: Sequence[tuple[int, int]], numel: int) -> bool:
+    """Whether the sorted ``ranges`` (overlaps allowed: replicas) cover ``[0, numel)``."""
+    end = 0
+    for lo, hi in ranges:
+        if lo > end:
+            return False
+        end = max(end, hi)
+    return end >= numel
 
 
 def _counted_once(keys: Sequence[tuple[Any, ...] | None], comm: Comm | NullComm) -> list[bool]:
@@ -137,12 +169,14 @@ class DTensorLocal(_DTensorPlacement):
 
     def __init__(self, *, comm: Comm | NullComm, device: torch.device | None = None) -> None:
         super().__init__(comm=comm, device=device)
-        #: names of parameters whose shard here is not one flat range (the name-keyed state cannot hold them)
-        self.not_flat: dict[str, str] = {}
+        #: the parameters whose shards are blocks (``_is_block``), in one order on every rank (all of them: the
+        #: exchange of ``local_shards`` is over ``comm``)
+        self.blocks: list[tuple[str, torch.Tensor]] = []
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         flat = [(n, p) for gn, gp in zip(names, params, strict=True) for n, p in zip(gn, gp, strict=True)]
         check_dtensor_params(flat)
+        self.blocks += [(n, p) for n, p in flat if is_dtensor(p) and _is_block(p)]
         keys = [_shard_key(n, p) for n, p in flat]
         keys = [k if k is not None and _local(p).numel() else None for k, (_, p) in zip(keys, flat, strict=True)]
         self._counted.update({id(p): c for (_, p), c in zip(flat, _counted_once(keys, self.dp), strict=True)})
@@ -151,11 +185,12 @@ class DTensorLocal(_DTensorPlacement):
             group = []
             for name, param in zip(gn, gp, strict=True):
                 value = _local(param)
-                if not value.numel():
-                    continue  # a rank with an empty shard (fewer rows than ranks) steps nothing of it
                 span = flat_range(param)
-                if span is None:
-                    self.not_flat[name] = str(tuple(param.placements))
+                if (not value.numel() and span is not None) or (is_dtensor(param)
+                                                               and param.device_mesh.get_coordinate() is None):
+                    continue  # a rank with an empty shard (fewer rows than ranks), or none, steps nothing of it
+                # a block's piece stands for its elements in the local shard's order (kept even when empty:
+                # every rank of its mesh takes part in flat_shards / local_shards)
                 start, end = span or (0, value.numel())
                 group.append(Piece(name, param, start, end, value))
             out.append(group)
@@ -175,6 +210,67 @@ class DTensorLocal(_DTensorPlacement):
             out.append(_local(grad) if grad is not None else None)
         return out
 
+
+    def flat_shards(self, shards: dict[str, ParamShard]) -> dict[str, ParamShard]:
+        """Each block's state as a flat range: rank ``i`` of the ``k`` ranks of the parameter's mesh (row-major
+        coordinate) gets elements ``[i n / k, (i+1) n / k)`` of the assembled whole. Collective over each block
+        parameter's mesh (one all-gather per state tensor); the other shards pass as they are."""
+        out = dict(shards)
+        with torch.no_grad():
+            for name, param in self.blocks:
+                shard = shards.get(name)
+                if shard is None:
+                    continue  # this rank is not in the parameter's mesh
+                start, end = _cut(param)
+                shape, mesh = _local(param).shape, param.device_mesh
+                tensors = {}
+                for key, value in shard.tensors.items():  # one key order on every rank: one algorithm's
+                    whole = DTensor.from_local(value.reshape(shape), mesh, param.placements, run_check=False,
+                                               shape=param.shape, stride=param.stride()).full_tensor()
+                    tensors[key] = whole.reshape(-1)[start:end].clone()
+                out[name] = replace(shard, start=start, end=end, tensors=tensors)
+        return out
+
+    def local_shards(self, shards: Mapping[str, ParamShard]) -> Mapping[str, ParamShard]:
+        """Each block's name-keyed state (flat ranges, from any layout) cut to this rank's block: every rank's
+        ranges are gathered over ``comm`` and the whole assembled. Collective over ``comm``.
+
+        Raises:
+            ValueError: on every rank alike, when the ranks' ranges of a block parameter leave a gap.
+        """
+        if not self.blocks:
+            return shards
+        mine = {n: (s.start, s.end, {k: str(t.dtype) for k, t in s.tensors.items()})
+                for n, _ in self.blocks if (s := shards.get(n)) is not None}
+        tables = self.dp.all_gather_object(mine)
+        out = dict(shards)
+        with torch.no_grad():
+            for name, param in self.blocks:
+                held = [(rank, table[name]) for rank, table in enumerate(tables) if name in table]
+                dtypes = {k: d for *_, keys in (h for _, h in held) for k, d in keys.items()}
+                covered = sorted((lo, hi) for _, (lo, hi, _) in held)
+                if held and not _tiles(covered, param.numel()):
+                    raise ValueError(f"the ranks' ranges of {name!r} ({covered}) do not cover its {param.numel()} "
+                                     "elements; load state saved from a whole optimizer (every rank's ranges)")
+                shard = shards.get(name)
+                tensors = {}
+                for key, dtype in dtypes.items():
+                    value = shard.tensors.get(key) if shard is not None else None
+                    dt = getattr(torch, dtype.removeprefix("torch."))
+                    empty = torch.empty(0, dtype=dt, device=_local(param).device)
+                    parts = self.dp.all_gather_uneven(value.reshape(-1).to(dt) if value is not None else empty)
+                    whole = torch.empty(param.numel(), dtype=dt, device=empty.device)
+                    for (rank, (lo, hi, keys)) in held:
+                        if key in keys:
+                            whole[lo:hi] = parts[rank]
+                    if shard is not None:
+                        mesh = param.device_mesh
+                        block = distribute_tensor(whole.view(param.shape), mesh, param.placements, src_data_rank=None)
+                        tensors[key] = block.to_local().reshape(-1).clone()
+                if shard is not None:
+                    numel = _local(param).numel()
+                    out[name] = replace(shard, start=0, end=numel, tensors=tensors)
+        return out
 
     def sharded_state(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece],
                       params: Sequence[torch.Tensor]) -> dict[int, dict[str, Any]]:
@@ -196,10 +292,103 @@ class DTensorLocal(_DTensorPlacement):
         return out
 
 
+class _Route:
+    """Who sends which part of one DTensor parameter to its owner, and who gets which part back: per rank,
+    the per-dim global indices of its local shard (``_dim_indices``). The same on every rank; the index
+    tensors are kept on the owner only."""
+
+    def __init__(self, owner: int, me: int, shards: Sequence[Any]) -> None:
+        holders: dict[Any, list[int]] = {}  # one shard's description -> the ranks holding it (replicas)
+        for rank, shard in enumerate(shards):
+            if shard is not None:
+                holders.setdefault(shard, []).append(rank)
+        senders = {(owner if owner in ranks else ranks[0]): shard for shard, ranks in holders.items()}
+        self.sends_mine = me in senders and me != owner
+        self.gets_mine = shards[me] is not None and me != owner
+        self.sends: list[tuple[int, list[torch.Tensor | None]]] = []
+        self.gets: list[tuple[int, list[torch.Tensor | None]]] = []
+        if me == owner:
+            self.sends = [(rank, _decode(shard)) for rank, shard in sorted(senders.items())]
+            self.gets = [(rank, _decode(shard)) for rank, shard in enumerate(shards) if shard is not None]
+
+
+def _dim_indices(param: torch.Tensor) -> list[torch.Tensor | None] | None:
+    """Per dim, the global indices of this rank's local shard along it in local order (None: the whole dim),
+    or None when this rank holds none of it. Found by placing ``arange`` of each sharded dim as the parameter
+    is placed over that dim (no exchange): a shard is the product of its dims' indices, strided shards too."""
+    mesh = param.device_mesh
+    local = _local(param)
+    if mesh.get_coordinate() is None or not local.numel():
+        return None
+    out: list[torch.Tensor | None] = []
+    for dim in range(param.dim()):
+        placements = [(_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0))
+                      if isinstance(p, (Shard, _StridedShard)) and p.dim == dim else Replicate()
+                      for p in param.placements]
+        if all(p.is_replicate() for p in placements):
+            out.append(None)
+            continue
+        index = torch.arange(param.shape[dim], device=local.device)
+        out.append(distribute_tensor(index, mesh, placements, src_data_rank=None).to_local().cpu())
+    return out
+
+
+#: mesh dims with these names are tensor-parallel: a matrix split over them is what Muon's ``tp_mode`` is about
+TP_MESH_DIMS = ("tp",)
+
+
+def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None | bool:
+    """``(dim, parts)`` when the DTensor ``param`` is a matrix split by tensor parallelism (``Shard(dim)`` over one
+    mesh dim named in ``TP_MESH_DIMS``, of ``parts`` > 1 ranks); True when it is split by tensor parallelism
+    otherwise (over two such dims, or a 3-D stack), which Muon's ``blockwise`` / ``distributed`` cannot take;
+    None when it is not split by tensor parallelism."""
+    if not is_dtensor(param):
+        return None
+    names = param.device_mesh.mesh_dim_names or ()
+    splits = [p for p, size, name in zip(param.placements, param.device_mesh.shape, names, strict=False)
+              if name in TP_MESH_DIMS and isinstance(p, (Shard, _StridedShard)) and size > 1]
+    if not splits:
+        return None
+    [first, *rest] = splits
+    if rest or isinstance(first, _StridedShard) or param.dim() != 2:
+        return True
+    return first.dim, param.device_mesh.shape[param.placements.index(first)]
+
+
+def _encode(indices: list[torch.Tensor | None] | None) -> tuple[Any, ...] | None:
+    """``_dim_indices`` as runs ``((start, stop), ...)`` per dim: small, hashable, exchanged between ranks."""
+    if indices is None:
+        return None
+    out: list[Any] = []
+    for index in indices:
+        if index is None:
+            out.append(None)
+            continue
+        values = index.tolist()
+        cuts = [0] + [k for k in range(1, len(values)) if values[k] != values[k - 1] + 1] + [len(values)]
+        out.append(tuple((values[a], values[b - 1] + 1) for a, b in zip(cuts, cuts[1:], strict=False)))
+    return tuple(out)
+
+
+def _decode(runs: tuple[Any, ...]) -> list[torch.Tensor | None]:
+    return [None if r is None else torch.cat([torch.arange(a, b) for a, b in r]) for r in runs]
+
+
+def _region(indices: Sequence[torch.Tensor | None], shape: torch.Size, device: torch.device
+            ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """Advanced indices selecting a shard of a whole tensor of ``shape`` (broadcast per dim), and its shape."""
+    index, sizes = [], []
+    for dim, values in enumerate(indices):
+        values = torch.arange(shape[dim]) if values is None else values
+        index.append(values.to(device).view([1] * dim + [-1] + [1] * (len(shape) - dim - 1)))
+        sizes.append(values.numel())
+    return tuple(index), sizes
+
+
 class DTensorOwners(_DTensorPlacement):
-    """Whole matrices stepped by owner ranks (Muon): each gradient assembled with ``full_tensor()``, the owner
-    steps the whole matrix (state and master whole, on the owner only), broadcasts the result over ``comm``,
-    and every rank keeps its shard of it.
+    """Whole matrices stepped by owner ranks (Muon): each gradient is gathered to its owner only (one copy of
+    each distinct shard, point-to-point: ``Comm.gather_async``), the owner steps the whole matrix (state and
+    master whole, on the owner only), and scatters each rank its shard of the result (``Comm.scatter_async``).
 
     Args:
         comm: every rank holding a part of these parameters (owners are assigned over it).
@@ -210,6 +399,7 @@ class DTensorOwners(_DTensorPlacement):
     """
 
     kind = "dtensor-owners"
+    owns_whole = True
 
     def __init__(self, *, comm: Comm | NullComm, masters: bool, device: torch.device | None = None,
                  cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
@@ -219,6 +409,7 @@ class DTensorOwners(_DTensorPlacement):
         self.cost = cost
         self.owners: list[int] = []
         self._all: list[tuple[str, torch.Tensor]] = []
+        self._routes: list[_Route | None] = []  # per parameter of _all; None: not a DTensor (replicated)
         self._whole: dict[int, torch.Tensor] = {}  # id(param) -> the owner's whole copy (model dtype)
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
@@ -227,13 +418,52 @@ class DTensorOwners(_DTensorPlacement):
         self.owners = assign_params([self.cost(tuple(p.shape)) for _, p in self._all], self.dp.size)
         mine = {id(p) for (_, p), owner in zip(self._all, self.owners, strict=True) if owner == self.dp.rank}
         self._counted.update({id(p): id(p) in mine for _, p in self._all})
-        with torch.no_grad():
-            for _, param in self._all:  # full_tensor() is collective over the parameter's mesh: every rank calls
-                whole = param.full_tensor() if is_dtensor(param) else param
-                if id(param) in mine:
-                    self._whole[id(param)] = whole
+        shards = [_encode(_dim_indices(p)) if is_dtensor(p) else None for _, p in self._all]
+        tables = self.dp.all_gather_object(shards)
+        me = self.dp.rank
+        self._routes = [_Route(owner, me, [t[i] for t in tables]) if is_dtensor(p) else None
+                        for i, ((_, p), owner) in enumerate(zip(self._all, self.owners, strict=True))]
+        for _, param in self._all:
+            if id(param) in mine:
+                self._whole[id(param)] = (torch.empty(param.shape, dtype=param.dtype, device=_local(param).device)
+                                          if is_dtensor(param) else param)
+        self.refresh()
         return [[Piece(n, p, 0, p.numel(), self._whole[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
                 for gn, gp in zip(names, params, strict=True)]
+
+    def group_settings(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        """Muon's ``tp_blocks``: how each tensor-parallel matrix of the group is split (for its ``tp_mode``)."""
+        blocks = {p.name: None if split is True else split for p in pieces
+                  if (split := tp_blocks(p.param)) is not None}  # None: split in a way only `duplicated` takes
+        return {"tp_blocks": blocks} if blocks else {}
+
+    def _gather(self, locals_: Sequence[torch.Tensor | None], into: dict[int, torch.Tensor]) -> None:
+        """Assemble ``into[i]`` (an owner's whole tensor of parameter i) from the ranks' local shards
+        ``locals_[i]`` (each distinct shard sent once; None where parameter i is skipped). Collective over
+        ``comm``: every rank passes the same skips."""
+        comm, me = self.dp, self.dp.rank
+        handles, placed = [], []
+        for i, (route, local) in enumerate(zip(self._routes, locals_, strict=True)):
+            if route is None or local is None:
+                continue
+            owner = self.owners[i]
+            if me != owner:
+                handles.append(comm.gather_async(local if route.sends_mine else None, owner, (), tag=i))
+                continue
+            whole = into[i]
+            parts: list[torch.Tensor | None] = [None] * comm.size
+            regions = []
+            for rank, indices in route.sends:
+                region, sizes = _region(indices, whole.shape, whole.device)
+                parts[rank] = whole.new_empty(sizes)
+                regions.append((rank, region))
+            handles.append(comm.gather_async(local, owner, parts, tag=i))
+            placed.append((whole, parts, regions))
+        for handle in handles:
+            handle.wait()
+        for whole, parts, regions in placed:
+            for rank, region in regions:
+                whole[region] = parts[rank]
 
     def refresh(self, stepped_only: bool = False) -> None:
         """Copy the model's current values into the owners' whole copies (collective; before a load, where a
@@ -241,41 +471,62 @@ class DTensorOwners(_DTensorPlacement):
         master), as each step does: the model is the truth for those and may have been loaded or written
         since the last step (a version counter would miss writes through ``to_local()``, so each step gathers)."""
         low = (torch.bfloat16, torch.float16)
+        skip = [stepped_only and self.masters and p.dtype in low for _, p in self._all]
         with torch.no_grad():
-            for (_, param), owner in zip(self._all, self.owners, strict=True):
-                if is_dtensor(param) and not (stepped_only and self.masters and param.dtype in low):
-                    whole = param.full_tensor()  # collective over the parameter's mesh: every rank calls
-                    if owner == self.dp.rank:
-                        self._whole[id(param)].copy_(whole)
+            values = [None if s else _local(p).contiguous() for (_, p), s in zip(self._all, skip, strict=True)]
+            into = {i: self._whole[id(p)] for i, (_, p) in enumerate(self._all) if id(p) in self._whole}
+            self._gather(values, into)
 
     def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
         self.refresh(stepped_only=True)
         held: dict[int, torch.Tensor | None] = {}
         with phase("gather_grads"), torch.no_grad():
-            for (_, param), owner in zip(self._all, self.owners, strict=True):
+            locals_: list[torch.Tensor | None] = []
+            into: dict[int, torch.Tensor] = {}
+            for i, ((_, param), owner) in enumerate(zip(self._all, self.owners, strict=True)):
                 grad = self.grad_of(param)
-                whole = grad.full_tensor() if is_dtensor(grad) else grad  # collective: every rank calls
+                if is_dtensor(grad) and grad.placements != param.placements:
+                    grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a Partial grad: reduce it
+                if not is_dtensor(param):
+                    locals_.append(None)
+                    if owner == self.dp.rank:
+                        held[id(param)] = grad
+                    continue
+                # a rank without a gradient sends zeros (all ranks have one, or none: FSDP2 reduces them)
+                local = _local(grad).contiguous() if grad is not None else torch.zeros_like(_local(param))
+                locals_.append(local)
                 if owner == self.dp.rank:
-                    held[id(param)] = whole
+                    into[i] = local.new_empty(param.shape)
+                    held[id(param)] = into[i] if grad is not None else None
+            self._gather(locals_, into)
         return [held[id(p.param)] for p in pieces]
 
     def publish(self) -> None:
-        comm = self.dp
+        comm, me = self.dp, self.dp.rank
         with phase("scatter_params"), torch.no_grad():
-            for (_, param), owner in zip(self._all, self.owners, strict=True):
-                if not is_dtensor(param):
+            handles, copies = [], []
+            for i, ((_, param), owner) in enumerate(zip(self._all, self.owners, strict=True)):
+                route = self._routes[i]
+                if route is None:
                     if comm.size > 1:
-                        comm.broadcast(param.data, owner)
+                        handles.append(comm.broadcast_async(param.data, owner))
                     continue
                 local = _local(param)
-                whole = self._whole.get(id(param))
-                if whole is None:
-                    whole = local.new_empty(param.shape)
-                if comm.size > 1:
-                    comm.broadcast(whole, owner)
-                # src_data_rank=None: every rank has the whole value, each cuts out its own shard (no exchange)
-                mine = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
-                local.copy_(mine.to_local())
+                out = local if local.is_contiguous() else torch.empty_like(local)
+                if out is not local:
+                    copies.append((local, out))
+                if me != owner:
+                    handles.append(comm.scatter_async(out if route.gets_mine else None, owner, (), tag=i))
+                    continue
+                whole = self._whole[id(param)]
+                parts: list[torch.Tensor | None] = [None] * comm.size
+                for rank, indices in route.gets:
+                    parts[rank] = whole[_region(indices, whole.shape, whole.device)[0]]
+                handles.append(comm.scatter_async(out if parts[me] is not None else None, owner, parts, tag=i))
+            for handle in handles:
+                handle.wait()
+            for local, out in copies:
+                local.copy_(out)
 
 
 def dtensor_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, comm: Comm | NullComm,

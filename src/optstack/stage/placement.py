@@ -18,7 +18,6 @@ import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from optstack.clip import counts_toward_norm
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.parallel import ComposedComm
 from optstack.distributed.param_gather import OwnerBroadcast, ParamGather, ShardedLayout
-from optstack.protocol import phase
+from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
 
 __all__ = ["GradOf", "LayerWise", "Piece", "Placement", "Whole", "Zero1", "assign_params", "newton_schulz_cost"]
@@ -106,9 +105,23 @@ class Placement:
         tensor-parallel duplicates on tp rank 0 only."""
         return [counts_toward_norm(p, self.tp_rank) for p in params]
 
-    #: pieces that are blocks of their parameter, not ranges of its flattened elements (name -> placements),
-    #: which the name-keyed state cannot hold; none here
-    not_flat: Mapping[str, str] = MappingProxyType({})
+    #: each piece is a whole parameter on its one owner rank (layer-wise, DTensor owners): the sharded state
+    #: keeps the parameter's shape (``sharded_state``)
+    owns_whole = False
+
+    def group_settings(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        """Settings the inner optimizer's group over ``pieces`` gets from the placement (not the model-side
+        group's: what the placement knows of its parameters' layout); none here."""
+        return {}
+
+    def flat_shards(self, shards: dict[str, ParamShard]) -> dict[str, ParamShard]:
+        """This rank's ``ParamShard``s as the name-keyed state holds them: ranges of flattened parameters (the
+        pieces are those already here; a placement whose pieces are blocks converts them, collectively)."""
+        return shards
+
+    def local_shards(self, shards: Mapping[str, ParamShard]) -> Mapping[str, ParamShard]:
+        """The inverse of ``flat_shards``: name-keyed state cut to this rank's pieces (collective where blocks)."""
+        return shards
 
     def refresh(self) -> None:
         """Take the model's current values into what is stepped, where that is a copy (nothing here)."""
@@ -122,7 +135,7 @@ class Placement:
         if comm is None or comm.size == 1:
             return entries
         ranges = {id(p.param): (p.start, p.end, str(p.value.device)) for p in pieces}
-        return to_sharded(entries, params, ranges, comm)
+        return to_sharded(entries, params, ranges, comm, whole=self.owns_whole)
 
     def cannot_add(self) -> str | None:
         """Why parameters cannot be added after construction, or None when they can."""
@@ -228,6 +241,7 @@ class LayerWise(Placement):
     """
 
     kind = "layerwise"
+    owns_whole = True
 
     def __init__(self, *, comm: Comm | NullComm, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (),
                  tp_rank: int = 0, device: torch.device | None = None,

@@ -4,8 +4,9 @@ at another data-parallel size.
 Under ZeRO-1 (ranges of flattened parameters) and layer-wise (whole parameters on their owner) each rank holds
 a different part of a parameter's state under the same key; as plain tensors DCP would keep one rank's and
 drop the rest. Here each element-wise state tensor becomes a ``ShardedTensor`` of the flattened parameter,
-``(numel,)``, whose local shard is a view of the live state (``dcp.load`` writes straight into it), on every
-rank of the shard group, holding a part or not. Scalars (``step``) stay plain, on the ranks holding a part.
+``(numel,)`` (of the parameter's shape where each is held whole by one owner, as one process holds it), whose
+local shard is a view of the live state (``dcp.load`` writes straight into it), on every rank of the shard
+group, holding a part or not. Scalars (``step``) stay plain, on the ranks holding a part.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def _element_wise(key: str, value: Any) -> bool:
 
 
 def to_sharded(entries: Mapping[int, Mapping[str, Any]], params: Sequence[torch.Tensor],
-               ranges: Mapping[int, tuple[int, int]], comm: Comm) -> dict[int, dict[str, Any]]:
+               ranges: Mapping[int, tuple[int, int]], comm: Comm, whole: bool = False) -> dict[int, dict[str, Any]]:
     """``entries`` (``id(param)`` -> this rank's state, as ``Stage.torch_state``) for every one of ``params``,
     element-wise tensors as ``ShardedTensor``s over ``comm``. ``ranges``: ``id(param)`` -> the flat range this
-    rank holds. Collective over ``comm`` (one exchange of the ranks' tables)."""
+    rank holds. ``whole``: each parameter is held whole by its one holder (layer-wise, DTensor owners): the
+    state keeps the parameter's shape, as one process and FSDP2 save it, so DCP moves it between them.
+    Collective over ``comm`` (one exchange of the ranks' tables)."""
     mine = {i: (*ranges[id(p)], {k: str(v.dtype) for k, v in entries[id(p)].items() if _element_wise(k, v)})
             for i, p in enumerate(params) if id(p) in entries}
     tables = comm.all_gather_object(mine)
@@ -44,12 +47,15 @@ def to_sharded(entries: Mapping[int, Mapping[str, Any]], params: Sequence[torch.
         local = entries.get(id(param), {})
         entry = {k: v for k, v in local.items() if not _element_wise(k, v)}
         keys = {k: d for _, (*_, dtypes) in holders for k, d in dtypes.items()}
-        metas = {rank: ShardMetadata([start], [end - start], f"rank:{rank}/{device}")
+        shape = list(param.shape) if whole and param.dim() else [param.numel()]
+        metas = {rank: ShardMetadata([start] + [0] * (len(shape) - 1), shape if len(shape) > 1 else [end - start],
+                                     f"rank:{rank}/{device}")
                  for rank, (start, end, device, _) in holders if end > start}
         for key, dtype in keys.items():
-            shards = [Shard(local[key].detach().reshape(-1), metas[me])] if me in metas and key in local else []
+            shards = [Shard(local[key].detach().reshape(shape if len(shape) > 1 else -1), metas[me])
+                      ] if me in metas and key in local else []
             properties = TensorProperties(dtype=getattr(torch, dtype.removeprefix("torch.")), requires_grad=False)
-            metadata = ShardedTensorMetadata(list(metas.values()), torch.Size([param.numel()]), properties)
+            metadata = ShardedTensorMetadata(list(metas.values()), torch.Size(shape), properties)
             entry[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, metadata, process_group=comm.group)
         out[id(param)] = entry

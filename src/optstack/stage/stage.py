@@ -95,8 +95,9 @@ class Stage:
         fallback = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
         self.device: torch.device = self.placement.device or first or fallback
         stepped = self.precision.inner(by_group, self.device)
-        inner_groups = [{**g, "params": s, "param_names": [p.name for p in pg]}
-                        for g, s, pg in zip(groups, stepped, by_group, strict=True)]
+        placed = [self.placement.group_settings(pg) for pg in by_group]  # the inner groups' only
+        inner_groups = [{**g, **extra, "params": s, "param_names": [p.name for p in pg]}
+                        for g, extra, s, pg in zip(groups, placed, stepped, by_group, strict=True)]
         optimizer = make_optimizer(inner_groups)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"{owner}: make_optimizer must return a torch.optim.Optimizer, got {optimizer!r:.80}")
@@ -110,8 +111,9 @@ class Stage:
         # The model-side groups, what users and schedulers see and write: every parameter of the group (on
         # every rank, whatever this rank steps) and the inner group's settings, copied in at each step.
         self.param_groups: list[dict[str, Any]] = [
-            {"params": list(g["params"]), **_settings(inner), "param_names": n}
-            for g, inner, n in zip(groups, optimizer.param_groups, names, strict=True)]
+            {"params": list(g["params"]), **{k: v for k, v in _settings(inner).items() if k not in extra},
+             "param_names": n}
+            for g, inner, n, extra in zip(groups, optimizer.param_groups, names, placed, strict=True)]
         self._stepped = [t for group in stepped for t in group]
         self._ready: list[torch.Tensor | None] = []
         self._counts = self.placement.norm_counts(self.placement.norm_params(self.pieces))
@@ -292,7 +294,7 @@ class Stage:
                     scalars[key] = value
             shards[piece.name] = ParamShard(tuple(piece.param.shape), piece.start, piece.end, tensors, scalars)
         load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
-        return shards
+        return self.placement.flat_shards(shards)
 
     # -- state: the one name-keyed format ------------------------------------------------------------
     def param_shards(self) -> dict[str, ParamShard]:
@@ -300,17 +302,12 @@ class Stage:
         held as a remainder is a fresh fp32 copy: checkpoints hold whole fp32 masters whatever the precision)."""
         self.reload_states()
         self.placement.finish()
-        for name, placements in self.placement.not_flat.items():  # e.g. a tensor-parallel DTensor block
-            raise ValueError(
-                f"{self.name}: this rank's shard of {name!r} (placements {placements}) is a block of the parameter, "
-                "not a range of its flattened elements, which the name-keyed state holds; save it with DCP: "
-                "optstack.checkpoint.OptimizerState(model, optimizer) (its state is the parameters' DTensors)")
         shards = shards_of(self.optimizer, self.pieces, self.param_groups)
         for piece, inner, value in zip(self.pieces, self._stepped, self.precision.readable(self._stepped),
                                        strict=True):
             if value is not inner:
                 shards[piece.name].tensors["param"] = value.reshape(-1)
-        return shards
+        return self.placement.flat_shards(shards)  # e.g. tensor-parallel blocks as flat ranges (collective)
 
     def load_param_shards(self, shards: Mapping[str, ParamShard]) -> None:
         """Load name-keyed state (each shard must cover this rank's range of its parameter; the range is cut
@@ -321,6 +318,7 @@ class Stage:
         """
         self.reload_states()
         self.placement.finish()
+        shards = self.placement.local_shards(shards)  # e.g. flat ranges to tensor-parallel blocks (collective)
         self.precision.materialize()  # a remainder-held master is written whole, then split by the publish
         try:
             load_into(self.name, self.optimizer, self.pieces, shards)
@@ -352,7 +350,7 @@ class Stage:
             masters = [id(t) in ids for t in self._stepped]
             state_dict = migrate(state_dict, self.pieces, self._stepped, masters)
         shards = from_plain(self.name, state_dict, self.param_groups)
-        load_into(self.name, self.optimizer, self.pieces, shards, apply=False)
+        load_into(self.name, self.optimizer, self.pieces, self.placement.local_shards(shards), apply=False)
         settings = state_dict["groups"]
         if any(not isinstance(s, dict) for s in settings):
             raise ValueError(f"{self.name}: the state dict's 'groups' must be dicts of settings")
