@@ -72,7 +72,15 @@ PREIMPORT = ("megatron.core.parallel_state", "megatron.core.utils", "megatron.co
 #: Megatron's model modules that the test files import at the top but that need CUDA-only libraries to import
 #: (current main: triton). When Megatron's own import fails, a stand-in offers the names the tests import;
 #: calling one raises ``ImportError`` (those tests need Megatron's model classes: out of scope).
+#: Packages whose ``__init__`` needs CUDA-only libraries (current main's ``models.gpt`` imports triton) while
+#: a light submodule is needed (``TransformerConfig.__post_init__`` imports one): when Megatron's import fails,
+#: the package is registered without running its ``__init__``.
+BARE_PACKAGES = ("megatron.core.models.gpt",)
+
 STANDINS: dict[str, tuple[str, ...]] = {
+    # a triton kernel module that main's TransformerConfig.__post_init__ reaches through models.backends
+    "megatron.core.transformer.moe.ops.paged_stash": ("GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel",
+                                                      "paged_stash_pop_kernel"),
     "megatron.core.models.gpt.gpt_layer_specs": ("get_gpt_layer_with_transformer_engine_submodules",
                                                  "get_gpt_layer_local_spec"),
     "megatron.core.transformer.multi_latent_attention": ("FusedMLASelfAttention", "MLASelfAttentionSubmodules"),
@@ -315,6 +323,11 @@ def install(megatron_src: Path, aliases: Mapping[str, tuple[str, ...]] = ALIASES
             importlib.import_module(name)
         except ImportError as exc:
             _standin(name, names, exc)
+    for name in BARE_PACKAGES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            _package(name, megatron_src.joinpath(*name.split(".")))
     _stub_transformer_engine()
     _patch_cuda(lambda: _world()[1])  # after the imports: their module-level CUDA probes see the real answer
     _package("tests", None)
