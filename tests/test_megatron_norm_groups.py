@@ -107,3 +107,38 @@ def test_megatrons_own_collection_counts_as_one() -> None:
     assert isinstance(theirs, ProcessGroupCollection) and not isinstance(object(), ProcessGroupCollection)
     with pytest.raises(ValueError, match="dp process group is required"):
         check_optimizer_groups(theirs, use_gloo_process_groups=False)
+
+
+def test_one_optimizer_from_megatron_param_groups() -> None:
+    from optstack.megatron.optimizer import _get_megatron_optimizer_based_on_param_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    groups = [{"params": list(model.parameters()), "is_expert_parallel": False, "wd_mult": 1.0}]
+    config = OptimizerConfig(optimizer="lion", lr=1e-2, lion_beta1=0.9, lion_beta2=0.99, weight_decay=0.1)
+    wrapped = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+    assert isinstance(wrapped, FP32Optimizer) and type(wrapped.optimizer).__name__ == "Lion"
+    assert wrapped.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    before = model.weight.detach().clone()
+    model(torch.randn(5, 4)).sum().backward()
+    applied, _, _ = wrapped.step()
+    # Lion moves every weight by lr * sign(update) plus decoupled decay
+    assert applied and torch.allclose((model.weight - before * (1 - 1e-3)).abs(), torch.full_like(before, 1e-2))
+    raw, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
+        config, [model], groups, skip_megatron_wrapping=True)
+    assert isinstance(raw, torch.optim.Optimizer) and init_state_fn is None
+    with pytest.raises(ValueError, match="optimizer='muon' is built by get_megatron_optimizer"):
+        _get_megatron_optimizer_based_on_param_groups(OptimizerConfig(optimizer="muon", lr=1e-2), [model], groups)
+
+
+def test_distributed_optimizer_state_keys_follow_the_algorithm() -> None:
+    from optstack.megatron import DistributedOptimizer
+
+    bare = object.__new__(DistributedOptimizer)  # the keys read only the config
+    bare.config = OptimizerConfig(optimizer="muon", lr=1e-3, muon_scalar_optimizer="lion")
+    assert bare.optimizer_state_keys == ("exp_avg",)
+    bare.config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_precision_aware_optimizer=True,
+                                  use_distributed_optimizer=True, exp_avg_dtype=torch.bfloat16)
+    assert bare.optimizer_state_keys == ("exp_avg", "exp_avg_sq")
+    assert bare._get_state_key_dtype("exp_avg") == torch.bfloat16
+    assert bare._get_state_key_dtype("step") == torch.float32

@@ -414,6 +414,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             if hasattr(wrapped[0], "ddp_config") else False)
         self._attach(stage, _core_chain([stage], config, self.grad_scaler, [wrapped[0]]))
 
+    @property
+    def optimizer_state_keys(self) -> tuple[str, ...]:
+        """The torch optimizer's tensor state keys by ``config.optimizer`` (Muon's scalar optimizer for Muon):
+        ``('exp_avg',)`` for Lion, else Adam's ``('exp_avg', 'exp_avg_sq')`` (Megatron's table)."""
+        name = self.config.optimizer
+        if name == "muon":
+            name = self.config.muon_scalar_optimizer
+        return {"lion": ("exp_avg",)}.get(name, ("exp_avg", "exp_avg_sq"))
+
+    def _get_state_key_dtype(self, key: str) -> torch.dtype:
+        """The dtype of a state key (``exp_avg_dtype`` / ``exp_avg_sq_dtype``; others fp32)."""
+        return {"exp_avg": self.config.exp_avg_dtype, "exp_avg_sq": self.config.exp_avg_sq_dtype}.get(
+            key, torch.float32)
+
 
 def _step(chain: CoreChained, groups: Sequence[dict[str, Any]]) -> StepResult:
     for index, group in enumerate(groups):
