@@ -175,7 +175,7 @@ def _patch_distributed() -> None:
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("device_id", None)
-        kwargs.setdefault("timeout", timedelta(seconds=60))
+        kwargs.setdefault("timeout", timedelta(seconds=20))
         return init(_gloo(backend), *args, **kwargs)
 
     def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
@@ -210,7 +210,7 @@ class Utils:
             store_path = os.environ.get("OPTSTACK_MEGATRON_STORE") or tempfile.mktemp(prefix="mlm-store-")
             store = dist.FileStore(store_path, Utils.world_size)
             dist.init_process_group("gloo", store=store, rank=Utils.rank, world_size=Utils.world_size,
-                                    timeout=timedelta(seconds=60))
+                                    timeout=timedelta(seconds=20))
             dist.barrier()
         Utils.inited = True
 

@@ -21,6 +21,7 @@ writes there reach the step), ``step()`` returns ``(update_successful, grad_norm
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,7 +43,7 @@ from optstack.megatron.norm_groups import (
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
-from optstack.stage import Direct, Masters, Stage, Whole, zero1_stage
+from optstack.stage import Direct, Masters, Stage, Whole, layerwise_stage, zero1_stage
 from optstack.stage.placement import LayerWise
 
 __all__ = [
@@ -683,13 +684,37 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
 
     def __init__(self, optimizers: Sequence[Any], config: Any, pg_collection: Any = None,
                  init_state_fn_list: Sequence[Callable] | None = None, model_chunks: Any = None) -> None:
-        super().__init__(optimizers)
+        super().__init__([_placed_layer_wise(o, config) for o in optimizers])
         self.config = config
         self.pg_collection = pg_collection
         if not any(isinstance(s.placement, LayerWise) for s in self.stages):
-            raise ValueError("LayerWiseDistributedOptimizer: none of the optimizers is placed layer-wise; build it "
-                             "with get_megatron_optimizer(OptimizerConfig(optimizer='muon', "
-                             "use_layer_wise_distributed_optimizer=True), [ddp_model])")
+            raise ValueError("LayerWiseDistributedOptimizer: none of the optimizers can be placed layer-wise; build "
+                             "them with get_megatron_optimizer(config, [ddp_model]) over a DistributedDataParallel "
+                             "model with use_distributed_optimizer=False")
+
+
+def _placed_layer_wise(optimizer: Any, config: Any) -> Any:
+    """Megatron re-wraps replicated optimizers layer-wise: a member over one whole-parameter stage of a
+    ``DistributedDataParallel`` model (what ``get_megatron_optimizer`` builds without the distributed optimizer)
+    becomes the same class over a layer-wise stage of the same groups, with a fresh inner optimizer of the same
+    class and defaults (so it must not have stepped). Other members are kept."""
+    stage = optimizer._stage if isinstance(optimizer, MegatronOptimizer) else None
+    syncs = [s for s in optimizer._chain._grad_syncs if isinstance(s, DataParallel)] if stage is not None else []
+    built_layer_wise = stage is not None and any(s.placement.kind == "layerwise" for s in optimizer._chain.stages)
+    if stage is None or built_layer_wise or stage.placement.kind != "whole" or len(syncs) != 1 \
+            or syncs[0].shard_grads:
+        return optimizer  # get_megatron_optimizer's layer-wise chain keeps its scalar optimizer replicated
+    inner = stage.optimizer
+    if any(inner.state.values()):
+        raise ValueError(f"LayerWiseDistributedOptimizer: {type(optimizer).__name__} has already stepped; wrap "
+                         "the optimizers before the first step")
+    accepted = inspect.signature(type(inner).__init__).parameters
+    defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
+    groups = [{k: v for k, v in g.items() if k != "param_names"} for g in stage.param_groups]
+    placed = layerwise_stage(groups, lambda gs: type(inner)(gs, **defaults), ddp=syncs[0],
+                             expert=bool(groups[0].get("is_expert_parallel", False)),
+                             precision=Masters() if stage.precision.masters else Direct())
+    return type(optimizer)._over(placed, config, _core_chain([placed], config, optimizer._chain.scaler, syncs))
 
 
 class _NoClip:
