@@ -65,7 +65,8 @@ def run_pytest(src: Path, paths: list[Path], nproc: int, extra: list[str], out: 
         # --noconftest: Megatron's conftest downloads data and needs its training package
         cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "-p", "no:cacheprovider", "--import-mode=importlib",
                "--noconftest", "--continue-on-collection-errors", f"--rootdir={src}", "-q", "-rN",
-               "-o", "junit_family=xunit1", f"--junitxml={xmls[rank]}", "--timeout=300", "--timeout-method=signal", *extra, *map(str, paths)]
+               "-o", "junit_family=xunit1", f"--junitxml={xmls[rank]}", "--timeout=300", "--timeout-method=signal",
+               *extra, *map(str, paths)]
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed with the process)
         procs.append((subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                        stdout=log, stderr=subprocess.STDOUT, cwd=src), log))
