@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from optstack.algorithms.registry import get_algorithm
 from optstack.distributed.comm import world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
-from optstack.factory import BuiltOptimizer, build_optimizer
+from optstack.factory import BuiltOptimizer, algorithm_kwargs, build_optimizer
 from optstack.groups import group_map
 from optstack.megatron.config import OptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
@@ -157,6 +158,43 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
     out = LayerWiseDistributedOptimizer(members, config) if layer_wise else ChainedOptimizer(members)
     out.built = built
     return out
+
+
+def _get_megatron_optimizer_based_on_param_groups(
+    config: OptimizerConfig, model_chunks: Sequence[nn.Module], param_groups: list[dict[str, Any]],
+    per_model_buffers: Any = None, model_parallel_group: Any = None, data_parallel_group: Any = None,
+    data_parallel_group_gloo: Any = None, data_parallel_group_idx: int | None = None,
+    intra_dist_opt_group: Any = None, distributed_optimizer_instance_id: int | None = 0,
+    pg_collection: Any = None, skip_megatron_wrapping: bool = False,
+) -> MegatronOptimizer | tuple[torch.optim.Optimizer | None, Any]:
+    """Megatron's one-optimizer builder over ``param_groups`` (Megatron's group dicts, one algorithm): the torch
+    optimizer ``config.optimizer`` names (optstack's kernels: AdamW / Adam, SGD, Lion), wrapped as
+    ``DistributedOptimizer`` (``use_distributed_optimizer``, over the one ``DistributedDataParallel`` chunk),
+    ``Float16OptimizerWithFloat16Params`` (fp16 / bf16) or ``FP32Optimizer``; ``skip_megatron_wrapping``
+    returns ``(torch optimizer, None)``. The process-group arguments are the wrapped model's in optstack.
+
+    Raises:
+        ValueError: ``optimizer='muon'`` / ``'dist_muon'`` (build Muon with ``get_megatron_optimizer``) or
+            ``optimizer_cpu_offload`` (use ``get_megatron_optimizer`` or ``HybridDeviceOptimizer``).
+    """
+    if config.optimizer in ("muon", "dist_muon") or config.optimizer_cpu_offload:
+        what = "optimizer_cpu_offload=True" if config.optimizer_cpu_offload else f"optimizer={config.optimizer!r}"
+        raise ValueError(f"_get_megatron_optimizer_based_on_param_groups: {what} is built by "
+                         "get_megatron_optimizer(config, model_chunks) in optstack")
+    core_config = to_core(config if config.lr is not None else dataclasses.replace(config, lr=0.0))
+    optimizer = None
+    if param_groups:
+        spec = get_algorithm(core_config.algorithm)
+        optimizer = spec.cls(param_groups, **algorithm_kwargs(core_config.algorithm, core_config))
+    if skip_megatron_wrapping:
+        return optimizer, None
+    if config.use_distributed_optimizer:
+        scaler = core_config.loss_scale.build(core_config.precision)
+        return DistributedOptimizer(optimizer, config, scaler, model_chunks=list(model_chunks))
+    if config.fp16 or config.bf16:
+        scaler = core_config.loss_scale.build(core_config.precision)
+        return Float16OptimizerWithFloat16Params(optimizer, config, scaler)
+    return FP32Optimizer(optimizer, config)
 
 
 def get_megatron_muon_optimizer(*args: Any, layer_wise_distributed_optimizer: bool = False,

@@ -21,6 +21,7 @@ writes there reach the step), ``step()`` returns ``(update_successful, grad_norm
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,10 +31,20 @@ import torch
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.param_and_grad_buffer import build_model_gbuf_range, compute_full_param_layout
+from optstack.megatron.norm_groups import (
+    SEPARATE_GRAD_NORM_GROUPS,
+    GradNormGroups,
+    _get_param_grad_norm_group,
+    _is_separate_grad_norm_group,
+    _validate_grad_norm_group,
+    clip_by_norm,
+    grad_norm,
+    refuse_tagged,
+)
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
-from optstack.stage import Direct, Masters, Stage, Whole, zero1_stage
+from optstack.stage import Direct, Masters, Stage, Whole, layerwise_stage, zero1_stage
 from optstack.stage.placement import LayerWise
 
 __all__ = [
@@ -138,8 +149,13 @@ def _plain_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str
     return [{k: v for k, v in g.items() if k != "param_names"} for g in optimizer.param_groups]
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(GradNormGroups):
     """Megatron's optimizer interface over one core stage (``None``: a stub, a rank without parameters).
+
+    Megatron's gradient-norm methods (``get_grads_for_grad_norm``, ``has_grad_norm_group``, ``get_grad_norm``,
+    ``clip_grad_norm``) come from ``GradNormGroups``; parameters in a separate gradient-norm group (MTP) are
+    refused here, as the core clips a stage by one norm (``ChainedOptimizer`` over Megatron-protocol
+    optimizers honours them).
 
     Args:
         optimizer: the torch optimizer (what Megatron calls the base optimizer).
@@ -166,6 +182,7 @@ class MegatronOptimizer:
         """Step through ``chain`` (over ``stage``); the inner groups lose optstack's ``param_names`` key."""
         self._stage, self._chain = stage, chain
         if stage is not None:
+            refuse_tagged((p for g in stage.param_groups for p in g["params"]), type(self).__name__)
             self.optimizer = stage.optimizer
             self.is_stub_optimizer = False
             for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
@@ -403,6 +420,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     compute_full_param_layout = staticmethod(compute_full_param_layout)
     _build_model_gbuf_range = staticmethod(build_model_gbuf_range)
 
+    @property
+    def optimizer_state_keys(self) -> tuple[str, ...]:
+        """The torch optimizer's tensor state keys by ``config.optimizer`` (Muon's scalar optimizer for Muon):
+        ``('exp_avg',)`` for Lion, else Adam's ``('exp_avg', 'exp_avg_sq')`` (Megatron's table)."""
+        name = self.config.optimizer
+        if name == "muon":
+            name = self.config.muon_scalar_optimizer
+        return {"lion": ("exp_avg",)}.get(name, ("exp_avg", "exp_avg_sq"))
+
+    def _get_state_key_dtype(self, key: str) -> torch.dtype:
+        """The dtype of a state key (``exp_avg_dtype`` / ``exp_avg_sq_dtype``; others fp32)."""
+        return {"exp_avg": self.config.exp_avg_dtype, "exp_avg_sq": self.config.exp_avg_sq_dtype}.get(
+            key, torch.float32)
+
 
 def _step(chain: CoreChained, groups: Sequence[dict[str, Any]]) -> StepResult:
     for index, group in enumerate(groups):
@@ -484,6 +515,7 @@ class ChainedOptimizer(MegatronOptimizer):
     def __init__(self, chained_optimizers: Sequence[Any]) -> None:
         self.chained_optimizers = list(chained_optimizers)
         self.built: Any = None
+        self.grad_norms_by_group: dict[str, float] = {}
         configs = [o.config for o in self.chained_optimizers
                    if isinstance(o, MegatronOptimizer) or all(hasattr(o, k) for k in _PROTOCOL + ("config",))]
         config = configs[0] if configs else None
@@ -560,27 +592,65 @@ class ChainedOptimizer(MegatronOptimizer):
         result = _step(self._chain, self.param_groups)
         return result.applied, result.grad_norm, result.num_zeros
 
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """Whether any chained optimizer holds parameters of ``grad_norm_group`` (on any rank)."""
+        _validate_grad_norm_group(grad_norm_group)
+        cache = vars(self).setdefault("_has_grad_norm_group_cache", {})
+        if grad_norm_group not in cache:
+            # an object without Megatron's grad-norm-group methods (an older protocol) holds no such group
+            cache[grad_norm_group] = any(o.has_grad_norm_group(grad_norm_group) for o in self.chained_optimizers
+                                         if hasattr(o, "has_grad_norm_group"))
+        return cache[grad_norm_group]
+
+    def get_grad_norm(self) -> float:
+        """The main norm over every chained optimizer (each reduced over its own grad-stats group)."""
+        return math.sqrt(sum(float(o.get_grad_norm() or 0.0) ** 2 for o in self.chained_optimizers))
+
+    @torch.no_grad()
+    def _get_grad_norm_for_group(self, grad_norm_group: str) -> float:
+        _validate_grad_norm_group(grad_norm_group)
+        norms = [grad_norm(o.get_grads_for_grad_norm(grad_norm_group), o.get_grad_stats_parallel_group())
+                 for o in self.chained_optimizers if hasattr(o, "get_grads_for_grad_norm")]
+        return math.sqrt(sum(n * n for n in norms))
+
+    @torch.no_grad()
+    def _compute_grad_norms_by_group(self) -> dict[str, float]:
+        self.grad_norms_by_group = {name: self._get_grad_norm_for_group(name)
+                                    for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
+        return self.grad_norms_by_group
+
+    @torch.no_grad()
     def _step_protocol(self) -> tuple[bool, float | None, int | None]:
         """Megatron's chained step over objects that implement Megatron's optimizer protocol themselves
-        (``prepare_grads``, ``get_grad_norm``, ``step_with_ready_grads``): one skip decision for all."""
+        (``prepare_grads``, ``get_grad_norm``, ``step_with_ready_grads``): one skip decision for all, read
+        from the main norm; gradients in a separate gradient-norm group (MTP) clipped by their group's norm."""
+        self.grad_norms_by_group = {}
         if any([o.prepare_grads() for o in self.chained_optimizers]):  # every one prepares, as in Megatron
             return False, None, None
-        norms = [float(o.get_grad_norm() or 0.0) for o in self.chained_optimizers]
-        grad_norm = math.sqrt(sum(n * n for n in norms))
-        clip = getattr(self.config, "clip_grad", 0.0) if self.config is not None else 0.0
-        if clip > 0 and clip / (grad_norm + 1e-6) < 1:  # Megatron's clip by the total norm
-            grads = [p.grad for o in self.chained_optimizers if hasattr(o, "get_parameters")
-                     for p in o.get_parameters() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
-        threshold = _skip_threshold(self.config) if self.config is not None else None
-        if threshold is not None and grad_norm > threshold:
-            return False, grad_norm, None
+        main_norm = self.get_grad_norm()
+        live = [o for o in self.chained_optimizers if not getattr(o, "is_stub_optimizer", False)]
+        if any(o.config.clip_grad > 0.0 for o in live):
+            self._compute_grad_norms_by_group()
+        skip = False
+        for o in live:
+            params = o.get_parameters()
+            by_group: dict[str | None, list[torch.Tensor]] = {}
+            for p in params:
+                group = _get_param_grad_norm_group(p)
+                by_group.setdefault(group if _is_separate_grad_norm_group(group) else None, []).append(p)
+            if o.config.clip_grad > 0.0:
+                for group, members in by_group.items():
+                    total = main_norm if group is None else self.grad_norms_by_group.get(group)
+                    if total is not None:
+                        clip_by_norm(members, o.config.clip_grad, total)
+            threshold = _skip_threshold(o.config)
+            skip = skip or (None in by_group and threshold is not None and main_norm > threshold)
         zeros = None
         if self.config is not None and getattr(self.config, "log_num_zeros_in_grad", False):
             zeros = sum(int(o.count_zeros()) for o in self.chained_optimizers)
-        applied = all([o.step_with_ready_grads() for o in self.chained_optimizers])
-        return applied, grad_norm, zeros
+        if skip:
+            return False, main_norm, zeros
+        return all([o.step_with_ready_grads() for o in self.chained_optimizers]), main_norm, zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._chain.zero_grad(set_to_none)
@@ -619,13 +689,37 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
 
     def __init__(self, optimizers: Sequence[Any], config: Any, pg_collection: Any = None,
                  init_state_fn_list: Sequence[Callable] | None = None, model_chunks: Any = None) -> None:
-        super().__init__(optimizers)
+        super().__init__([_placed_layer_wise(o, config) for o in optimizers])
         self.config = config
         self.pg_collection = pg_collection
         if not any(isinstance(s.placement, LayerWise) for s in self.stages):
-            raise ValueError("LayerWiseDistributedOptimizer: none of the optimizers is placed layer-wise; build it "
-                             "with get_megatron_optimizer(OptimizerConfig(optimizer='muon', "
-                             "use_layer_wise_distributed_optimizer=True), [ddp_model])")
+            raise ValueError("LayerWiseDistributedOptimizer: none of the optimizers can be placed layer-wise; build "
+                             "them with get_megatron_optimizer(config, [ddp_model]) over a DistributedDataParallel "
+                             "model with use_distributed_optimizer=False")
+
+
+def _placed_layer_wise(optimizer: Any, config: Any) -> Any:
+    """Megatron re-wraps replicated optimizers layer-wise: a member over one whole-parameter stage of a
+    ``DistributedDataParallel`` model (what ``get_megatron_optimizer`` builds without the distributed optimizer)
+    becomes the same class over a layer-wise stage of the same groups, with a fresh inner optimizer of the same
+    class and defaults (so it must not have stepped). Other members are kept."""
+    stage = optimizer._stage if isinstance(optimizer, MegatronOptimizer) else None
+    syncs = [s for s in optimizer._chain._grad_syncs if isinstance(s, DataParallel)] if stage is not None else []
+    built_layer_wise = stage is not None and any(s.placement.kind == "layerwise" for s in optimizer._chain.stages)
+    if stage is None or built_layer_wise or stage.placement.kind != "whole" or len(syncs) != 1 \
+            or syncs[0].shard_grads:
+        return optimizer  # get_megatron_optimizer's layer-wise chain keeps its scalar optimizer replicated
+    inner = stage.optimizer
+    if any(inner.state.values()):
+        raise ValueError(f"LayerWiseDistributedOptimizer: {type(optimizer).__name__} has already stepped; wrap "
+                         "the optimizers before the first step")
+    accepted = inspect.signature(type(inner).__init__).parameters
+    defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
+    groups = [{k: v for k, v in g.items() if k != "param_names"} for g in stage.param_groups]
+    placed = layerwise_stage(groups, lambda gs: type(inner)(gs, **defaults), ddp=syncs[0],
+                             expert=bool(groups[0].get("is_expert_parallel", False)),
+                             precision=Masters() if stage.precision.masters else Direct())
+    return type(optimizer)._over(placed, config, _core_chain([placed], config, optimizer._chain.scaler, syncs))
 
 
 class _NoClip:

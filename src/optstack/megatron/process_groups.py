@@ -22,10 +22,25 @@ FIELDS = (
 )
 
 
-class ProcessGroupCollection:
+class _CollectionType(type):
+    """Megatron's own ``ProcessGroupCollection`` (a dataclass declaring the same fields, e.g. built by
+    ``ProcessGroupCollection.use_mpu_process_groups()``) counts as an instance, so callers that keep Megatron's
+    ``parallel_state`` can pass theirs."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        declared = getattr(type(obj), "__dataclass_fields__", {})
+        return type.__instancecheck__(cls, obj) or {"tp", "dp", "expt_dp", "intra_dist_opt"} <= set(declared)
+
+
+def is_set(pg_collection: Any, name: str) -> bool:
+    """Whether ``name`` was given to the collection (even as None), for ours and Megatron's alike."""
+    return name in vars(pg_collection)
+
+
+class ProcessGroupCollection(metaclass=_CollectionType):
     """Megatron's collection of process groups: ``ProcessGroupCollection(tp=..., dp=...)`` or attributes set
     afterwards. A declared attribute never set reads as None (Megatron's current behaviour); ``is_set(name)``
-    tells the two apart.
+    tells the two apart. ``isinstance(x, ProcessGroupCollection)`` also holds for Megatron's own class.
 
     Raises:
         ValueError: an attribute Megatron does not declare.
@@ -47,7 +62,7 @@ class ProcessGroupCollection:
 
     def is_set(self, name: str) -> bool:
         """Whether ``name`` was given (even as None)."""
-        return name in vars(self)
+        return is_set(self, name)
 
     def __repr__(self) -> str:
         return f"ProcessGroupCollection({', '.join(k for k in FIELDS if self.is_set(k))})"
@@ -63,7 +78,7 @@ def to_parallel_groups(pg_collection: ProcessGroupCollection) -> ParallelGroups:
 def check_optimizer_groups(pg_collection: ProcessGroupCollection, use_gloo_process_groups: bool) -> None:
     """Megatron's checks of a ``pg_collection`` given to ``get_megatron_optimizer``, with its messages."""
     for name in ("dp", "expt_dp", "intra_dist_opt", "mp", "tp_ep_pp"):
-        if not pg_collection.is_set(name):
+        if not is_set(pg_collection, name):
             raise ValueError(f"{name} process group is required when passing pg_collection "
                              f"(set pg_collection.{name}; None is allowed where the group is unused)")
     if pg_collection.dp is None:

@@ -85,6 +85,7 @@ class TensorParallelMuon(Muon):
         pg_collection, tp_mode: optstack runs Muon without tensor parallelism, where the three ``tp_mode`` s
             coincide; a ``pg_collection`` with a tensor-parallel group of more than one rank is refused.
         use_syrk: accepted; optstack's Newton-Schulz batches its matmuls instead.
+        momentum_beta, use_nesterov, mode: core_v0.16.1's names of ``momentum``, ``nesterov`` and ``tp_mode``.
 
     Raises:
         ValueError: ``use_decoupled_weight_decay=False``, ``split_qkv`` without ``qkv_split_shapes``, a
@@ -96,7 +97,11 @@ class TensorParallelMuon(Muon):
                  is_qkv_fn: Callable[[torch.Tensor], bool] | None = None, qkv_split_shapes: list[int] | None = None,
                  fp32_matmul_prec: str = "medium", coefficient_type: str = "quintic", num_ns_steps: int = 5,
                  scale_mode: str = "spectral", extra_scale_factor: float = 1.0, pg_collection: Any = None,
-                 tp_mode: str = "duplicated", use_syrk: bool = False) -> None:
+                 tp_mode: str = "duplicated", use_syrk: bool = False, *, momentum_beta: float | None = None,
+                 use_nesterov: bool | None = None, mode: str | None = None) -> None:
+        momentum = _renamed("momentum", momentum, 0.95, "momentum_beta", momentum_beta)
+        nesterov = _renamed("nesterov", nesterov, True, "use_nesterov", use_nesterov)
+        tp_mode = _renamed("tp_mode", tp_mode, "duplicated", "mode", mode)
         if num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
         if not use_decoupled_weight_decay:
@@ -115,6 +120,16 @@ class TensorParallelMuon(Muon):
                          ns_coefficients=coefficient_type, ns_steps=num_ns_steps,  # type: ignore[arg-type]
                          scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,  # type: ignore[arg-type]
                          matmul_precision=fp32_matmul_prec)  # type: ignore[arg-type]
+
+
+def _renamed(name: str, value: Any, default: Any, old_name: str, old_value: Any) -> Any:
+    """``value``, or the release's spelling ``old_value`` when only that was given."""
+    if old_value is None:
+        return value
+    if value != default and value != old_value:
+        raise ValueError(f"TensorParallelMuon: {name}={value!r} and {old_name}={old_value!r} disagree; "
+                         f"{old_name} is core_v0.16.1's name for {name}: pass one")
+    return old_value
 
 
 def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,155 @@
+"""Megatron's separate gradient-norm groups (current main): multi-token-prediction (MTP) gradients clipped by
+their own norm.
+
+A parameter whose ``grad_norm_group`` attribute names a registered group (``'mtp'``; Megatron's MTP layers set
+it) is left out of the main gradient norm (the norm ``step()`` returns and the skip threshold reads) and is
+clipped by the norm of its group's gradients alone. ``GradNormGroups`` carries Megatron's methods for this
+(``get_grads_for_grad_norm``, ``has_grad_norm_group``, ``clip_grad_norm``, ...), written against what every
+Megatron optimizer offers: ``get_parameters()``, ``config`` and ``get_grad_stats_parallel_group()``.
+
+optstack's core clips all of a stage's gradients by one factor, so the optimizers built over core stages
+refuse tagged parameters (``refuse_tagged``); the chained step over optimizers implementing Megatron's
+protocol honours the groups (``ChainedOptimizer``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from optstack.clip import clip_coefficient, counts_toward_norm, norm_pows
+from optstack.distributed.comm import Comm, NullComm
+
+__all__ = ["MTP_GRAD_NORM_GROUP", "GRAD_NORM_GROUP_ATTR", "SEPARATE_GRAD_NORM_GROUPS", "GradNormGroups",
+           "grad_norm", "clip_by_norm", "refuse_tagged"]
+
+MTP_GRAD_NORM_GROUP = "mtp"
+GRAD_NORM_GROUP_ATTR = "grad_norm_group"
+#: The groups with a norm of their own (Megatron's registry; a parameter naming another group is an error).
+SEPARATE_GRAD_NORM_GROUPS: tuple[str, ...] = (MTP_GRAD_NORM_GROUP,)
+
+
+def _get_param_grad_norm_group(param: torch.Tensor) -> str | None:
+    return getattr(param, GRAD_NORM_GROUP_ATTR, None)
+
+
+def _validate_grad_norm_group(grad_norm_group: str) -> None:
+    if grad_norm_group not in SEPARATE_GRAD_NORM_GROUPS:
+        raise ValueError(f"Unknown grad_norm_group '{grad_norm_group}'. Register it in SEPARATE_GRAD_NORM_GROUPS "
+                         f"({list(SEPARATE_GRAD_NORM_GROUPS)}) before tagging parameters with it.")
+
+
+def _is_separate_grad_norm_group(grad_norm_group: str | None) -> bool:
+    if grad_norm_group is None:
+        return False
+    _validate_grad_norm_group(grad_norm_group)
+    return True
+
+
+def _comm(group: Any) -> Comm | NullComm:
+    """None (Megatron's model-parallel group, one rank without tensor or pipeline parallelism): this rank."""
+    return NullComm() if group is None or group.size() == 1 else Comm(group, name="grad_stats")
+
+
+def grad_norm(grads: Sequence[torch.Tensor], group: Any) -> float:
+    """The L2 norm of ``grads`` across ``group`` (fp32), Megatron's ``get_grad_norm_fp32``."""
+    device = grads[0].device if grads else torch.device("cpu")
+    total = norm_pows(list(grads), 2.0, device).sum().reshape(1) if grads else torch.zeros(1, device=device)
+    return math.sqrt(float(_comm(group).all_reduce(total).item()))
+
+
+def clip_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale the parameters' gradients by ``max_norm / (total_norm + 1e-6)`` when that is below 1."""
+    grads = [p.grad for p in params if p.grad is not None]
+    coeff = clip_coefficient(total_norm, max_norm)
+    if grads and coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+def refuse_tagged(params: Iterable[torch.Tensor], owner: str) -> None:
+    """optstack's core stage clips every gradient it steps by one factor: a parameter in a separate
+    gradient-norm group would be clipped by the main norm, so it is refused."""
+    for param in params:
+        group = _get_param_grad_norm_group(param)
+        if _is_separate_grad_norm_group(group):
+            raise ValueError(
+                f"{owner}: a parameter of shape {tuple(param.shape)} has grad_norm_group={group!r}, whose gradients "
+                "Megatron clips by their own norm; optstack's optimizers clip all of their gradients by one norm. "
+                "Step those parameters with a separate optimizer, or delete the attribute to count them in the "
+                "main norm")
+
+
+class GradNormGroups:
+    """Megatron's gradient-norm methods over ``get_parameters()``, ``config`` and the grad-stats group.
+
+    Attributes:
+        grad_norms_by_group: ``{group: norm}`` of the last ``clip_grad_norm`` / chained step.
+    """
+
+    grad_norms_by_group: dict[str, float]
+    get_parameters: Callable[[], list[torch.Tensor]]
+
+    def get_grad_stats_parallel_group(self) -> Any:
+        """The group gradient statistics are reduced over: ``grad_stats_parallel_group`` when set, else None
+        (Megatron's model-parallel group: this rank alone, as optstack has no tensor or pipeline parallelism)."""
+        return getattr(self, "grad_stats_parallel_group", None)
+
+    def _filter_grads_for_norm(self, params: list[torch.Tensor],
+                               param_filter: Callable[[torch.Tensor], bool] | None = None) -> list[torch.Tensor]:
+        """The gradients that count toward a norm: present, passing ``param_filter``, not ``shared``."""
+        return [p.grad for p in params if (param_filter is None or param_filter(p)) and p.grad is not None
+                and counts_toward_norm(p, tp_rank=0)]
+
+    def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+        """The main norm's gradients (None: every parameter outside a separate group), or one group's."""
+        if grad_norm_group is not None:
+            _validate_grad_norm_group(grad_norm_group)
+            return self._filter_grads_for_norm(
+                self.get_parameters(), lambda p: _get_param_grad_norm_group(p) == grad_norm_group)
+        return self._filter_grads_for_norm(
+            self.get_parameters(), lambda p: not _is_separate_grad_norm_group(_get_param_grad_norm_group(p)))
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """Whether any rank of the grad-stats group holds parameters of ``grad_norm_group`` (one reduction,
+        then cached: tags are set when the model is built)."""
+        _validate_grad_norm_group(grad_norm_group)
+        cache = vars(self).setdefault("_has_grad_norm_group_cache", {})
+        if grad_norm_group not in cache:
+            local = any(_is_separate_grad_norm_group(_get_param_grad_norm_group(p))
+                        and _get_param_grad_norm_group(p) == grad_norm_group for p in self.get_parameters())
+            flag = _comm(self.get_grad_stats_parallel_group()).all_reduce(torch.tensor([int(local)]), op="max")
+            cache[grad_norm_group] = bool(flag.item() > 0)
+        return cache[grad_norm_group]
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The main gradient norm (separate groups left out)."""
+        return grad_norm(self.get_grads_for_grad_norm(), self.get_grad_stats_parallel_group())
+
+    @torch.no_grad()
+    def _compute_grad_norms_by_group(self) -> dict[str, float]:
+        self.grad_norms_by_group = {
+            name: grad_norm(self.get_grads_for_grad_norm(name), self.get_grad_stats_parallel_group())
+            for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
+        return self.grad_norms_by_group
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the main gradients by the main norm and each separate group's by its own; returns the main norm."""
+        self.grad_norms_by_group = {}
+        params = self.get_parameters()
+        norm = grad_norm(self.get_grads_for_grad_norm() if params else [], self.get_grad_stats_parallel_group())
+        if clip_grad > 0.0 and params:
+            self._compute_grad_norms_by_group()
+            by_group: dict[str | None, list[torch.Tensor]] = {}
+            for p in params:
+                group = _get_param_grad_norm_group(p)
+                by_group.setdefault(group if _is_separate_grad_norm_group(group) else None, []).append(p)
+            for group, members in by_group.items():
+                total = norm if group is None else self.grad_norms_by_group.get(group)
+                if total is not None:
+                    clip_by_norm(members, clip_grad, total)
+        return norm

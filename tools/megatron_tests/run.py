@@ -1,0 +1,152 @@
+"""Run Megatron-LM's unit tests against optstack's Megatron face (CPU, gloo) and print a table per file.
+
+    python tools/megatron_tests/run.py --ref core_v0.16.1 --ref HEAD
+    python tools/megatron_tests/run.py --megatron-src /path/to/Megatron-LM --files test_optimizer.py -k chained
+    python tools/megatron_tests/run.py --nproc 2 --files test_layer_wise_optimizer.py
+
+Each ref is exported from the Megatron-LM git mirror (``git archive <ref> megatron tests/unit_tests``) into
+``--work``; ``--megatron-src`` uses a checkout instead. The test files run unedited under ``shim.py`` (see its
+docstring); with ``--nproc N`` as N gloo processes (a test passes when it passes on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+FILES = ("test_optimizer.py", "test_optimizer_param_scheduler.py", "test_layer_wise_optimizer.py",
+         "test_optimizer_cpu_offloading.py", "test_muon_optimizer.py", "test_lion_optimizer.py", "optimizer/")
+
+
+def export(mirror: Path, ref: str, work: Path) -> Path:
+    """Megatron's ``megatron/`` and ``tests/unit_tests/`` at ``ref``, under ``work/<ref>``."""
+    dest = work / ref.replace("/", "_")
+    if not (dest / "megatron").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", f"--git-dir={mirror}", "archive", ref, "megatron", "tests/unit_tests"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def test_paths(src: Path, files: list[str]) -> tuple[list[Path], list[str]]:
+    """The test files to run (a folder: its ``test_*.py``), and the names this ref lacks."""
+    root = src / "tests" / "unit_tests"
+    found, missing = [], []
+    for name in files:
+        path = root / name
+        if path.is_dir():
+            found += sorted(path.glob("test_*.py"))
+        elif path.is_file():
+            found.append(path)
+        else:
+            missing.append(name)
+    return found, missing
+
+
+def run_pytest(src: Path, paths: list[Path], nproc: int, extra: list[str], out: Path) -> list[Path]:
+    """pytest over ``paths`` in ``nproc`` gloo processes; returns each rank's junit XML."""
+    env = {**os.environ, "OPTSTACK_MEGATRON_SRC": str(src), "NVIDIA_PYTORCH_VERSION": "25.09",
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "WORLD_SIZE": str(nproc), "OPTSTACK_MEGATRON_STORE": str(out / "store"), "OMP_NUM_THREADS": "1"}
+    # NVIDIA_PYTORCH_VERSION: Megatron skips its layer-wise tests on the "LTS" containers (<= 25.05).
+    xmls = [out / f"rank{rank}.xml" for rank in range(nproc)]
+    procs = []
+    for rank in range(nproc):
+        # --noconftest: Megatron's conftest downloads data and needs its training package
+        cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "-p", "no:cacheprovider", "--import-mode=importlib",
+               "--noconftest", "--continue-on-collection-errors", f"--rootdir={src}", "-q", "-rN",
+               "-o", "junit_family=xunit1", f"--junitxml={xmls[rank]}", "--timeout=300", "--timeout-method=signal",
+               *extra, *map(str, paths)]
+        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs.append((subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=src), log))
+    for proc, log in procs:
+        proc.wait()
+        log.close()
+    return xmls
+
+
+def _reason(message: str, text: str) -> str:
+    """The failure's first message line; for a bare ``assert False``, the asserting source line too."""
+    first = message.splitlines()[0] if message else ""
+    source = [line[1:].strip() for line in text.splitlines() if line.startswith(">")]
+    if first.startswith("assert") and source:
+        first = f"{source[-1]} -> {first}"
+    return first[:200]
+
+
+def outcomes(xmls: list[Path]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(file, test) -> (pass | fail | skip, first line of the reason), merged over ranks (worst wins)."""
+    rank_of = {"pass": 0, "skip": 1, "fail": 2}
+    merged: dict[tuple[str, str], tuple[str, str]] = {}
+    for xml in xmls:
+        if not xml.exists():
+            continue
+        for case in ET.parse(xml).iter("testcase"):
+            file = case.get("classname", "").split(".")[0] + ".py"
+            key = (case.get("file") or file, f"{case.get('classname', '')}::{case.get('name')}")
+            result = ("pass", "")
+            for child in case:
+                if child.tag in ("failure", "error"):
+                    result = ("fail", _reason(child.get("message") or "", child.text or ""))
+                elif child.tag == "skipped":
+                    result = ("skip", (child.get("message") or "")[:160])
+            if key not in merged or rank_of[result[0]] > rank_of[merged[key][0]]:
+                merged[key] = result
+    return merged
+
+
+def table(ref: str, merged: dict[tuple[str, str], tuple[str, str]], missing: list[str], verbose: bool) -> str:
+    per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"pass": 0, "fail": 0, "skip": 0})
+    for (file, _), (result, _) in merged.items():
+        per_file[file][result] += 1
+    lines = [f"## {ref}", "", "| file | pass | fail | skip |", "|---|---:|---:|---:|"]
+    for file in sorted(per_file):
+        c = per_file[file]
+        lines.append(f"| {file} | {c['pass']} | {c['fail']} | {c['skip']} |")
+    lines += [f"| {name} | - | - | - | (not in this ref)" for name in missing]
+    if verbose:  # failures and skips, one line per file and reason (parametrized cases counted together)
+        reasons: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+        for (file, test), (result, why) in merged.items():
+            if result != "pass":
+                reasons[(file, result, why)].append(test.split("::")[-1])
+        lines.append("")
+        for (file, result, why), tests in sorted(reasons.items()):
+            names = ", ".join(sorted(tests)[:3]) + (f", ... ({len(tests)})" if len(tests) > 3 else "")
+            lines.append(f"- {result.upper()} {Path(file).name}: {names}: {why}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ref", action="append", help="Megatron-LM git ref (repeatable); default core_v0.16.1")
+    parser.add_argument("--megatron-src", type=Path, help="a Megatron-LM checkout to use instead of the mirror")
+    parser.add_argument("--mirror", type=Path, default=MIRROR, help=f"Megatron-LM bare git dir (default {MIRROR})")
+    parser.add_argument("--files", nargs="+", default=list(FILES), help="paths under tests/unit_tests")
+    parser.add_argument("--nproc", type=int, default=1, help="gloo processes (default 1)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "optstack-megatron-tests")
+    parser.add_argument("-k", help="pytest -k expression")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every failure and skip with its reason")
+    args = parser.parse_args()
+    sources = [("checkout", args.megatron_src.resolve())] if args.megatron_src else [
+        (ref, export(args.mirror, ref, args.work)) for ref in (args.ref or ["core_v0.16.1"])]
+    for ref, src in sources:
+        paths, missing = test_paths(src, args.files)
+        out = Path(tempfile.mkdtemp(prefix="run-", dir=args.work if args.work.is_dir() else None))
+        xmls = run_pytest(src, paths, args.nproc, ["-k", args.k] if args.k else [], out) if paths else []
+        print(table(ref, outcomes(xmls), missing, args.verbose))
+        print(f"\n(pytest logs: {out})\n")
+
+
+if __name__ == "__main__":
+    main()
