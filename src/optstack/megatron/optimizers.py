@@ -30,7 +30,6 @@ import torch
 
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.keys import ParamGroupOverride
-from optstack.megatron.param_and_grad_buffer import build_model_gbuf_range, compute_full_param_layout
 from optstack.megatron.norm_groups import (
     SEPARATE_GRAD_NORM_GROUPS,
     GradNormGroups,
@@ -41,6 +40,7 @@ from optstack.megatron.norm_groups import (
     grad_norm,
     refuse_tagged,
 )
+from optstack.megatron.param_and_grad_buffer import build_model_gbuf_range, compute_full_param_layout
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
