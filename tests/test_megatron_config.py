@@ -138,7 +138,6 @@ def test_lr_none_is_a_clear_error() -> None:
         ("main_grads_dtype", torch.float16),
         ("fp8_recipe", "delayed"),
         ("reuse_grad_buf_for_mxfp8_param_ag", True),
-        ("offload_optimizer_states", True),
         ("optimizer_cuda_graph", True),
         ("optimizer", "soap"),
         ("muon_tp_mode", "sideways"),

@@ -263,3 +263,28 @@ def test_overrides_match_the_chunks_own_names_and_groups_use_the_core_names() ->
     assert [g["param_names"] for g in get_param_groups([model], OptimizerConfig(lr=1e-2), overrides)
             if g["lr_mult"] == 0.5] == slow
     assert all(r[0] for r in train(opt, model, 2))
+
+
+def test_offload_optimizer_states_frees_the_state_after_each_step_and_changes_no_number() -> None:
+    def run(offload: bool) -> tuple[nn.Module, object]:
+        model = tiny(torch.bfloat16)
+        cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=True, offload_optimizer_states=offload)
+        opt = get_megatron_optimizer(cfg, [model])
+        for _ in range(3):
+            opt.zero_grad()
+            opt.scale_loss(loss_of(model)).backward()
+            opt.step()
+            held = [t for o in opt.chained_optimizers for s in o.optimizer.state.values()
+                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+            held += [t for o in opt.chained_optimizers for g in o.optimizer.param_groups for t in g["params"]]
+            assert held and all((t.untyped_storage().nbytes() == 0) == offload for t in held)
+        return model, opt
+
+    model, opt = run(True)
+    ref, _ = run(False)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    opt.reload_states()  # by hand too: the masters are back, equal to the parameters' values
+    masters = [t for o in opt.chained_optimizers for g in o.optimizer.param_groups for t in g["params"]]
+    assert all(t.untyped_storage().nbytes() > 0 for t in masters)
+    assert opt.offload_states() > 0

@@ -199,10 +199,6 @@ def _unsupported(field: str, value: object, fix: str) -> ValueError:
 _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("fp8_recipe", None, "FP8 training is not implemented; leave it None"),
     ("reuse_grad_buf_for_mxfp8_param_ag", False, "it belongs to MXFP8 training, which is not implemented"),
-    ("offload_optimizer_states", False,
-     "call optimizer.offload_states() after a step and optimizer.reload_states() before the next "
-     "(every master and moment to host memory and back, exact), or optimizer_cpu_offload=True to step "
-     "part of the state on the host"),
     ("optimizer_cuda_graph", False, "CUDA-graph capture of the step is not implemented; set it False"),
 )
 

@@ -256,7 +256,7 @@ class MegatronOptimizer(GradNormGroups):
         Raises:
             ValueError: a param group's ``lr`` is None (``OptimizerConfig.lr=None`` and no scheduler set it).
         """
-        result = _step(self._solo(), self.param_groups)
+        result = _step(self._solo(), self.param_groups, self.config)
         return result.applied, result.grad_norm, result.num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -266,6 +266,17 @@ class MegatronOptimizer(GradNormGroups):
     def finish_param_sync(self) -> None:
         """Wait for parameter gathers left in flight by ``overlap_param_gather`` (optstack's addition)."""
         self._chain.finish_param_sync()
+
+    def offload_states(self) -> int:
+        """Move every master, remainder and moment to host memory (pinned and asynchronous on CUDA) and free
+        their device memory, e.g. while the device serves generation; returns the bytes moved (this rank).
+        ``OptimizerConfig.offload_optimizer_states=True`` does this after every step."""
+        return self._chain.offload_states()
+
+    def reload_states(self) -> None:
+        """Bring back what ``offload_states`` moved, bit for bit; a step reloads by itself, this starts the
+        copies early (e.g. before the forward pass)."""
+        self._chain.reload_states()
 
     def reload_model_params(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy the model's values (or ``state_dict``'s, by parameter name) into the fp32 masters, e.g. after
@@ -435,15 +446,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             key, torch.float32)
 
 
-def _step(chain: CoreChained, groups: Sequence[dict[str, Any]]) -> StepResult:
+def _step(chain: CoreChained, groups: Sequence[dict[str, Any]], config: Any = None) -> StepResult:
     for index, group in enumerate(groups):
         if group.get("lr") is None:
             raise ValueError(
                 f"param group {index} has lr=None (OptimizerConfig.lr is None): set it before stepping, e.g. "
                 "with OptimizerParamScheduler(...).step(1), or build with OptimizerConfig(lr=...)")
     _pull(chain)
-    chain.step()
+    chain.step()  # reloads offloaded state first
     assert chain.last_result is not None
+    if getattr(config, "offload_optimizer_states", False):
+        chain.offload_states()  # the device holds no optimizer state between steps (RL colocation)
     return chain.last_result
 
 
@@ -589,7 +602,7 @@ class ChainedOptimizer(MegatronOptimizer):
         if unsteppable:
             raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
                              "torch.optim optimizers; chain those only")
-        result = _step(self._chain, self.param_groups)
+        result = _step(self._chain, self.param_groups, self.config)
         return result.applied, result.grad_norm, result.num_zeros
 
     def has_grad_norm_group(self, grad_norm_group: str) -> bool:
