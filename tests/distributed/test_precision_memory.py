@@ -52,6 +52,7 @@ def remainders_like_masters(sharding: str, root: str) -> dict[str, Any]:
 
     from optstack.checkpoint import save_checkpoint
     from optstack.factory import build_optimizer, wrap_data_parallel
+    from optstack.offload.states import scratch_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict[str, Any] = {}
@@ -64,6 +65,8 @@ def remainders_like_masters(sharding: str, root: str) -> dict[str, Any]:
         if remainders and sharding == "zero1":  # offload between steps: the next steps are unchanged
             moved = optimizer.offload_states()
             assert moved > 0 and all(t.untyped_storage().nbytes() == 0 for t in optimizer.stages[0].precision.held())
+            scratch = [t for s in optimizer.stages for t in s.precision.scratch() + scratch_of(s.optimizer)]
+            assert scratch and all(t.untyped_storage().nbytes() == 0 for t in scratch)  # fp32 grad copies too
             optimizer.reload_states()
         losses += _train(wrapped, optimizer, range(4, 6), world, rank)
         save_checkpoint(f"{root}/{'remainders' if remainders else 'masters'}", optimizer, step=6)

@@ -164,6 +164,10 @@ class AdamW(PerDeviceOptimizer):
                 run_staged(kernel, list(zip(*merged, strict=True)), run_steps, run_values, as_rms=as_rms,
                            hyper=hyper, scratch=self._scratch, stochastic=self.stochastic_rounding)
 
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The reused fp32 staging buffers (not state: each step writes them before reading them)."""
+        return list(self._scratch.values())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW`` / ``Adam``.
 

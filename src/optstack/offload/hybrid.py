@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from optstack.offload.states import scratch_of
 from optstack.offload.transfers import Pairs, Transfers
 from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
@@ -136,6 +137,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
         """The device optimizer, then one host optimizer per chunk."""
         return [self._device_optimizer] + [c.optimizer for c in self._chunks]
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The sub-optimizers' reused buffers whose values do not outlive a step (``offload.states.scratch_of``)."""
+        return [t for optimizer in self.sub_optimizers for t in scratch_of(optimizer)]
 
     @property
     def host_tensors(self) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from optstack.clip import norm_pows, zero_count
-from optstack.offload.states import HostCopy
+from optstack.offload.states import HostCopy, scratch_of
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
@@ -215,6 +215,7 @@ class Stage:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the stepped tensors' gradients and those of every model parameter of the groups."""
+        self._ready = []  # else a gradient set to None would stay alive here until the next step
         self.precision.clear(set_to_none)
         for group in self.param_groups:
             for param in group["params"]:
@@ -227,15 +228,19 @@ class Stage:
     # -- moving the state off the device between steps --------------------------------------------------
     def offload_states(self) -> int:
         """Move every master, remainder and optimizer state tensor of this stage to host memory (pinned and
-        asynchronous on CUDA) and free its device memory; the tensor objects stay. Anything that reads the
-        state (a step, ``state_dict``, a load) first calls ``reload_states``. Returns the bytes moved."""
+        asynchronous on CUDA) and free its device memory; the tensor objects stay. Scratch (fp32 gradient
+        copies, the algorithm's staging buffers) is freed without a copy and regrown zeroed on reload, so
+        the device keeps no storage of this stage. Anything that reads the state (a step, ``state_dict``, a
+        load) first calls ``reload_states``. Returns the bytes moved."""
         if self._host is not None:
             return self._host.nbytes
         self.placement.finish()
         self.precision.release()  # after a skipped step; the parameters and remainders hold the masters
+        self._ready = []  # the next step makes them ready again
         state = [v for t in self._stepped for v in (self.optimizer.state.get(t) or {}).values()
                  if isinstance(v, torch.Tensor)]
-        self._host = HostCopy(self.precision.held() + state, self.device)
+        self._host = HostCopy(self.precision.held() + state + [self._counted], self.device,
+                              scratch=self.precision.scratch() + scratch_of(self.optimizer))
         return self._host.nbytes
 
     def reload_states(self) -> None:
