@@ -15,6 +15,8 @@ Megatron's distributed-optimizer table (``d`` = data-parallel size), per rank (r
 - ``+ remainders``: the masters as int16 remainders (``masters.store_remainders``)     6 + 10/d
 - ``+ bf16 moments``: ``adam.exp_avg_dtype = exp_avg_sq_dtype = 'bf16'``                6 + 6/d
 - ``+ bf16 grads``: bf16 gradient buffers read as they are (``masters.grad_dtype``)     4 + 6/d
+- ``+ remainders + 8-bit moments``: ``adam.exp_avg_dtype = exp_avg_sq_dtype = '8bit'``
+  (codes 1 B + an fp32 scale per 256-element block, each moment), fp32 grads            6 + (4 + 8/256)/d
 
 ``step ms`` is the median ``optimizer.step()`` time of a few more steps on rank 0 and its ratio to the row
 above it: the step-time cost of each option (CPU, noisy on shared cores: read the ratios). The last column
@@ -51,7 +53,11 @@ ROWS = {  # name -> (config changes, formula(d))
     "+ bf16 moments": ({"grad_dtype": "fp32", "remainders": True, "moments": "bf16"}, lambda d: 6 + 6 / d),
     "+ bf16 grads": ({"grad_dtype": "bf16", "remainders": True, "moments": "bf16", "bf16_grads": True},
                      lambda d: 4 + 6 / d),
+    # 8-bit moments: 1 B per element each + one fp32 scale per block each (the masters as remainders, fp32 grads)
+    "+ remainders + 8-bit moments": ({"grad_dtype": "fp32", "remainders": True, "moments": "8bit"},
+                                     lambda d: 6 + (2 + 2 + 8 / BLOCK) / d),
 }
+BLOCK = 256  # adam.block_size of the 8-bit row
 
 
 def _config(row: dict):
@@ -62,7 +68,8 @@ def _config(row: dict):
         distributed=DistributedConfig(sharding="zero1", grad_dtype=row.get("grad_dtype")),
         masters=MastersConfig(store_remainders=row.get("remainders", False),
                               grad_dtype="bf16" if row.get("bf16_grads") else "fp32"),
-        adam=AdamConfig(exp_avg_dtype=row.get("moments", "fp32"), exp_avg_sq_dtype=row.get("moments", "fp32")))
+        adam=AdamConfig(exp_avg_dtype=row.get("moments", "fp32"), exp_avg_sq_dtype=row.get("moments", "fp32"),
+                        block_size=BLOCK))
 
 
 def measure(width: int, layers: int, row: dict, steps: int = 5) -> dict[str, float]:

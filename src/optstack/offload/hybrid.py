@@ -138,6 +138,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """The device optimizer, then one host optimizer per chunk."""
         return [self._device_optimizer] + [c.optimizer for c in self._chunks]
 
+    def exported_state(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """The portable state of device tensor ``tensor`` from the sub-optimizer stepping it (see
+        ``stage.state.exported_state``); empty when it has none."""
+        if tensor not in self.state:
+            return {}
+        optimizer, stepped = self._owners[id(tensor)]
+        export = getattr(optimizer, "exported_state", None)
+        return export(stepped) if export is not None else optimizer.state[stepped]
+
     def scratch_tensors(self) -> list[torch.Tensor]:
         """The sub-optimizers' reused buffers whose values do not outlive a step (``offload.states.scratch_of``)."""
         return [t for optimizer in self.sub_optimizers for t in scratch_of(optimizer)]

@@ -28,7 +28,7 @@ from optstack.offload.states import HostCopy, scratch_of
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
-from optstack.stage.state import from_plain, load_into, migrate, shards_of, to_plain
+from optstack.stage.state import exported_state, from_plain, load_into, migrate, shards_of, to_plain
 
 __all__ = ["Stage"]
 
@@ -253,7 +253,8 @@ class Stage:
     def torch_state(self) -> dict[int, dict[str, Any]]:
         """This rank's optimizer state by ``id`` of the model parameter, as ``torch.optim`` keeps it: the live
         state tensors, shaped as stepped (the parameter's shape when held whole, the flat range
-        ``[start, end)`` otherwise), and for a parameter with an fp32 master that master as ``"master"``.
+        ``[start, end)`` otherwise; 8-bit moments as fresh fp32 copies), and for a parameter with an fp32
+        master that master as ``"master"``.
         Only parameters this rank steps and that have state (after a first step, or a load)."""
         self.reload_states()
         self.placement.finish()
@@ -261,7 +262,7 @@ class Stage:
         readable = self.precision.readable(self._stepped)
         out = {}
         for piece, inner, value in zip(self.pieces, self._stepped, readable, strict=True):
-            entry = self.optimizer.state.get(inner)
+            entry = exported_state(self.optimizer, inner)  # 8-bit moments as fp32
             if entry:
                 out[id(piece.param)] = {**entry, "master": value.detach()} if id(inner) in masters else entry
         return out
