@@ -190,3 +190,14 @@ def test_8bit_bad_input_is_named() -> None:
     weight.grad = torch.ones(4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"parameter 'head.weight' is torch.float64"):
         opt.step()
+
+
+def test_cpu_offload_steps_8bit_moments_like_the_device() -> None:
+    from optstack.config import OffloadConfig
+
+    _, plain, plain_built = _train("8bit", steps=4)
+    _, hybrid, hybrid_built = _train("8bit", steps=4, offload=OffloadConfig(enabled=True, fraction=0.8))
+    assert hybrid_built.optimizer.stages[0].optimizer.offloaded  # some tensors are stepped on the host
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), hybrid.parameters(), strict=True))
+    want, got = plain_built.optimizer.state_dict()["state"], hybrid_built.optimizer.state_dict()["state"]
+    assert all(torch.equal(want[i][k], got[i][k]) for i in want for k in ("exp_avg", "exp_avg_sq"))
