@@ -262,6 +262,23 @@ def test_offload_then_reload_gives_the_same_next_step(kind: str) -> None:
     assert all(torch.equal(x, y) for x, y in zip(params_a + masters_a, params_b + masters_b, strict=True))
 
 
+def test_zero_grad_while_offloaded_leaves_the_freed_gradient_copies_alone() -> None:
+    runs = []
+    for offload in (False, True):
+        model = _model()
+        built = _build(model)
+        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(0)).bfloat16()
+        model(x).float().square().mean().backward()
+        built.optimizer.step()  # the masters' .grad are the fp32 gradient copies now
+        if offload:
+            built.optimizer.offload_states()
+        built.optimizer.zero_grad(set_to_none=False)  # zeroing a freed copy would fail: it comes back zeroed
+        built.optimizer.reload_states()
+        assert all(m.grad is None or not m.grad.any() for m in _stage(built).master_params)
+        runs.append(_train(model, built, range(2)))
+    assert runs[0] == runs[1]
+
+
 def test_reading_state_while_offloaded_reloads_it_first() -> None:
     model = _model()
     built = _build(model, masters=MastersConfig(store_remainders=True))

@@ -157,6 +157,8 @@ class Precision:
                 continue
             if set_to_none:
                 tensor.grad = None
+            elif tensor.grad.untyped_storage().nbytes() == 0:
+                continue  # a gradient copy freed by offload_states: it comes back zero-filled
             elif tensor.grad.grad_fn is not None:
                 tensor.grad.detach_().zero_()
             else:
