@@ -15,9 +15,13 @@ Megatron's distributed-optimizer table (``d`` = data-parallel size), per rank (r
 - ``+ remainders``: the masters as int16 remainders (``masters.store_remainders``)     6 + 10/d
 - ``+ bf16 moments``: ``adam.exp_avg_dtype = exp_avg_sq_dtype = 'bf16'``                6 + 6/d
 - ``+ bf16 grads``: bf16 gradient buffers read as they are (``masters.grad_dtype``)     4 + 6/d
+- ``+ remainders + 8-bit moments``: ``adam.exp_avg_dtype = exp_avg_sq_dtype = '8bit'``
+  (codes 1 B + an fp32 scale per 256-element block, each moment), fp32 grads            6 + (4 + 8/256)/d
 
-The last column is the median ``optimizer.step()`` time of a few more steps on rank 0 and its ratio to the
-row above it: the step-time cost of each option (CPU, noisy on shared cores: read the ratios).
+``step ms`` is the median ``optimizer.step()`` time of a few more steps on rank 0 and its ratio to the row
+above it: the step-time cost of each option (CPU, noisy on shared cores: read the ratios). The last column
+is what the optimizer still holds on the device after ``offload_states()`` (masters, moments, gradient
+copies, staging scratch, in bytes): 0, else the run fails.
 
 Not counted (printed apart): AdamW's reused fp32 staging scratch for low-precision tensors (a fixed
 4 x 2^20 x 4 B = 16 MiB per device, whatever the model size), and the remainders' fp32 workspace, which exists
@@ -49,7 +53,11 @@ ROWS = {  # name -> (config changes, formula(d))
     "+ bf16 moments": ({"grad_dtype": "fp32", "remainders": True, "moments": "bf16"}, lambda d: 6 + 6 / d),
     "+ bf16 grads": ({"grad_dtype": "bf16", "remainders": True, "moments": "bf16", "bf16_grads": True},
                      lambda d: 4 + 6 / d),
+    # 8-bit moments: 1 B per element each + one fp32 scale per block each (the masters as remainders, fp32 grads)
+    "+ remainders + 8-bit moments": ({"grad_dtype": "fp32", "remainders": True, "moments": "8bit"},
+                                     lambda d: 6 + (2 + 2 + 8 / BLOCK) / d),
 }
+BLOCK = 256  # adam.block_size of the 8-bit row
 
 
 def _config(row: dict):
@@ -60,12 +68,14 @@ def _config(row: dict):
         distributed=DistributedConfig(sharding="zero1", grad_dtype=row.get("grad_dtype")),
         masters=MastersConfig(store_remainders=row.get("remainders", False),
                               grad_dtype="bf16" if row.get("bf16_grads") else "fp32"),
-        adam=AdamConfig(exp_avg_dtype=row.get("moments", "fp32"), exp_avg_sq_dtype=row.get("moments", "fp32")))
+        adam=AdamConfig(exp_avg_dtype=row.get("moments", "fp32"), exp_avg_sq_dtype=row.get("moments", "fp32"),
+                        block_size=BLOCK))
 
 
 def measure(width: int, layers: int, row: dict, steps: int = 5) -> dict[str, float]:
     """One step of the row's stack on this rank; bytes of its live state by kind, per model parameter."""
     from optstack.factory import build_optimizer, wrap_data_parallel
+    from optstack.offload.states import scratch_of
 
     config = _config(row)
     torch.manual_seed(0)
@@ -96,16 +106,24 @@ def measure(width: int, layers: int, row: dict, steps: int = 5) -> dict[str, flo
     buffers = wrapped.param_and_grad_buffers
     out = {"params": nbytes([b.param_data for b in buffers] + params),
            "grads": nbytes([b.grad_data for b in buffers] + [p.grad for p in params])}
-    masters = copies = state = scratch = 0
-    for stage in optimizer.stages:
-        masters += nbytes(stage.precision.held())
-        copies += nbytes(stage.precision._copy_to)
-        state += nbytes(v for s in stage.optimizer.state.values() for v in s.values())
-        scratch += nbytes(getattr(stage.optimizer, "_scratch", {}).values())
+    def owned() -> tuple[int, int, int, int]:
+        masters = copies = state = scratch = 0
+        for stage in optimizer.stages:
+            masters += nbytes(stage.precision.held())
+            copies += nbytes(stage.precision.scratch())
+            state += nbytes(v for s in stage.optimizer.state.values() for v in s.values())
+            scratch += nbytes(scratch_of(stage.optimizer))
+        return masters, copies, state, scratch
+
+    masters, copies, state, scratch = owned()
     out.update(masters=masters, grad_copies=copies, moments=state)
     per_param = {k: v / numel for k, v in out.items()}
     per_param["total"] = sum(out.values()) / numel
     per_param["scratch_mib"] = scratch / 2**20
+    optimizer.offload_states()  # everything the optimizer owns leaves the device (host copies not counted)
+    seen.clear()
+    per_param["offloaded"] = sum(owned())
+    optimizer.reload_states()
     per_param["step_ms"] = 1e3 * statistics.median(times) if times else float("nan")
     return per_param
 
@@ -139,8 +157,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
     args = parser.parse_args()
     print(f"{args.layers} x Linear({args.width}, {args.width}), ZeRO-1 AdamW; bytes per parameter on rank 0\n")
-    print("| row | dp | params | grads | masters | fp32 grad copies | moments | measured | formula | diff | step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| row | dp | params | grads | masters | fp32 grad copies | moments | measured | formula | diff | step ms "
+          "| optimizer bytes after offload_states |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     scratch = set()
     for dp in args.dp:
@@ -154,7 +173,10 @@ def main() -> int:
             cells = " | ".join(f"{rows[k]:.3f}" for k in ("params", "grads", "masters", "grad_copies", "moments"))
             ratio = f" ({rows['step_ms'] / previous:.2f}x)" if previous else ""
             previous = rows["step_ms"]
-            print(f"| {name} | {dp} | {cells} | {got:.3f} | {formula:.3f} | {diff:+.2f}% | {previous:.1f}{ratio} |")
+            left = rows["offloaded"]
+            worst = max(worst, 100.0 * (left != 0))  # everything the optimizer owns must leave the device
+            print(f"| {name} | {dp} | {cells} | {got:.3f} | {formula:.3f} | {diff:+.2f}% | {previous:.1f}{ratio} "
+                  f"| {left:.0f} |")
     print(f"\nlargest |diff|: {worst:.2f}%; fixed AdamW staging scratch per rank (not per parameter, not counted): "
           f"{sorted(scratch)} MiB")
     return 0 if worst <= 2.0 else 1

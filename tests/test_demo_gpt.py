@@ -56,3 +56,22 @@ def test_generate_is_seeded() -> None:
     b = generate(model, prompt, 20, generator=torch.Generator().manual_seed(1))
     assert a.shape == (23,) and torch.equal(a, b) and torch.equal(a[:3], prompt)
     assert model.training  # generation restores the mode
+
+
+def test_fp32_compute_gives_bf16_params_the_rounded_fp32_gradients() -> None:
+    torch.manual_seed(0)
+    stored = build_demo_model(**TINY, compute_dtype="fp32").bfloat16()  # bf16 weights, fp32 arithmetic
+    reference = build_demo_model(**TINY)  # fp32 weights holding exactly the bf16 values
+    reference.load_state_dict({k: v.float() for k, v in stored.state_dict().items()})
+    idx = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    logits = stored(idx)
+    assert logits.dtype == torch.float32 and torch.equal(logits, reference(idx))
+    logits.square().mean().backward()
+    reference(idx).square().mean().backward()
+    for (name, p), q in zip(stored.named_parameters(), reference.parameters(), strict=True):
+        assert p.dtype == p.grad.dtype == torch.bfloat16, name  # the optimizer sees bf16 params and grads
+        assert torch.equal(p.grad, q.grad.bfloat16()), name
+    # the default computes in the parameters' dtype
+    assert build_demo_model(**TINY).bfloat16()(idx).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="model.compute_dtype must be 'param' or 'fp32'"):
+        GPTConfig(compute_dtype="fp16")

@@ -17,6 +17,7 @@ from optstack.algorithms import SGD, AdamW
 from optstack.config import AdamConfig, DistributedConfig, LossScaleConfig, OffloadConfig, OptimizerConfig
 from optstack.factory import build_optimizer
 from optstack.offload import HybridDeviceOptimizer, offloaded, plan_offload
+from optstack.offload.states import HostCopy, scratch_of
 from optstack.protocol import algorithm_name
 from optstack.schedule import LRSchedule, WDSchedule
 from optstack.stage import replicated_stage
@@ -196,6 +197,27 @@ def test_host_copies_are_separate_tensors_holding_the_state() -> None:
         assert state is hybrid.sub_optimizers[1].state[host]  # the host optimizer's state, seen by device tensor
     assert len(hybrid.state) == len(params) and list(hybrid.state) == params
     assert hybrid.state.get(torch.zeros(1)) is None
+
+
+def test_host_copy_moves_state_and_frees_scratch() -> None:
+    state, scratch = torch.arange(6.0), torch.full((4,), 7.0)
+    view, both = state[2:], torch.ones(3)
+    copy = HostCopy([state, view, both], torch.device("cpu"), scratch=[scratch, both])
+    assert copy.nbytes == 6 * 4 + 3 * 4 and copy.freed_nbytes == 4 * 4  # a view moves with its storage once
+    assert all(t.untyped_storage().nbytes() == 0 for t in (state, view, both, scratch))
+    copy.reload()
+    assert torch.equal(view, torch.arange(2.0, 6.0)) and torch.equal(both, torch.ones(3))  # moved: the values
+    assert torch.equal(scratch, torch.zeros(4))  # freed: regrown zero-filled, as allocated
+
+
+def test_hybrid_names_its_sub_optimizers_scratch() -> None:
+    params = [p.bfloat16() for p in _params()]
+    hybrid = HybridDeviceOptimizer(AdamW(_groups(params)), AdamW, fraction=0.5)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    hybrid.step()
+    assert len(scratch_of(hybrid)) == 2  # the device and the host AdamW each stage bf16 through fp32 scratch
+    assert scratch_of(torch.optim.SGD(params, lr=0.1)) == []  # torch's optimizers keep none
 
 
 def test_parameters_without_gradients_are_skipped_and_kept() -> None:

@@ -5,6 +5,7 @@ moments; checkpoints across state precisions; ``offload_states`` / ``reload_stat
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from optstack.config import AdamConfig, MastersConfig, OffloadConfig, OptimizerC
 from optstack.factory import BuiltOptimizer, build_optimizer
 from optstack.megatron.config import OptimizerConfig as MegatronConfig
 from optstack.megatron.config import to_core
+from optstack.offload.states import scratch_of
 from optstack.stage import Masters, Remainders, Stage
 from optstack.stage.precision import join_remainder, split_remainder
 
@@ -52,6 +54,29 @@ def _train(model: nn.Module, built: BuiltOptimizer, steps: range) -> list[float]
 def _stage(built: BuiltOptimizer) -> Stage:
     [stage] = built.optimizer.stages
     return stage
+
+
+def _device_storages(root: object, model: nn.Module, host: list[torch.Tensor] = ()) -> dict[int, int]:
+    """Bytes by storage of every tensor reachable from ``root`` (attributes, containers, closures) that is
+    neither the model's (parameters, their gradients) nor in ``host`` (memory meant to be host memory)."""
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *host]}
+    skip |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    seen, found, todo = set(), {}, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type | type(torch) | nn.Module | str | bytes):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skip and obj.device.type != "meta":
+                found[id(storage) if storage.nbytes() == 0 else storage.data_ptr()] = storage.nbytes()
+            continue
+        if callable(obj) and hasattr(obj, "__code__"):  # a function: only its closure, not its module globals
+            todo += [c.cell_contents for c in obj.__closure__ or ()]
+            continue
+        todo += gc.get_referents(obj)
+    return found
 
 
 def _live_bytes(tensors: list[torch.Tensor]) -> int:
@@ -191,13 +216,16 @@ def test_checkpoints_load_across_state_precisions(tmp_path: Path, saved: str, lo
 
 
 # -- offload_states / reload_states --------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["masters", "remainders", "fp32", "hybrid", "hybrid_remainders"])
+@pytest.mark.parametrize("kind", ["masters", "remainders", "fp32", "hybrid", "hybrid_remainders", "bf16_state"])
 def test_offload_then_reload_gives_the_same_next_step(kind: str) -> None:
     settings: dict[str, Any] = {"masters": {}, "remainders": {"masters": MastersConfig(store_remainders=True)},
                                 "fp32": {"precision": "fp32"},
                                 "hybrid": {"offload": OffloadConfig(enabled=True, fraction=0.5)},
                                 "hybrid_remainders": {"offload": OffloadConfig(enabled=True, fraction=0.8),
-                                                      "masters": MastersConfig(store_remainders=True)}}[kind]
+                                                      "masters": MastersConfig(store_remainders=True)},
+                                # no masters, bf16 moments: AdamW's staging scratch is the only buffer besides
+                                "bf16_state": {"masters": MastersConfig(dtype="bf16", stochastic_rounding=True),
+                                               "adam": AdamConfig(exp_avg_dtype="bf16")}}[kind]
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
     runs = []
     for offload in (False, True):
@@ -210,10 +238,21 @@ def test_offload_then_reload_gives_the_same_next_step(kind: str) -> None:
             ids = [id(t) for s in stage.optimizer.state.values() for t in s.values()]
             moved = built.optimizer.offload_states()
             numel = sum(p.numel() for p in model.parameters())
-            assert moved >= 8 * numel  # at least both moments
+            assert moved >= (6 if kind == "bf16_state" else 8) * numel  # at least both moments
             assert state["exp_avg"].untyped_storage().nbytes() == 0  # the memory is really given up
             assert all(t.untyped_storage().nbytes() == 0 for t in stage.precision.held())
             assert built.optimizer.offload_states() == moved  # twice is once
+            # nothing the optimizer holds keeps device memory: masters, moments, gradient copies, scratch
+            host = [h for s in built.optimizer.stages for _, h in s._host._moved]  # the copies themselves
+            host += stage.optimizer.host_tensors if kind.startswith("hybrid") else []
+            host += [g for t in host if (g := t.grad) is not None] + [c.grads[0] for c in getattr(
+                stage.optimizer, "_chunks", [])]
+            held = _device_storages(built.optimizer, model, host)
+            assert len(held) >= 3 and sum(held.values()) == 0, held
+            if kind not in ("fp32", "bf16_state"):
+                assert stage.precision.scratch()  # the fp32 gradient copies were there, and are freed
+            if kind == "bf16_state":
+                assert scratch_of(stage.optimizer)  # AdamW's staging scratch was there, and is freed
             built.optimizer.reload_states()
             assert ids == [id(t) for s in stage.optimizer.state.values() for t in s.values()]  # same objects
         runs.append((_train(model, built, range(3, 5)), [p.clone() for p in model.parameters()],
@@ -221,6 +260,23 @@ def test_offload_then_reload_gives_the_same_next_step(kind: str) -> None:
     (loss_a, params_a, masters_a), (loss_b, params_b, masters_b) = runs
     assert loss_a == loss_b
     assert all(torch.equal(x, y) for x, y in zip(params_a + masters_a, params_b + masters_b, strict=True))
+
+
+def test_zero_grad_while_offloaded_leaves_the_freed_gradient_copies_alone() -> None:
+    runs = []
+    for offload in (False, True):
+        model = _model()
+        built = _build(model)
+        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(0)).bfloat16()
+        model(x).float().square().mean().backward()
+        built.optimizer.step()  # the masters' .grad are the fp32 gradient copies now
+        if offload:
+            built.optimizer.offload_states()
+        built.optimizer.zero_grad(set_to_none=False)  # zeroing a freed copy would fail: it comes back zeroed
+        built.optimizer.reload_states()
+        assert all(m.grad is None or not m.grad.any() for m in _stage(built).master_params)
+        runs.append(_train(model, built, range(2)))
+    assert runs[0] == runs[1]
 
 
 def test_reading_state_while_offloaded_reloads_it_first() -> None:

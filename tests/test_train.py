@@ -104,6 +104,8 @@ def test_config_file_errors_name_the_key_and_line(tmp_path: Path, capsys: pytest
     assert "beta1" in capsys.readouterr().err
     assert main(["train", "--set", "steps=3"]) == 2
     assert "section.key=value" in capsys.readouterr().err
+    assert main(["train", "--set", "model.compute_dtype=bf16"]) == 2
+    assert "model.compute_dtype" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

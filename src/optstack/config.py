@@ -145,20 +145,35 @@ class LossScaleConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AdamConfig:
+    """Adam's hyperparameters and the storage of its moments.
+
+    Attributes:
+        exp_avg_dtype, exp_avg_sq_dtype: 'fp32' | 'bf16' | 'fp16', or '8bit': block-quantized (bitsandbytes'
+            dynamic map, one fp32 absmax scale per ``block_size`` elements; the second moment in sqrt space),
+            1 B per element + 4 B per block. One name for both moments: each uses the map its sign needs.
+        block_size: elements per quantization block of '8bit' moments (a power of two in [16, 4096]).
+    """
+
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    exp_avg_dtype: Precision = "fp32"
-    exp_avg_sq_dtype: Precision = "fp32"
+    exp_avg_dtype: Precision | Literal["8bit"] = "fp32"
+    exp_avg_sq_dtype: Precision | Literal["8bit"] = "fp32"
+    block_size: int = 256
 
     def __post_init__(self) -> None:
-        _validate("adam.", self, beta1=_BETA, beta2=_BETA, eps=_NON_NEGATIVE, exp_avg_dtype=_precision,
-                  exp_avg_sq_dtype=_precision)
+        _validate("adam.", self, beta1=_BETA, beta2=_BETA, eps=_NON_NEGATIVE,
+                  exp_avg_dtype=_one_of("fp32", "bf16", "fp16", "8bit"),
+                  exp_avg_sq_dtype=_one_of("fp32", "bf16", "fp16", "8bit"), block_size=_int(16))
+        if self.block_size & (self.block_size - 1) or self.block_size > 4096:
+            raise ValueError(f"adam.block_size must be a power of two in [16, 4096], got {self.block_size}")
 
     @property
     def state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
-        """The storage dtypes of (exp_avg, exp_avg_sq)."""
-        return dtype_from_name(self.exp_avg_dtype), dtype_from_name(self.exp_avg_sq_dtype)
+        """The storage dtypes of (exp_avg, exp_avg_sq); torch.uint8 for '8bit' (the codes)."""
+        return tuple(torch.uint8 if name == "8bit" else dtype_from_name(name, f"adam.{field}")
+                     for field, name in (("exp_avg_dtype", self.exp_avg_dtype),
+                                         ("exp_avg_sq_dtype", self.exp_avg_sq_dtype)))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -409,6 +424,11 @@ def check_combination(config: OptimizerConfig, spec_of: Callable[[str], Algorith
             raise ValueError("offload.enabled=True cannot be combined with distributed.sharding='layerwise' (whole "
                              "parameters assigned to ranks for Muon); use distributed.sharding='replicated' or "
                              "'zero1' with offload")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config.adam, name) == "8bit" and spec().family not in ("adam", "muon"):
+            raise ValueError(f"adam.{name}='8bit' quantizes Adam's moments, but algorithm={algorithm!r} keeps none "
+                             "(the setting would be ignored); use an Adam-family algorithm (or Muon, whose "
+                             f"scalar parameters AdamW steps), or leave adam.{name} at 'fp32'")
     if distributed.sharding == "layerwise" and spec().family != "muon":
         raise ValueError("distributed.sharding='layerwise' needs a Muon-family algorithm (it assigns whole matrices "
                          f"to ranks for Newton-Schulz), got algorithm={algorithm!r}, whose state would silently stay "

@@ -52,6 +52,7 @@ def remainders_like_masters(sharding: str, root: str) -> dict[str, Any]:
 
     from optstack.checkpoint import save_checkpoint
     from optstack.factory import build_optimizer, wrap_data_parallel
+    from optstack.offload.states import scratch_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict[str, Any] = {}
@@ -64,6 +65,8 @@ def remainders_like_masters(sharding: str, root: str) -> dict[str, Any]:
         if remainders and sharding == "zero1":  # offload between steps: the next steps are unchanged
             moved = optimizer.offload_states()
             assert moved > 0 and all(t.untyped_storage().nbytes() == 0 for t in optimizer.stages[0].precision.held())
+            scratch = [t for s in optimizer.stages for t in s.precision.scratch() + scratch_of(s.optimizer)]
+            assert scratch and all(t.untyped_storage().nbytes() == 0 for t in scratch)  # fp32 grad copies too
             optimizer.reload_states()
         losses += _train(wrapped, optimizer, range(4, 6), world, rank)
         save_checkpoint(f"{root}/{'remainders' if remainders else 'masters'}", optimizer, step=6)
@@ -115,3 +118,69 @@ def test_remainders_step_like_fp32_masters_and_reshard(world2, tmp_path: Path, s
         loaded[saved, remainders] = [m.view(torch.int32) for s in optimizer.stages for m in s.master_params]
     first, *others = loaded.values()
     assert all(torch.equal(a, b) for other in others for a, b in zip(first, other, strict=True))
+
+
+def _config_8bit(sharding: str, moments: str, algorithm: str = ""):
+    from dataclasses import replace
+
+    from optstack.config import AdamConfig
+
+    config = _config(sharding, False, algorithm or _ALGORITHM[sharding])  # layer-wise: Muon + 8-bit AdamW
+    return replace(config, adam=AdamConfig(exp_avg_dtype=moments, exp_avg_sq_dtype=moments, block_size=16))
+
+
+def eight_bit_moments(sharding: str, root: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from optstack.checkpoint import save_checkpoint
+    from optstack.factory import build_optimizer, wrap_data_parallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[str, Any] = {}
+    for moments in ("fp32", "8bit"):
+        config = _config_8bit(sharding, moments)
+        model = _model()
+        wrapped = wrap_data_parallel(config, model)
+        optimizer = build_optimizer(config, wrapped).optimizer
+        losses = _train(wrapped, optimizer, range(4), world, rank)
+        if moments == "8bit":  # offload between steps: the codes and scales come back bit for bit
+            codes = [t.clone() for s in optimizer.stages for st in s.optimizer.state.values() for t in st.values()]
+            optimizer.offload_states()
+            optimizer.reload_states()
+            assert all(torch.equal(a, b) for a, b in zip(codes, [t for s in optimizer.stages for st in
+                                                                 s.optimizer.state.values() for t in st.values()],
+                                                         strict=True))
+            out["keys"] = sorted({k for s in optimizer.stages for st in s.optimizer.state.values() for k in st})
+        losses += _train(wrapped, optimizer, range(4, 6), world, rank)
+        save_checkpoint(f"{root}/{moments}", optimizer, step=6)
+        out[moments] = losses
+    return out
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "layerwise"])
+def test_8bit_moments_shard_track_fp32_and_reshard(world2, tmp_path: Path, sharding: str) -> None:
+    import torch
+
+    from optstack.checkpoint import load_checkpoint
+    from optstack.factory import build_optimizer
+
+    for rank in world2.run(eight_bit_moments, sharding, str(tmp_path)):
+        assert "exp_avg_codes" in rank["keys"] and "exp_avg_sq_sqrt_scales" in rank["keys"]
+        assert rank["8bit"] != rank["fp32"]  # really quantized
+        assert abs(rank["8bit"][-1] - rank["fp32"][-1]) < 0.05 * rank["fp32"][-1]
+    # one process, replicated: the 8-bit checkpoint (fp32 moments on disk) loads into fp32 and 8-bit moments
+    states = {}
+    for moments in ("fp32", "8bit"):
+        model = _model()
+        optimizer = build_optimizer(_config_8bit("replicated", moments, _ALGORITHM[sharding]), model).optimizer
+        load_checkpoint(tmp_path / "8bit", optimizer, model=None)
+        states[moments] = optimizer.state_dict()["state"]
+    assert states["fp32"].keys() == states["8bit"].keys()
+    adam = [index for index, entry in states["fp32"].items() if "exp_avg" in entry]  # (Muon's: momentum_buffer)
+    assert len(adam) >= 3
+    for index in adam:
+        want, got = states["fp32"][index], states["8bit"][index]
+        for key in ("exp_avg", "exp_avg_sq"):  # requantized in this layout's blocks: within the 8-bit error
+            assert want[key].dtype == got[key].dtype == torch.float32
+            assert (got[key] - want[key]).abs().max() <= 0.02 * want[key].abs().max(), (index, key)

@@ -5,6 +5,8 @@ Reusing the scratch keeps the copies in cache and allocates nothing per step: a 
 the fp32 one (fresh temporaries ~8x, mostly page faults; 20M params, 1 thread). Large tensors are cut into
 ``CHUNK``-element pieces (exact: the math is element-wise). The fp16 second moment is stored as
 ``grad_rms = sqrt(v / (1 - beta2**step))`` (see ``adamw.py``), decoded on the way in, encoded on the way out.
+An 8-bit block-quantized moment (a ``Q8``, ``_quant8.py``) is dequantized into its scratch slice, which starts
+on a block boundary and is padded to whole blocks, and quantized back after the kernel.
 With ``stochastic=True`` bf16 parameters are rounded back stochastically: random low 16 bits are added to the
 fp32 result before truncation, so a value rounds up with probability equal to its distance from the lower bf16
 neighbour (unbiased; updates far below a bf16 ulp still move the parameter on average).
@@ -17,12 +19,15 @@ from typing import Any
 
 import torch
 
+from optstack.algorithms._quant8 import Q8, dequantize_, quantize_
+
 __all__ = ["CHUNK", "rms_to_v", "round_stochastic_", "run_staged", "v_to_rms"]
 
 CHUNK = 1 << 20  # elements per operand per batch: 4 MiB of fp32, about a cache (measured best of 2^16..2^20)
 
 Kernel = Callable[..., None]  # kernel(params, grads, exp_avgs, exp_avg_sqs, steps, step_values, hyper)
-_Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor, float]]  # (quad or a piece of it, step, step value)
+Operand = torch.Tensor | Q8
+_Batch = list[tuple[tuple[Operand, ...], torch.Tensor, float]]  # (quad or a piece of it, step, step value)
 
 
 def rms_to_v(rms: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
@@ -36,14 +41,15 @@ def v_to_rms(v: torch.Tensor, step: float, beta2: float) -> torch.Tensor:
     return v.zero_() if step == 0 else v.div_(1 - beta2**step).sqrt_()
 
 
-def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor], values: list[float],
+def run_staged(kernel: Kernel, quads: list[tuple[Operand, ...]], steps: list[torch.Tensor], values: list[float],
                *, as_rms: bool, hyper: dict[str, Any],
                scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor], stochastic: bool = False) -> None:
     """Run ``kernel`` over math-dtype copies of (param, grad, exp_avg, exp_avg_sq) and round the results back.
 
     Args:
         kernel: the fused or foreach kernel (tensors of one dtype, contiguous).
-        quads: (param, grad, exp_avg, exp_avg_sq) per tensor, all on one device; the grad is only read.
+        quads: (param, grad, exp_avg, exp_avg_sq) per tensor, all on one device; the grad is only read; a
+            moment may be a ``Q8`` (8-bit block-quantized).
         steps, values: each tensor's step tensor and its value after this step's increment.
         as_rms: exp_avg_sq holds the fp16 ``grad_rms`` form.
         hyper: the kernel's hyperparameters (``beta2`` decodes ``grad_rms``).
@@ -57,22 +63,33 @@ def run_staged(kernel: Kernel, quads: list[tuple[torch.Tensor, ...]], steps: lis
         if key not in scratch:
             scratch[key] = torch.empty(4, CHUNK, dtype=key[0], device=key[1])
         for piece in _pieces(quad):
-            if key in pending and filled[key] + piece[0].numel() > CHUNK:
+            span = _span(piece)
+            if key in pending and filled[key] + span > CHUNK:
                 _run_batch(kernel, pending.pop(key), scratch[key], as_rms, hyper, stochastic)
             if key not in pending:
                 pending[key], filled[key] = [], 0
             pending[key].append((piece, step, value))
-            filled[key] += min(piece[0].numel(), CHUNK)
+            filled[key] += span
     for key, batch in pending.items():
         _run_batch(kernel, batch, scratch[key], as_rms, hyper, stochastic)
 
 
-def _pieces(quad: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Aligned flat pieces of at most ``CHUNK`` elements (the whole tensors when one is not contiguous)."""
-    if quad[0].numel() <= CHUNK or not all(t.is_contiguous() for t in quad):
+def _pieces(quad: tuple[Operand, ...]) -> Iterator[tuple[Operand, ...]]:
+    """Aligned flat pieces of at most ``CHUNK`` elements (the whole tensors when one is not contiguous; a
+    ``Q8``'s codes are, and ``CHUNK`` is a whole number of its blocks)."""
+    if quad[0].numel() <= CHUNK or not all(t.codes.is_contiguous() if isinstance(t, Q8) else t.is_contiguous()
+                                           for t in quad):
         yield quad
     else:
-        yield from zip(*(t.view(-1).split(CHUNK) for t in quad), strict=True)
+        yield from zip(*(t.split(CHUNK) if isinstance(t, Q8) else t.view(-1).split(CHUNK) for t in quad),
+                       strict=True)
+
+
+def _span(quad: tuple[Operand, ...]) -> int:
+    """Scratch elements a piece takes: its size (at most ``CHUNK``), rounded up to whole blocks for a ``Q8``."""
+    numel = min(quad[0].numel(), CHUNK)
+    block = max((t.block for t in quad if isinstance(t, Q8)), default=1)
+    return -(-numel // block) * block
 
 
 def round_stochastic_(stored: torch.Tensor, math: torch.Tensor) -> None:
@@ -92,10 +109,17 @@ def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: boo
     results: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) to round back: not grads
     rms: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (math, stored grad_rms, step)
     rounded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (math, stored) bf16 params, rounded stochastically
+    quantized: list[tuple[torch.Tensor, Q8]] = []  # (padded math, stored) 8-bit moments
     offset = 0
     for quad, _, value in batch:
         numel = quad[0].numel()
+        span = _span(quad)
         for k, t in enumerate(quad):
+            if isinstance(t, Q8):  # (past CHUNK only for a large non-contiguous param: a one-off temporary)
+                padded = scratch[k, offset : offset + span] if span <= CHUNK else scratch.new_empty(span)
+                quantized.append((padded, t))
+                lists[k].append(dequantize_(t, quantized[-1][0]).view(t.codes.shape))
+                continue
             encoded = as_rms and k == 3
             if not encoded and t.dtype == scratch.dtype and t.is_contiguous():
                 lists[k].append(t)  # usable as it is
@@ -113,7 +137,7 @@ def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: boo
                     rounded.append((math, t))
                 elif k != 1:  # the grad is only read
                     results.append((math, t))
-        offset += min(numel, CHUNK)
+        offset += span
     if copies:
         torch._foreach_copy_([m for m, _ in copies], [t for _, t in copies])
     decoded, encoded_rms, rms_steps = [list(c) for c in zip(*rms, strict=True)] or [[], [], []]
@@ -127,6 +151,8 @@ def _run_batch(kernel: Kernel, batch: _Batch, scratch: torch.Tensor, as_rms: boo
         torch._foreach_div_(decoded, [1 - beta2**s for s in rms_steps])
         torch._foreach_sqrt_(decoded)
         torch._foreach_copy_(encoded_rms, decoded)
+    for math, state in quantized:
+        quantize_(state, math)
     if results:
         torch._foreach_copy_([t for _, t in results], [m for m, _ in results])
     for math, stored in rounded:

@@ -12,6 +12,12 @@ fp16's smallest subnormal (6e-8) for ``|g| < 8e-3`` and the update ``m / (sqrt(v
 second moment is stored as ``grad_rms = sqrt(v / (1 - beta2**step))`` (key ``grad_rms``, no ``exp_avg_sq``),
 which has the range of ``|g|``; loading converts between the forms with the saved step and the group's beta2.
 An fp16 ``exp_avg`` keeps ``|g|`` down to 6e-5 at full precision; prefer bf16 for tiny gradients.
+
+8-bit moments (``torch.uint8``: block-quantized, ``_quant8.py``; 1 B per element + 4 B per ``block_size``
+block) are held as ``exp_avg_codes`` / ``exp_avg_scales`` and ``exp_avg_sq_sqrt_codes`` /
+``exp_avg_sq_sqrt_scales`` (the codes of ``sqrt(v)``), dequantized into the fp32 scratch for the step and
+quantized back. ``exported_state`` gives them as fp32 ``exp_avg`` / ``exp_avg_sq`` (what checkpoints hold,
+so they reshard and load into any moment dtype); ``load_state_dict`` takes either form.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from typing import Any
 import torch
 
 from optstack.algorithms._common import Impl, PerDeviceOptimizer, coalesce, copies_in_runs, resolve_impl, zeros_in_runs
+from optstack.algorithms._quant8 import DEFAULT_BLOCK, Q8, blocks_of, dequantize_, infer_block, quantize_, zeros_q8
 from optstack.algorithms._staging import rms_to_v, run_staged, v_to_rms
 
 __all__ = ["AdamW", "adamw_reference", "kwargs_from_config"]
 
-_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
 _RMS_KEY = "grad_rms"
+#: the keys of an 8-bit moment (codes, scales) and whether its codes encode the square root
+_Q8_KEYS = {"exp_avg": ("exp_avg_codes", "exp_avg_scales", False),
+            "exp_avg_sq": ("exp_avg_sq_sqrt_codes", "exp_avg_sq_sqrt_scales", True)}
 
 
 def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -70,6 +80,8 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
     masters = getattr(config, "masters", None)
     if masters is not None and masters.stochastic_rounding:
         kwargs["stochastic_rounding"] = True
+    if torch.uint8 in (exp_avg_dtype, exp_avg_sq_dtype):
+        kwargs["block_size"] = adam.block_size
     return kwargs
 
 
@@ -86,10 +98,12 @@ class AdamW(PerDeviceOptimizer):
         eps: added to the denominator, >= 0 (> 0 recommended: with 0, a zero gradient history divides by 0).
         weight_decay: >= 0; decoupled (AdamW) or L2 (Adam), see ``decoupled``.
         decoupled: True: AdamW; False: Adam with L2 weight decay.
-        exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments (fp32, bf16, fp16, fp64); math is fp32.
+        exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments (fp32, bf16, fp16, fp64, or uint8:
+            8-bit block-quantized); math is fp32.
         impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
         stochastic_rounding: round results into bf16 parameters stochastically (fused/foreach paths; the
             reference rounds to nearest).
+        block_size: elements per quantization block of 8-bit moments (a power of two in [16, 4096]).
     """
 
     _checked = ("lr", "betas", "eps", "weight_decay")
@@ -99,12 +113,17 @@ class AdamW(PerDeviceOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
                  decoupled: bool = True, exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, impl: Impl = "auto",
-                 stochastic_rounding: bool = False) -> None:
+                 stochastic_rounding: bool = False, block_size: int = DEFAULT_BLOCK) -> None:
         self._name = "AdamW" if decoupled else "Adam"
         for field, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in _STATE_DTYPES:
                 raise ValueError(f"{self._name}: {field} must be one of torch.float32, torch.bfloat16, "
-                                 f"torch.float16, torch.float64; got {dtype!r}")
+                                 f"torch.float16, torch.float64, torch.uint8 (8-bit block-quantized); got {dtype!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not (
+                16 <= block_size <= 4096 and block_size & (block_size - 1) == 0):
+            raise ValueError(f"{self._name}: block_size must be a power of two in [16, 4096], got {block_size!r}")
+        self.block_size = block_size
+        self._quantized = {"exp_avg": exp_avg_dtype == torch.uint8, "exp_avg_sq": exp_avg_sq_dtype == torch.uint8}
         self.decoupled = decoupled
         self.stochastic_rounding = bool(stochastic_rounding)
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
@@ -122,26 +141,40 @@ class AdamW(PerDeviceOptimizer):
         fresh = [i for i, state in enumerate(states) if not state]
         if fresh:  # back-to-back state for back-to-back params; the steps: views of one buffer (_advance_steps)
             new = [params[i] for i in fresh]
-            moments = zeros_in_runs(new, self.exp_avg_dtype), zeros_in_runs(new, self.exp_avg_sq_dtype)
             zero_steps = torch.zeros(len(fresh), dtype=torch.float32, device=step_device).unbind()
-            for i, step, m, v in zip(fresh, zero_steps, *moments, strict=True):
-                states[i].update({"step": step, "exp_avg": m, self._sq_key: v})
+            for i, step in zip(fresh, zero_steps, strict=True):
+                states[i]["step"] = step
+            for which, key, dtype in (("exp_avg", "exp_avg", self.exp_avg_dtype),
+                                      ("exp_avg_sq", self._sq_key, self.exp_avg_sq_dtype)):
+                if self._quantized[which]:
+                    self._check_quantizable(new)
+                    codes, scales, sqrt = _Q8_KEYS[which]
+                    for i, p in zip(fresh, new, strict=True):
+                        q = zeros_q8(p, self.block_size, sqrt=sqrt)
+                        states[i].update({codes: q.codes, scales: q.scales})
+                else:
+                    for i, tensor in zip(fresh, zeros_in_runs(new, dtype), strict=True):
+                        states[i][key] = tensor
         steps, values = _advance_steps(states, step_device)
         grads = [p.grad for p in params]
         if grad_scale != 1.0 and impl != "fused":
             torch._foreach_mul_(grads, grad_scale)
-        exp_avgs = [state["exp_avg"] for state in states]
-        exp_avg_sqs = [state[self._sq_key] for state in states]
+        exp_avgs = [self._moment(state, "exp_avg", "exp_avg") for state in states]
+        exp_avg_sqs = [self._moment(state, "exp_avg_sq", self._sq_key) for state in states]
         beta1, beta2 = (float(b) for b in group["betas"])
         hyper: dict[str, Any] = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": float(group["eps"]),
                                  "weight_decay": float(group["weight_decay"]), "decoupled": self.decoupled}
         as_rms = self._sq_key == _RMS_KEY
         if impl == "reference":
             for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, values, strict=True):
-                v_math = rms_to_v(v, step - 1, beta2) if as_rms else v
-                adamw_reference(p, g, m, v_math, step=int(step), **hyper)
+                m_math, v_math = (_dequantized(t).view(p.shape) if isinstance(t, Q8) else t for t in (m, v))
+                v_math = rms_to_v(v, step - 1, beta2) if as_rms else v_math
+                adamw_reference(p, g, m_math, v_math, step=int(step), **hyper)
                 if as_rms:
                     v.copy_(v_to_rms(v_math, step, beta2))
+                for stored, math in ((m, m_math), (v, v_math)):
+                    if isinstance(stored, Q8):
+                        quantize_(stored, math._base)
             return
         # torch's fused kernel divides the gradients by its grad_scale (and writes them back unscaled)
         hyper["grad_scale"] = torch.tensor(1.0 / grad_scale, device=device) if grad_scale != 1.0 else None
@@ -154,15 +187,53 @@ class AdamW(PerDeviceOptimizer):
         for i, (p, g) in enumerate(zip(params, grads, strict=True)):
             ok = p.dtype == native and g.dtype == p.dtype and p.is_contiguous() and g.is_contiguous()
             batches.setdefault(p.dtype if ok else None, []).append(i)
+        quantized = any(self._quantized.values())
         for dtype, picked in batches.items():
             lists = [[ts[i] for i in picked] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-            merged, firsts = coalesce(lists, keys=[values[i] for i in picked])
+            # 8-bit moments are blocked per tensor: their tensors are stepped one by one (not merged in runs)
+            merged, firsts = (lists, list(range(len(picked)))) if quantized else coalesce(
+                lists, keys=[values[i] for i in picked])
             run_steps, run_values = [steps[picked[f]] for f in firsts], [values[picked[f]] for f in firsts]
             if dtype is not None:
                 kernel(*merged, run_steps, run_values, hyper)
             else:
                 run_staged(kernel, list(zip(*merged, strict=True)), run_steps, run_values, as_rms=as_rms,
                            hyper=hyper, scratch=self._scratch, stochastic=self.stochastic_rounding)
+
+    def _moment(self, state: dict[str, Any], which: str, key: str) -> torch.Tensor | Q8:
+        """The stored moment ``which`` of one tensor's ``state``: its tensor, or its 8-bit form."""
+        if not self._quantized[which]:
+            return state[key]
+        codes, scales, sqrt = _Q8_KEYS[which]
+        return Q8(state[codes], state[scales], self.block_size, sqrt)
+
+    def _check_quantizable(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            if p.dtype == torch.float64:
+                names = {id(q): n for g in self.param_groups for q, n in zip(g["params"], g.get("param_names") or [],
+                                                                           strict=False)}
+                raise ValueError(f"{self._name}: 8-bit moments (adam.exp_avg_dtype / exp_avg_sq_dtype '8bit') are "
+                                 f"updated in fp32, but parameter {names.get(id(p), tuple(p.shape))!r} is "
+                                 "torch.float64; make it fp32/bf16 or keep fp32 moments (e.g. a rule routing it to "
+                                 "another optimizer)")
+
+    def exported_state(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """``state[tensor]`` with 8-bit moments dequantized into fresh fp32 ``exp_avg`` / ``exp_avg_sq`` (the
+        portable form checkpoints hold; ``load_state_dict`` takes it into any moment dtype); the live state
+        itself when nothing is quantized (empty when the tensor has no state)."""
+        state = self.state.get(tensor)
+        if not state or not any(self._quantized.values()):
+            return state if state is not None else {}
+        keys = {k for which, quantized in self._quantized.items() if quantized for k in _Q8_KEYS[which][:2]}
+        out = {k: v for k, v in state.items() if k not in keys}
+        for which, quantized in self._quantized.items():
+            if quantized:
+                out[which] = _dequantized(self._moment(state, which, which)).view(tensor.shape).clone()
+        return out
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The reused fp32 staging buffers (not state: each step writes them before reading them)."""
+        return list(self._scratch.values())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW`` / ``Adam``.
@@ -186,9 +257,11 @@ class AdamW(PerDeviceOptimizer):
         super().load_state_dict(state_dict)
         for position, state in restored.items():
             self.state[params[position]] = state
+        plain = [key for which, key in (("exp_avg", "exp_avg"), ("exp_avg_sq", self._sq_key))
+                 if not self._quantized[which]]
         for group in self.param_groups:  # lay out back-to-back state for back-to-back params
             with_state = [p for p in group["params"] if self.state.get(p)]
-            for key in ("exp_avg", self._sq_key):  # (each restored tensor is in our dtype already)
+            for key in plain:  # (each restored tensor is in our dtype already)
                 laid_out = copies_in_runs(with_state, [self.state[p][key] for p in with_state])
                 for p, tensor in zip(with_state, laid_out, strict=True):
                     self.state[p][key] = tensor
@@ -196,22 +269,56 @@ class AdamW(PerDeviceOptimizer):
     def _restore(self, position: int, param: torch.Tensor, saved: dict[str, Any], beta2: float) -> dict[str, Any]:
         """This optimizer's form of one saved per-param state (checked, copied, in our dtypes)."""
         where = f"{self._name}.load_state_dict: state of parameter {position} (shape {tuple(param.shape)})"
+        saved = dict(saved)
+        for which, (codes, scales, sqrt) in _Q8_KEYS.items():  # a saved 8-bit moment: its fp32 values
+            if codes in saved and which not in saved:
+                if scales not in saved or saved[codes].shape != param.shape:
+                    raise ValueError(f"{where}: saved {codes!r} needs shape {tuple(param.shape)} and {scales!r}")
+                saved_codes, saved_scales = saved.pop(codes), saved.pop(scales)
+                try:
+                    block = infer_block(saved_codes.numel(), saved_scales.numel())
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+                saved[which] = _dequantized(Q8(saved_codes.to(param.device), saved_scales.to(param.device),
+                                               block, sqrt)).view(param.shape)
         if "exp_avg" not in saved or ("exp_avg_sq" not in saved and _RMS_KEY not in saved):
             raise ValueError(f"{where} has keys {sorted(saved)}, not Adam's 'exp_avg' and 'exp_avg_sq'")
         for key in ("exp_avg", "exp_avg_sq", _RMS_KEY):
             if key in saved and tuple(saved[key].shape) != tuple(param.shape):
                 raise ValueError(f"{where}: saved {key!r} has shape {tuple(saved[key].shape)}")
         step = float(saved.get("step", 0))
-        if self._sq_key in saved:
+        if self._quantized["exp_avg_sq"]:
+            second = (saved["exp_avg_sq"].to(param.device, torch.float32, copy=True) if "exp_avg_sq" in saved
+                      else rms_to_v(saved[_RMS_KEY].to(param.device), step, beta2))
+        elif self._sq_key in saved:
             second = saved[self._sq_key].to(param.device, self.exp_avg_sq_dtype, copy=True)
         elif self._sq_key == _RMS_KEY:
             second = v_to_rms(saved["exp_avg_sq"].to(param.device, torch.float32, copy=True), step, beta2)
         else:
             second = rms_to_v(saved[_RMS_KEY].to(param.device), step, beta2)
         rest = {k: v for k, v in saved.items() if k not in ("step", "exp_avg", "exp_avg_sq", _RMS_KEY)}
-        return {"step": torch.tensor(step, dtype=torch.float32),
-                "exp_avg": saved["exp_avg"].to(param.device, self.exp_avg_dtype, copy=True),
-                self._sq_key: second.to(self.exp_avg_sq_dtype), **rest}
+        out = {"step": torch.tensor(step, dtype=torch.float32), **rest}
+        for which, values, dtype in (("exp_avg", saved["exp_avg"], self.exp_avg_dtype),
+                                     ("exp_avg_sq", second, self.exp_avg_sq_dtype)):
+            if self._quantized[which]:
+                self._check_quantizable([param])
+                codes, scales, sqrt = _Q8_KEYS[which]
+                q = zeros_q8(param, self.block_size, sqrt=sqrt)
+                padded = torch.zeros(blocks_of(param.numel(), self.block_size) * self.block_size,
+                                     dtype=torch.float32, device=param.device)
+                padded[: param.numel()].copy_(values.reshape(-1))
+                quantize_(q, padded)
+                out.update({codes: q.codes, scales: q.scales})
+            else:
+                out["exp_avg" if which == "exp_avg" else self._sq_key] = values.to(param.device, dtype, copy=True)
+        return out
+
+
+def _dequantized(state: Q8) -> torch.Tensor:
+    """The fp32 values of ``state``, flat, in a fresh buffer padded to whole blocks (``._base`` is the buffer)."""
+    buffer = torch.empty(blocks_of(state.codes.numel(), state.block) * state.block, dtype=torch.float32,
+                         device=state.codes.device)
+    return dequantize_(state, buffer)
 
 
 def _advance_steps(states: list[dict[str, Any]], device: torch.device) -> tuple[list[torch.Tensor], list[float]]:

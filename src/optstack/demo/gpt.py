@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,11 @@ class GPTConfig:
         d_model: residual width.
         seq_len: longest context (size of the position embedding).
         qk_layernorm: LayerNorm on each head's queries and keys (``q_layernorm`` / ``k_layernorm``).
+        compute_dtype: 'param': forward and backward run in the parameters' dtype; 'fp32': the weights are
+            upcast to fp32 inside ``forward`` (the parameters stay as stored, e.g. bf16, and autograd hands
+            them gradients in their own dtype), so bf16 optimizer settings can be compared on a CPU without
+            fast bf16 matmuls: the optimizer sees exactly the bf16 parameters and gradients, only the
+            model's arithmetic is more precise than a bf16 GPU run's.
     """
 
     vocab_size: int = 256
@@ -38,12 +44,15 @@ class GPTConfig:
     d_model: int = 192
     seq_len: int = 128
     qk_layernorm: bool = False
+    compute_dtype: Literal["param", "fp32"] = "param"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.compute_dtype not in ("param", "fp32"):
+            raise ValueError(f"model.compute_dtype must be 'param' or 'fp32', got {self.compute_dtype!r}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
@@ -101,7 +110,7 @@ class GPT(nn.Module):
         cfg: the model size.
 
     ``forward(idx)`` takes token ids of shape (batch, t) with t <= ``cfg.seq_len`` (int64) and returns logits
-    of shape (batch, t, vocab_size) in the parameters' dtype.
+    of shape (batch, t, vocab_size) in the parameters' dtype (fp32 with ``compute_dtype='fp32'``).
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -134,10 +143,18 @@ class GPT(nn.Module):
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self._run(self.tok_emb, idx) + self._run(self.pos_emb, pos)
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+            x = self._run(block, x)
+        return self._run(self.head, self._run(self.ln_f, x))
+
+    def _run(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``; with ``compute_dtype='fp32'``, on fp32 copies of its low-precision weights (the
+        casts are differentiable: each parameter's gradient comes back in its own dtype, once per step)."""
+        if self.cfg.compute_dtype == "param":
+            return module(x)
+        upcast = {n: p.float() for n, p in module.named_parameters() if p.dtype != torch.float32}
+        return torch.func.functional_call(module, upcast, (x,), strict=False) if upcast else module(x)
 
     def size(self) -> dict[str, int | bool]:
         """The size arguments that rebuild this model with ``build_demo_model(**size)``."""

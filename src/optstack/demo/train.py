@@ -197,7 +197,8 @@ def check_start(cfg: TrainConfig, out: str | Path, *, resume: bool, world_size: 
         raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by the number of "
                          f"processes ({world_size}): each takes an equal slice of the global batch")
     saved = run.read_train_state(latest) if latest is not None else None
-    if saved is not None and saved.model != dataclasses.asdict(cfg.model):
+    shape = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "compute_dtype"}  # not the weights
+    if saved is not None and {k: v for k, v in saved.model.items() if k != "compute_dtype"} != shape:
         raise ValueError(
             f"cannot resume {str(run.path)!r}: it was created with model {saved.model}, but this config has "
             f"model {dataclasses.asdict(cfg.model)}; drop the model overrides or use another --out"

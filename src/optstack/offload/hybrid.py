@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from optstack.offload.states import scratch_of
 from optstack.offload.transfers import Pairs, Transfers
 from optstack.protocol import MakeOptimizer, algorithm_name, phase
 
@@ -136,6 +137,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
         """The device optimizer, then one host optimizer per chunk."""
         return [self._device_optimizer] + [c.optimizer for c in self._chunks]
+
+    def exported_state(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """The portable state of device tensor ``tensor`` from the sub-optimizer stepping it (see
+        ``stage.state.exported_state``); empty when it has none."""
+        if tensor not in self.state:
+            return {}
+        optimizer, stepped = self._owners[id(tensor)]
+        export = getattr(optimizer, "exported_state", None)
+        return export(stepped) if export is not None else optimizer.state[stepped]
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The sub-optimizers' reused buffers whose values do not outlive a step (``offload.states.scratch_of``)."""
+        return [t for optimizer in self.sub_optimizers for t in scratch_of(optimizer)]
 
     @property
     def host_tensors(self) -> list[torch.Tensor]:

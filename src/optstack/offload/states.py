@@ -9,15 +9,26 @@ storages back and copies the bytes in: the values are bit for bit the same.
 While moved out, the tensors must not be read (their storage is empty); the owners (``Stage``) reload
 before anything reads them. On a CPU-only run "host" is the same memory kind: the storages are still
 emptied and refilled, so the path that runs is the one that runs on CUDA.
+
+Scratch (buffers whose values a step writes before it reads them: fp32 gradient copies, an algorithm's
+staging buffers) is freed without a copy and regrown zero-filled, as it was allocated: no bytes cross for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["HostCopy"]
+__all__ = ["HostCopy", "scratch_of"]
+
+
+def scratch_of(optimizer: Any) -> list[torch.Tensor]:
+    """``optimizer.scratch_tensors()`` (its reused buffers whose values do not outlive a step: optstack's
+    algorithms and ``HybridDeviceOptimizer`` say which), or none for an optimizer that keeps none (torch's)."""
+    scratch = getattr(optimizer, "scratch_tensors", None)
+    return list(scratch()) if scratch is not None else []
 
 
 class HostCopy:
@@ -27,15 +38,19 @@ class HostCopy:
     Args:
         tensors: the tensors to move (views of one storage are moved once, with the whole storage).
         device: the device whose storages move (on CUDA, host tensors already there are skipped).
+        scratch: tensors whose storages are freed without a copy and regrown zero-filled by ``reload``
+            (their values are written before they are read); a storage also under ``tensors`` is moved.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor], device: torch.device,
+                 scratch: Iterable[torch.Tensor] = ()) -> None:
         self.device = device
-        storages: dict[int, torch.UntypedStorage] = {}
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if tensor.device == device and storage.nbytes() > 0:
-                storages.setdefault(storage.data_ptr(), storage)
+        storages, self._freed = _storages(tensors, device), _storages(scratch, device)
+        for key in storages.keys() & self._freed.keys():
+            del self._freed[key]
+        self._freed_nbytes = [s.nbytes() for s in self._freed.values()]
+        for storage in self._freed.values():
+            storage.resize_(0)  # nothing reads it before the reload regrows it
         pin = device.type == "cuda"
         self._moved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         for storage in storages.values():
@@ -48,8 +63,13 @@ class HostCopy:
 
     @property
     def nbytes(self) -> int:
-        """Bytes moved to the host."""
+        """Bytes moved to the host (freed scratch not counted: see ``freed_nbytes``)."""
         return sum(host.numel() for _, host in self._moved)
+
+    @property
+    def freed_nbytes(self) -> int:
+        """Bytes of scratch freed on the device without a copy."""
+        return sum(self._freed_nbytes)
 
     def reload(self) -> None:
         """Grow each storage back and copy its bytes in (asynchronously on CUDA, ordered after the offload)."""
@@ -59,7 +79,20 @@ class HostCopy:
         for storage, host in self._moved:
             storage.resize_(host.numel())
             _bytes(storage).copy_(host, non_blocking=pin)
-        self._moved = []
+        for storage, nbytes in zip(self._freed.values(), self._freed_nbytes, strict=True):
+            storage.resize_(nbytes)
+            _bytes(storage).zero_()
+        self._moved, self._freed, self._freed_nbytes = [], {}, []
+
+
+def _storages(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, torch.UntypedStorage]:
+    """The distinct non-empty storages under ``tensors`` that lie on ``device``, by data pointer."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if tensor.device == device and storage.nbytes() > 0:
+            storages.setdefault(storage.data_ptr(), storage)
+    return storages
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -105,6 +105,11 @@ class Precision:
         ``offload_states`` moves and memory accounting counts."""
         return [m for _, m in self._pairs]
 
+    def scratch(self) -> list[torch.Tensor]:
+        """The fp32 gradient copies: buffers this precision owns whose values ``ready`` rewrites before the
+        step reads them (``offload_states`` frees them without a copy)."""
+        return list(self._copy_to)
+
     def readable(self, stepped: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``stepped`` with their values readable between steps: each tensor itself, or (for a master held
         as a remainder) a fresh fp32 copy of the master it stands for."""
@@ -152,6 +157,8 @@ class Precision:
                 continue
             if set_to_none:
                 tensor.grad = None
+            elif tensor.grad.untyped_storage().nbytes() == 0:
+                continue  # a gradient copy freed by offload_states: it comes back zero-filled
             elif tensor.grad.grad_fn is not None:
                 tensor.grad.detach_().zero_()
             else:

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from optstack.clip import norm_pows, zero_count
-from optstack.offload.states import HostCopy
+from optstack.offload.states import HostCopy, scratch_of
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
-from optstack.stage.state import from_plain, load_into, migrate, shards_of, to_plain
+from optstack.stage.state import exported_state, from_plain, load_into, migrate, shards_of, to_plain
 
 __all__ = ["Stage"]
 
@@ -217,6 +217,7 @@ class Stage:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the stepped tensors' gradients and those of every model parameter of the groups."""
+        self._ready = []  # else a gradient set to None would stay alive here until the next step
         self.precision.clear(set_to_none)
         for group in self.param_groups:
             for param in group["params"]:
@@ -229,15 +230,19 @@ class Stage:
     # -- moving the state off the device between steps --------------------------------------------------
     def offload_states(self) -> int:
         """Move every master, remainder and optimizer state tensor of this stage to host memory (pinned and
-        asynchronous on CUDA) and free its device memory; the tensor objects stay. Anything that reads the
-        state (a step, ``state_dict``, a load) first calls ``reload_states``. Returns the bytes moved."""
+        asynchronous on CUDA) and free its device memory; the tensor objects stay. Scratch (fp32 gradient
+        copies, the algorithm's staging buffers) is freed without a copy and regrown zeroed on reload, so
+        the device keeps no storage of this stage. Anything that reads the state (a step, ``state_dict``, a
+        load) first calls ``reload_states``. Returns the bytes moved."""
         if self._host is not None:
             return self._host.nbytes
         self.placement.finish()
         self.precision.release()  # after a skipped step; the parameters and remainders hold the masters
+        self._ready = []  # the next step makes them ready again
         state = [v for t in self._stepped for v in (self.optimizer.state.get(t) or {}).values()
                  if isinstance(v, torch.Tensor)]
-        self._host = HostCopy(self.precision.held() + state, self.device)
+        self._host = HostCopy(self.precision.held() + state + [self._counted], self.device,
+                              scratch=self.precision.scratch() + scratch_of(self.optimizer))
         return self._host.nbytes
 
     def reload_states(self) -> None:
@@ -250,7 +255,8 @@ class Stage:
     def torch_state(self) -> dict[int, dict[str, Any]]:
         """This rank's optimizer state by ``id`` of the model parameter, as ``torch.optim`` keeps it: the live
         state tensors, shaped as stepped (the parameter's shape when held whole, the flat range
-        ``[start, end)`` otherwise), and for a parameter with an fp32 master that master as ``"master"``.
+        ``[start, end)`` otherwise; 8-bit moments as fresh fp32 copies), and for a parameter with an fp32
+        master that master as ``"master"``.
         Only parameters this rank steps and that have state (after a first step, or a load)."""
         self.reload_states()
         self.placement.finish()
@@ -258,7 +264,7 @@ class Stage:
         readable = self.precision.readable(self._stepped)
         out = {}
         for piece, inner, value in zip(self.pieces, self._stepped, readable, strict=True):
-            entry = self.optimizer.state.get(inner)
+            entry = exported_state(self.optimizer, inner)  # 8-bit moments as fp32
             if entry:
                 out[id(piece.param)] = {**entry, "master": value.detach()} if id(inner) in masters else entry
         return out

@@ -20,11 +20,18 @@ import torch
 from optstack.protocol import ParamShard, algorithm_name
 from optstack.stage.placement import Piece
 
-__all__ = ["from_plain", "load_into", "migrate", "shards_of", "to_plain"]
+__all__ = ["exported_state", "from_plain", "load_into", "migrate", "shards_of", "to_plain"]
 
 
 def _inner_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
     return [(p, group) for group in optimizer.param_groups for p in group["params"]]
+
+
+def exported_state(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> dict[str, Any]:
+    """``optimizer.state[tensor]`` in its portable form: ``optimizer.exported_state(tensor)`` where the
+    algorithm keeps state in a form of its own (AdamW's 8-bit moments, given as fp32), else the live state."""
+    export = getattr(optimizer, "exported_state", None)
+    return export(tensor) if export is not None else optimizer.state.get(tensor, {})
 
 
 def shards_of(optimizer: torch.optim.Optimizer, pieces: Sequence[Piece],
@@ -39,7 +46,7 @@ def shards_of(optimizer: torch.optim.Optimizer, pieces: Sequence[Piece],
         group = outer[id(inner_group)]
         tensors: dict[str, torch.Tensor] = {"param": inner.detach().reshape(-1)}
         scalars: dict[str, Any] = {}
-        for key, value in optimizer.state.get(inner, {}).items():
+        for key, value in exported_state(optimizer, inner).items():
             if isinstance(value, torch.Tensor) and value.shape == inner.shape:
                 tensors[key] = value.reshape(-1)
             else:
