@@ -120,8 +120,11 @@ def test_precision_aware_state_dtypes() -> None:
     assert (got.adam.exp_avg_dtype, got.adam.exp_avg_sq_dtype) == ("bf16", "fp16")
     with pytest.raises(ValueError, match="exp_avg_dtype=torch.bfloat16 needs use_precision_aware_optimizer"):
         OptimizerConfig(exp_avg_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="exp_avg_sq_dtype=torch.uint8"):
-        OptimizerConfig(use_precision_aware_optimizer=True, exp_avg_sq_dtype=torch.uint8)
+    with pytest.raises(ValueError, match="exp_avg_sq_dtype=torch.int8"):
+        OptimizerConfig(use_precision_aware_optimizer=True, exp_avg_sq_dtype=torch.int8)
+    eight = to_core(OptimizerConfig(lr=1e-3, bf16=True, use_precision_aware_optimizer=True,
+                                    exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8))
+    assert (eight.adam.exp_avg_dtype, eight.adam.exp_avg_sq_dtype) == ("8bit", "8bit")
     with pytest.raises(ValueError, match="use_precision_aware_optimizer=True needs optimizer='adam'"):
         OptimizerConfig(use_precision_aware_optimizer=True, optimizer="sgd")
 

@@ -288,3 +288,21 @@ def test_offload_optimizer_states_frees_the_state_after_each_step_and_changes_no
     masters = [t for o in opt.chained_optimizers for g in o.optimizer.param_groups for t in g["params"]]
     assert all(t.untyped_storage().nbytes() > 0 for t in masters)
     assert opt.offload_states() > 0
+
+
+def test_uint8_moments_are_8bit_block_quantized_and_track_fp32_moments() -> None:
+    def run(dtype: torch.dtype) -> nn.Module:
+        model = tiny(torch.bfloat16)
+        cfg = OptimizerConfig(lr=1e-2, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=dtype,
+                              exp_avg_sq_dtype=dtype)
+        opt = get_megatron_optimizer(cfg, [model])
+        train(opt, model, 3)
+        if dtype == torch.uint8:
+            keys = {k for o in opt.chained_optimizers for s in o.optimizer.state.values() for k in s}
+            assert "exp_avg_codes" in keys and "exp_avg" not in keys
+        return model
+
+    eight, ref, start = run(torch.uint8), run(torch.float32), tiny(torch.bfloat16)
+    for (name, p), q, p0 in zip(eight.named_parameters(), ref.parameters(), start.parameters(), strict=True):
+        moved = (q.float() - p0.float()).norm()
+        assert (p.float() - q.float()).norm() <= 0.1 * moved + 1e-2, name

@@ -25,7 +25,8 @@ Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precisio
 ``use_distributed_optimizer`` here.
 
 The precision-aware optimizer (``use_precision_aware_optimizer=True``, as in Megatron the switch for the
-fields below): ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` -> ``adam``; ``main_params_dtype`` torch.float32 (fp32
+fields below): ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` -> ``adam`` (torch.uint8, Transformer Engine's FP8
+moments in Megatron, -> optstack's 8-bit block-quantized moments, ``'8bit'``); ``main_params_dtype`` torch.float32 (fp32
 masters) or torch.bfloat16 (bf16 parameters stepped directly) -> ``masters.dtype``; ``main_grads_dtype``
 torch.bfloat16 -> ``masters.grad_dtype`` (gradients read without an fp32 copy); ``store_param_remainders``
 (default True, as Megatron) -> ``masters.store_remainders`` for bf16 parameters with fp32 masters (ignored
@@ -61,6 +62,8 @@ __all__ = [
 #: of muon with the layer-wise distributed optimizer).
 SUPPORTED_OPTIMIZERS = ("adam", "sgd", "lion", "muon", "dist_muon")
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Megatron's torch.uint8 moments (Transformer Engine's FP8 state) become optstack's 8-bit block-quantized ones.
+_MOMENT_DTYPES = {**_DTYPE_NAMES, torch.uint8: "8bit"}
 _MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 # optstack.config field paths -> the Megatron field a user set, for errors raised by the core's validation.
@@ -249,7 +252,7 @@ def check_supported(config: OptimizerConfig) -> None:
             f"bf16={config.bf16}; allowed: torch.float32 or {precision_dtype} (set bf16=True for bfloat16 "
             "params, fp16=True for float16 params)"
         )
-    for field, allowed in (("exp_avg_dtype", _DTYPE_NAMES), ("exp_avg_sq_dtype", _DTYPE_NAMES),
+    for field, allowed in (("exp_avg_dtype", _MOMENT_DTYPES), ("exp_avg_sq_dtype", _MOMENT_DTYPES),
                            ("main_params_dtype", _MAIN_DTYPES), ("main_grads_dtype", _MAIN_DTYPES)):
         value = getattr(config, field)
         if value not in allowed:
@@ -400,8 +403,8 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
                 beta1=config.adam_beta1,
                 beta2=config.adam_beta2,
                 eps=config.adam_eps,
-                exp_avg_dtype=_DTYPE_NAMES[config.exp_avg_dtype],
-                exp_avg_sq_dtype=_DTYPE_NAMES[config.exp_avg_sq_dtype],
+                exp_avg_dtype=_MOMENT_DTYPES[config.exp_avg_dtype],
+                exp_avg_sq_dtype=_MOMENT_DTYPES[config.exp_avg_sq_dtype],
             ),
             sgd=core.SGDConfig(momentum=config.sgd_momentum, nesterov=False),
             lion=core.LionConfig(beta1=config.lion_beta1, beta2=config.lion_beta2),
