@@ -22,7 +22,7 @@ from optstack.megatron.config import OptimizerConfig as MegatronConfig
 from optstack.megatron.config import to_core
 from optstack.offload.states import scratch_of
 from optstack.stage import Masters, Remainders, Stage
-from optstack.stage.precision import join_remainder, split_remainder
+from optstack.stage.precision import join_remainder, round_bf16_ties_away, split_remainder
 
 STEPS = 6
 
@@ -371,3 +371,34 @@ def test_add_param_group_under_remainders_steps_like_masters() -> None:
             stage.zero_grad()
         results.append([t.view(torch.int32) for t in stage.master_params] + [first, second])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_masters_round_bf16_ties_as_remainders_do_so_the_runs_are_bitwise_equal() -> None:
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(4096, generator=gen) * 10.0 ** torch.randint(-6, 6, (4096,), generator=gen)
+    bits = master.view(torch.int32)
+    bits[::7] = (bits[::7] & ~0xFFFF) | 0x8000  # exact ties, both signs, odd and even high halves
+    ours = torch.empty(4096, dtype=torch.bfloat16)
+    round_bf16_ties_away(master, ours)
+    param, rem = torch.empty(4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.int16)
+    split_remainder(master.clone(), param, rem)
+    assert torch.equal(ours.view(torch.int16), param.view(torch.int16))
+    tie = (bits & 0xFFFF) == 0x8000
+    assert torch.equal(ours[~tie], master[~tie].to(torch.bfloat16))
+    assert not torch.equal(ours[tie], master[tie].to(torch.bfloat16))  # torch rounds half of them to even
+    strided = torch.zeros(4096, 2, dtype=torch.bfloat16)[:, 0]
+    round_bf16_ties_away(master, strided)
+    assert torch.equal(strided, ours)
+
+    def run(remainders: bool) -> nn.Module:  # a million elements: about 45 ties a step
+        torch.manual_seed(0)
+        model = nn.Linear(1000, 1000, bias=False).to(torch.bfloat16)
+        built = build_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, precision="bf16", clip_grad=0.0,
+                                                masters=MastersConfig(store_remainders=remainders)), model)
+        grads = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            model.weight.grad = torch.randn(1000, 1000, generator=grads).to(torch.bfloat16)
+            built.optimizer.step()
+        return model
+
+    assert torch.equal(run(True).weight, run(False).weight)

@@ -145,10 +145,17 @@ class Precision:
         return ready
 
     def publish(self) -> None:
-        """Round the masters into the model storage (after a step or a load)."""
+        """Round the masters into the model storage (after a step or a load). bf16 values round exact ties
+        half away from zero, as ``Remainders`` must (round-half-to-even does not fit 16 bits: 65,537 fp32
+        values round to an even bf16), so an fp32-master run and a remainder run are bitwise the same."""
         if self._pairs:
             with torch.no_grad():
-                _copy_all([v for v, _ in self._pairs], [m for _, m in self._pairs])
+                bf16 = [(v, m) for v, m in self._pairs if v.dtype == torch.bfloat16]
+                other = [(v, m) for v, m in self._pairs if v.dtype != torch.bfloat16]
+                if other:
+                    _copy_all([v for v, _ in other], [m for _, m in other])
+                for value, master in bf16:
+                    round_bf16_ties_away(master, value)
 
     def clear(self, set_to_none: bool) -> None:
         """Clear the stepped tensors' gradients (and the model's, for pieces that are whole parameters)."""
@@ -186,7 +193,8 @@ class Remainders(Precision):
     workspace (one flat tensor per group, so fused kernels step it as one run) whose storage ``publish``
     frees after splitting the stepped masters back. The split is Megatron's / TransformerEngine's
     ``store_param_remainders``: the parameter is the master's high half rounded to nearest by the remainder's
-    top bit (half away from zero: it differs from ``master.to(bfloat16)`` only on exact ties), and the
+    top bit (half away from zero, as ``Masters`` rounds bf16 too; ``master.to(bfloat16)`` differs on exact
+    ties), and the
     remainder is the master's low 16 bits read as a signed int16, so ``master_bits = param_bits << 16 +
     remainder`` exactly.
     """
@@ -281,6 +289,26 @@ def join_remainder(param: torch.Tensor, remainder: torch.Tensor, *, out: torch.T
     bits.copy_(param.view(torch.int16))  # sign-extended
     bits.bitwise_left_shift_(16).add_(remainder)
     return out
+
+
+_ROUND_CHUNK = 1 << 22  # elements per pass: bounds the int32 scratch (16 MiB)
+
+
+def round_bf16_ties_away(master: torch.Tensor, out: torch.Tensor) -> None:
+    """Write fp32 ``master`` into bf16 ``out`` rounded to nearest, ties half away from zero: the parameter
+    ``split_remainder`` makes (bits ``(master + 0x8000) >> 16``). Differs from ``out.copy_(master)``
+    (ties to even) only where the low 16 bits are exactly 0x8000."""
+    bits = master.detach().reshape(-1).view(torch.int32)
+    flat = out.view(-1) if out.is_contiguous() else None
+    if flat is None:  # a strided view: round into a temporary, then one copy
+        rounded = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+        round_bf16_ties_away(master, rounded)
+        out.copy_(rounded)
+        return
+    halves = flat.view(torch.int16)
+    for start in range(0, bits.numel(), _ROUND_CHUNK):
+        part = bits[start : start + _ROUND_CHUNK]
+        halves[start : start + part.numel()].copy_(part.add(0x8000).bitwise_right_shift_(16))
 
 
 def split_remainder(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
