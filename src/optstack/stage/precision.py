@@ -154,8 +154,10 @@ class Precision:
                 other = [(v, m) for v, m in self._pairs if v.dtype != torch.bfloat16]
                 if other:
                     _copy_all([v for v, _ in other], [m for _, m in other])
-                for value, master in bf16:
-                    round_bf16_ties_away(master, value)
+                if bf16:  # back-to-back pieces (a bucket's, a model's) as one run: few passes, not one per piece
+                    (values, masters), _ = coalesce([[v for v, _ in bf16], [m for _, m in bf16]])
+                    for value, master in zip(values, masters, strict=True):
+                        round_bf16_ties_away(master, value)
 
     def clear(self, set_to_none: bool) -> None:
         """Clear the stepped tensors' gradients (and the model's, for pieces that are whole parameters)."""
@@ -291,7 +293,7 @@ def join_remainder(param: torch.Tensor, remainder: torch.Tensor, *, out: torch.T
     return out
 
 
-_ROUND_CHUNK = 1 << 22  # elements per pass: bounds the int32 scratch (16 MiB)
+_ROUND_CHUNK = 1 << 16  # elements per pass: the int32 scratch (256 KiB) stays in cache between its passes
 
 
 def round_bf16_ties_away(master: torch.Tensor, out: torch.Tensor) -> None:
@@ -306,9 +308,12 @@ def round_bf16_ties_away(master: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(rounded)
         return
     halves = flat.view(torch.int16)
-    for start in range(0, bits.numel(), _ROUND_CHUNK):
-        part = bits[start : start + _ROUND_CHUNK]
-        halves[start : start + part.numel()].copy_(part.add(0x8000).bitwise_right_shift_(16))
+    chunk = _ROUND_CHUNK if bits.device.type == "cpu" else _ROUND_CHUNK << 8  # accelerators: few launches
+    scratch = torch.empty(min(bits.numel(), chunk), dtype=torch.int32, device=bits.device)
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start : start + chunk]
+        tmp = torch.add(part, 0x8000, out=scratch[: part.numel()])
+        halves[start : start + part.numel()].copy_(tmp.bitwise_right_shift_(16))
 
 
 def split_remainder(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
