@@ -22,7 +22,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+# A Megatron-LM bare git dir (``git clone --bare``); set it once in the environment or pass --mirror.
+MIRROR = os.environ.get("MEGATRON_LM_MIRROR") or None
 FILES = ("test_optimizer.py", "test_optimizer_param_scheduler.py", "test_layer_wise_optimizer.py",
          "test_optimizer_cpu_offloading.py", "test_muon_optimizer.py", "test_lion_optimizer.py", "optimizer/")
 
@@ -131,13 +132,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ref", action="append", help="Megatron-LM git ref (repeatable); default core_v0.16.1")
     parser.add_argument("--megatron-src", type=Path, help="a Megatron-LM checkout to use instead of the mirror")
-    parser.add_argument("--mirror", type=Path, default=MIRROR, help=f"Megatron-LM bare git dir (default {MIRROR})")
+    parser.add_argument("--mirror", type=Path, default=MIRROR,
+                        help="Megatron-LM bare git dir (default: $MEGATRON_LM_MIRROR)")
     parser.add_argument("--files", nargs="+", default=list(FILES), help="paths under tests/unit_tests")
     parser.add_argument("--nproc", type=int, default=1, help="gloo processes (default 1)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "optstack-megatron-tests")
     parser.add_argument("-k", help="pytest -k expression")
     parser.add_argument("-v", "--verbose", action="store_true", help="list every failure and skip with its reason")
     args = parser.parse_args()
+    if args.megatron_src is None and args.mirror is None:
+        parser.error("no Megatron-LM source: pass --mirror DIR (a bare git clone), set MEGATRON_LM_MIRROR, "
+                     "or pass --megatron-src CHECKOUT")
     sources = [("checkout", args.megatron_src.resolve())] if args.megatron_src else [
         (ref, export(args.mirror, ref, args.work)) for ref in (args.ref or ["core_v0.16.1"])]
     for ref, src in sources:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+# A Megatron-LM bare git dir (``git clone --bare``); set it once in the environment or pass --mirror.
+MIRROR = os.environ.get("MEGATRON_LM_MIRROR") or None
 FILES = ("tests/unit_tests/distributed/test_param_and_grad_buffer.py",
          "tests/unit_tests/distributed/test_distributed_data_parallel.py")
 # Failures that are out of scope (issue 14's acceptance): test name fragment -> why. Reported as "out of scope".
@@ -43,12 +44,12 @@ _SUBS = ((re.compile(r"\.cuda\(\)"), ".cpu()"), (re.compile(r"(['\"])cuda\1"), r
          (re.compile(r"(['\"])nccl\1"), r"\1gloo\1"))
 
 
-def export(ref: str, dest: Path) -> None:
+def export(mirror: Path, ref: str, dest: Path) -> None:
     """Export the test files at ``ref`` and write their transformed copies to ``dest/tests``."""
     src = dest / "src"
     if not src.exists():
         src.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(MIRROR), "archive", ref, *FILES],
+        archive = subprocess.run(["git", "-C", str(mirror), "archive", ref, *FILES],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     tests = dest / "tests"
@@ -120,16 +121,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ref", nargs="+", default=["core_v0.16.1", "HEAD"])
     parser.add_argument("--world", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--mirror", type=Path, default=MIRROR,
+                        help="Megatron-LM bare git dir (default: $MEGATRON_LM_MIRROR)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "optstack-megatron-dist")
     parser.add_argument("--out", type=Path, default=None, help="markdown table (default: <work>/table.md)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per world")
     parser.add_argument("-k", default=None, help="pytest -k expression")
     args = parser.parse_args()
+    if args.mirror is None:
+        parser.error("no Megatron-LM source: pass --mirror DIR (a bare git clone) or set MEGATRON_LM_MIRROR")
     extra = ["-k", args.k] if args.k else []
     rows: dict[tuple[str, str], dict[int, tuple[str, str]]] = {}
     for ref in args.ref:
         dest = args.work / ref.replace("/", "_")
-        export(ref, dest)
+        export(args.mirror, ref, dest)
         for world in args.world:
             for name, res in run_world(dest / "tests", world, dest / f"world{world}", extra,
                                        args.timeout).items():
