@@ -42,6 +42,7 @@ class Precision:
         self.host_fraction = host_fraction
         self._seen = 0  # stepped tensors so far (the offload plan counts them in group order)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model storage, its master)
+        self._publish_plan: tuple[int, list, list, list] | None = None  # publish's grouping of _pairs, made once
         self._inner: list[torch.Tensor] = []
         self._copy_to: list[torch.Tensor] = []  # fp32 grads of the pieces whose grads are copied
         self._copied: list[int] = []
@@ -148,16 +149,22 @@ class Precision:
         """Round the masters into the model storage (after a step or a load). bf16 values round exact ties
         half away from zero, as ``Remainders`` must (round-half-to-even does not fit 16 bits: 65,537 fp32
         values round to an even bf16), so an fp32-master run and a remainder run are bitwise the same."""
-        if self._pairs:
-            with torch.no_grad():
-                bf16 = [(v, m) for v, m in self._pairs if v.dtype == torch.bfloat16]
-                other = [(v, m) for v, m in self._pairs if v.dtype != torch.bfloat16]
-                if other:
-                    _copy_all([v for v, _ in other], [m for _, m in other])
-                if bf16:  # back-to-back pieces (a bucket's, a model's) as one run: few passes, not one per piece
-                    (values, masters), _ = coalesce([[v for v, _ in bf16], [m for _, m in bf16]])
-                    for value, master in zip(values, masters, strict=True):
-                        round_bf16_ties_away(master, value)
+        if not self._pairs:
+            return
+        if self._publish_plan is None or self._publish_plan[0] != len(self._pairs):  # pairs only grow
+            bf16 = [(v, m) for v, m in self._pairs if v.dtype == torch.bfloat16]
+            other = [(v, m) for v, m in self._pairs if v.dtype != torch.bfloat16]
+            # back-to-back pieces (a bucket's, a model's) as one run: a few passes, not a few per piece; the
+            # views stay valid across offload (it resizes the same storages)
+            runs = coalesce([[v for v, _ in bf16], [m for _, m in bf16]])[0] if bf16 else [[], []]
+            self._publish_plan = (len(self._pairs), [v for v, _ in other], [m for _, m in other],
+                                  list(zip(*runs, strict=True)))
+        _, values, masters, bf16_runs = self._publish_plan
+        with torch.no_grad():
+            if values:
+                _copy_all(values, masters)
+            for value, master in bf16_runs:
+                round_bf16_ties_away(master, value)
 
     def clear(self, set_to_none: bool) -> None:
         """Clear the stepped tensors' gradients (and the model's, for pieces that are whole parameters)."""
