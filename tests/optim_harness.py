@@ -53,3 +53,16 @@ def clones_with_grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for clone, t in zip(clones, tensors, strict=True):
         clone.grad = t.grad.clone()
     return clones
+
+
+def stack_state(model: nn.Module, built) -> dict[str, torch.Tensor | float]:
+    """Every number of a built stack (model, each stage's shards, lrs, loss scale, scheduler step), copied:
+    what a failed load must leave unchanged. Keys: ``model.<name>``, ``<stage>.<param>.<key>``, ``lr<i>``."""
+    out: dict[str, torch.Tensor | float] = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, stage in enumerate(built.optimizer.stages):
+        for name, shard in stage.param_shards().items():
+            out |= {f"{i}.{name}.{k}": t.clone() for k, t in shard.tensors.items()}
+            out |= {f"{i}.{name}.{k}": float(v) for k, v in shard.scalars.items()}
+    out |= {f"lr{i}": float(g["lr"]) for i, g in enumerate(built.optimizer.param_groups)}
+    assert built.scheduler is not None
+    return out | {"scale": built.optimizer.loss_scale, "sched": float(built.scheduler.num_steps)}

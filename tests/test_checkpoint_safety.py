@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optim_harness import stack_state
 from torch import nn
 
 from optstack.checkpoint import load_checkpoint, save_checkpoint
@@ -50,16 +51,6 @@ def _train(model: nn.Module, built: BuiltOptimizer, steps: range) -> None:
         built.scheduler.step()
 
 
-def _state(model: nn.Module, built: BuiltOptimizer) -> dict[str, torch.Tensor | float]:
-    """Every number of the stack, flattened, copied: a failed load must change none of them."""
-    out: dict[str, torch.Tensor | float] = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for i, stage in enumerate(built.optimizer.stages):
-        for name, shard in stage.param_shards().items():
-            out |= {f"{i}.{name}.{k}": t.clone() for k, t in shard.tensors.items()}
-            out |= {f"{i}.{name}.{k}": float(v) for k, v in shard.scalars.items()}
-    out |= {f"lr{i}": float(g["lr"]) for i, g in enumerate(built.optimizer.param_groups)}
-    assert built.scheduler is not None
-    return out | {"scale": built.optimizer.loss_scale, "sched": float(built.scheduler.num_steps)}
 
 
 def _assert_unchanged(before: dict, after: dict) -> None:
@@ -89,10 +80,10 @@ def victim() -> tuple[nn.Module, BuiltOptimizer]:
 
 def _expect_refusal(path: Path, victim: tuple[nn.Module, BuiltOptimizer], match: str) -> None:
     model, built = victim
-    before = _state(model, built)
+    before = stack_state(model, built)
     with pytest.raises(ValueError, match=match):
         load_checkpoint(path, built.optimizer, scheduler=built.scheduler, model=model)
-    _assert_unchanged(before, _state(model, built))
+    _assert_unchanged(before, stack_state(model, built))
 
 
 def _data_file(root: Path) -> Path:
@@ -220,7 +211,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path: Path, where
     ref_model = _model()
     ref = _build(ref_model)
     _train(ref_model, ref, range(3))
-    _assert_unchanged(_state(ref_model, ref), _state(model, built))
+    _assert_unchanged(stack_state(ref_model, ref), stack_state(model, built))
 
     # The next save clears the leftovers and commits normally.
     save_checkpoint(root, built.optimizer, step=5)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from optim_harness import stack_state
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -65,15 +66,6 @@ def _train(model: nn.Module, built: BuiltOptimizer, steps: range) -> None:
         built.scheduler.step()
 
 
-def _state(model: nn.Module, built: BuiltOptimizer) -> dict[str, torch.Tensor | float]:
-    """Every number of the stack, copied."""
-    out: dict[str, torch.Tensor | float] = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for i, stage in enumerate(built.optimizer.stages):
-        for name, shard in stage.param_shards().items():
-            out |= {f"{i}.{name}.{k}": t.clone() for k, t in shard.tensors.items()}
-            out |= {f"{i}.{name}.{k}": float(v) for k, v in shard.scalars.items()}
-    out |= {f"lr{i}": float(g["lr"]) for i, g in enumerate(built.optimizer.param_groups)}
-    return out | {"scale": built.optimizer.loss_scale, "sched": float(built.scheduler.num_steps)}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -99,7 +91,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     for where in ("plain", "signed"):
         save_checkpoint(root / where, built.optimizer, step=3, scheduler=built.scheduler, model=model,
                         key=KEY if where == "signed" else None)
-    return root, _state(model, built)
+    return root, stack_state(model, built)
 
 
 @pytest.fixture
@@ -130,10 +122,10 @@ def _reseal(checkpoint: Path, edit=None) -> None:  # type: ignore[no-untyped-def
 def _refused(root: Path, victim: tuple[nn.Module, BuiltOptimizer], match: str, key: bytes | None = None) -> None:
     """The load fails with ``match``, the victim changes nowhere, the previous checkpoint is untouched."""
     model, built = victim
-    before, previous = _state(model, built), _files(root / "step_00000001")
+    before, previous = stack_state(model, built), _files(root / "step_00000001")
     with pytest.raises(ValueError, match=match):
         load_checkpoint(root, built.optimizer, scheduler=built.scheduler, model=model, key=key)
-    assert _same(before, _state(model, built))
+    assert _same(before, stack_state(model, built))
     assert _files(root / "step_00000001") == previous
 
 
@@ -263,7 +255,7 @@ def test_a_change_no_crc_sees_is_refused_with_the_key(root: Path, victim, source
     # Without the key the CRCs are all a load has, and they match: the change goes in unseen.
     model, built = victim
     load_checkpoint(root / "signed", built.optimizer, scheduler=built.scheduler, model=model)
-    assert _state(model, built)["0.0.weight.param"][0] == 1e6
+    assert stack_state(model, built)["0.0.weight.param"][0] == 1e6
 
 
 def test_signed_checkpoint_refuses_recomputed_checksums(root: Path, victim) -> None:
@@ -281,7 +273,7 @@ def test_wrong_key_unsigned_and_right_key(root: Path, victim, source) -> None:
     model, built = victim
     info = load_checkpoint(root / "signed", built.optimizer, scheduler=built.scheduler, model=model,
                            key=KEY.decode())
-    assert info.step == 3 and _same(_state(model, built), source[1])
+    assert info.step == 3 and _same(stack_state(model, built), source[1])
 
 
 def test_unsigned_checkpoints_load_as_before(root: Path, victim, source) -> None:
@@ -289,7 +281,7 @@ def test_unsigned_checkpoints_load_as_before(root: Path, victim, source) -> None
     assert "hmac_sha256" not in manifest and all("sha256" not in e for e in manifest["files"].values())
     model, built = victim
     load_checkpoint(root / "plain", built.optimizer, scheduler=built.scheduler, model=model)
-    assert _same(_state(model, built), source[1])
+    assert _same(stack_state(model, built), source[1])
 
 
 def test_dcp_load_through_the_safe_reader(tmp_path: Path, victim, source) -> None:
@@ -305,7 +297,7 @@ def test_dcp_load_through_the_safe_reader(tmp_path: Path, victim, source) -> Non
     dcp.load({"model": theirs.state_dict(), "optim": OptimizerState(theirs, their_built.optimizer,
                                                                    their_built.scheduler)},
              storage_reader=SafeFileSystemReader(tmp_path / "dcp"))
-    assert _same(_state(theirs, their_built), _state(model, built))
+    assert _same(stack_state(theirs, their_built), stack_state(model, built))
 
     marker = tmp_path / "pwned"
     dcp.save({"w": torch.ones(3), "extra": Payload(marker)}, checkpoint_id=tmp_path / "evil")
