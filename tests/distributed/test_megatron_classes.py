@@ -153,3 +153,93 @@ def test_grad_and_param_sync_surface(world2):
         _, whole = out[False]
         assert set(whole) == {1.5}  # force_all_reduce: every element averaged on every rank
         assert out["gathered"] == [[10.0], [11.0]], rank
+
+
+def _bucket_space_state() -> dict:
+    """The distributed optimizer's Megatron bucket-space view: gbuf_ranges and the dp_reshardable round trip."""
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                               bucket_size=60)
+    model = DistributedDataParallel(None, ddp_config, _model(torch.bfloat16))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, use_distributed_optimizer=True), [model])
+    dist_opt = opt.chained_optimizers[0]
+
+    def train_step() -> None:
+        x, y = _batch(world)
+        opt.zero_grad()
+        out = model(x.chunk(world)[rank].bfloat16()).float()
+        torch.nn.functional.mse_loss(out, y.chunk(world)[rank]).backward()
+        assert opt.step()[0] is True
+
+    train_step()
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    covered, keys = [], set()
+    for ranges_of_buffer in dist_opt.gbuf_ranges:
+        for (param_dtype, grad_dtype), buckets in ranges_of_buffer.items():
+            assert (param_dtype, grad_dtype) == (torch.bfloat16, torch.bfloat16)
+            for bucket in buckets:
+                for param, r in bucket["param_map"].items():
+                    assert r["param"].size == r["gbuf_local"].size == r["gbuf_world"].size
+                    covered.append((names[id(param)], r["param"].start, r["param"].end))
+                    tensors = dist_opt._get_main_param_and_optimizer_states(param)
+                    keys |= set(tensors)
+                    main = tensors["param"]
+                    assert main.dtype == torch.float32 and main.numel() == r["param"].size
+                    model_part = param.detach().reshape(-1)[r["param"].start:r["param"].end]
+                    assert torch.equal(main.bfloat16(), model_part)  # the model holds the rounded master
+    for param in (p for g in dist_opt.optimizer.param_groups for p in g["params"]):
+        dist_opt.optimizer.state[param]["found_inf"] = False  # non-tensor state is left out, as in Megatron
+    saved = dist_opt.get_parameter_state_dp_reshardable()
+    snapshot = {k: [[{n: t.clone() for n, t in e.items() if isinstance(t, torch.Tensor)} for e in b] for b in v[d]]
+                for k, v in saved.items() if isinstance(k, int) for d in v}
+    train_step()  # changes masters and moments
+    restored = {k: {d: [[{**e, "padding": False, "step_count": 7} for e in b] for b in snapshot[k]]
+                    for d in v} for k, v in saved.items() if isinstance(k, int)}
+    restored["per_bucket_numel_unpadded"] = saved["per_bucket_numel_unpadded"]
+    dist_opt.load_parameter_state_from_dp_reshardable(restored)
+    now = dist_opt.get_parameter_state_dp_reshardable()
+    reloaded = all(torch.equal(now[k][d][b][i][n], snapshot[k][b][i][n])
+                   for k in snapshot for d in now[k] for b in range(len(snapshot[k]))
+                   for i in range(len(snapshot[k][b])) for n in snapshot[k][b][i])
+    bad = dict(restored, per_bucket_numel_unpadded=[{d: [1] for d in by} for by in saved["per_bucket_numel_unpadded"]])
+    try:
+        dist_opt.load_parameter_state_from_dp_reshardable(bad)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"covered": covered, "keys": sorted(keys), "reloaded": reloaded, "refused": refused,
+            "buckets": [len(b) for r in dist_opt.gbuf_ranges for b in r.values()],
+            "numel": dist_opt.per_bucket_numel, "unpadded": saved["per_bucket_numel_unpadded"]}
+
+
+def test_distributed_optimizer_bucket_space_view(world2):
+    import torch
+
+    outs = world2.run(_bucket_space_state)
+    sizes = {n: p.numel() for n, p in _model().named_parameters()}
+    by_param: dict[str, list[tuple[int, int]]] = {}
+    for out in outs:
+        assert out["keys"] == ["exp_avg", "exp_avg_sq", "param", "step"]
+        assert out["reloaded"] is True
+        assert "same layout" in out["refused"]
+        assert out["buckets"][0] >= 2  # bucket_size=60 splits the model
+        assert out["numel"] == outs[0]["numel"] and out["unpadded"] == outs[0]["unpadded"]
+        for name, start, end in out["covered"]:
+            by_param.setdefault(name, []).append((start, end))
+    for name, size in sizes.items():  # every element is owned by exactly one rank
+        spans = sorted(by_param[name])
+        assert spans[0][0] == 0 and spans[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    dtype = (torch.bfloat16, torch.bfloat16)
+    for padded, unpadded in zip(outs[0]["numel"][0][dtype], outs[0]["unpadded"][0][dtype], strict=True):
+        assert padded % 2 == 0 and unpadded <= padded  # buckets split evenly across the 2 ranks

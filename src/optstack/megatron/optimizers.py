@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from optstack.distributed.ddp import DataParallel, is_expert_param
+from optstack.megatron.bucket_state import BucketRanges
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.norm_groups import (
     SEPARATE_GRAD_NORM_GROUPS,
@@ -384,10 +385,11 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             self._attach(stage, _core_chain([stage], config, self.grad_scaler))
 
 
-class DistributedOptimizer(MixedPrecisionOptimizer):
+class DistributedOptimizer(BucketRanges, MixedPrecisionOptimizer):
     """Megatron's distributed optimizer (ZeRO-1): each rank keeps fp32 masters and optimizer state only for
     its range of every bucket of the ``DistributedDataParallel`` model's buffers; the step reduce-scatters
-    (or all-reduces) the gradients, steps the ranges, and gathers the parameters.
+    (or all-reduces) the gradients, steps the ranges, and gathers the parameters. Megatron's bucket-space view
+    (``gbuf_ranges``, ``get_parameter_state_dp_reshardable``, ...) comes from ``BucketRanges``.
 
     Args:
         optimizer: a torch optimizer over the model parameters, not stepped yet (its groups then hold this
