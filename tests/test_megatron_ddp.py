@@ -174,10 +174,7 @@ def test_check_for_nan_in_grad_raises_in_finish_grad_sync() -> None:
 
 @pytest.mark.parametrize(
     ("ddp", "optimizer", "match"),
-    [
-        ({"use_distributed_optimizer": True}, {},
-         r"OptimizerConfig\.use_distributed_optimizer=False but the "
-         r"model's DistributedDataParallelConfig\.use_distributed_optimizer=True"),
+    [  # a non-distributed optimizer over a sharding wrapper is refused at dp > 1 (tests/distributed)
         ({}, {"use_distributed_optimizer": True}, r"OptimizerConfig\.use_distributed_optimizer=True but"),
         ({"use_distributed_optimizer": True}, {"optimizer": "muon", "use_layer_wise_distributed_optimizer": True},
          "layer-wise optimizer needs whole reduced gradients"),
@@ -189,6 +186,28 @@ def test_check_for_nan_in_grad_raises_in_finish_grad_sync() -> None:
 def test_optimizer_config_must_agree_with_the_wrapper(ddp: dict, optimizer: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         get_megatron_optimizer(OptimizerConfig(lr=1e-2, **optimizer), [wrap(**ddp)])
+
+
+def test_a_sharding_wrapper_over_one_rank_takes_the_non_distributed_optimizer() -> None:
+    """dp = 1: the wrapper built for the distributed optimizer reduces whole gradients (over one rank), so
+    Megatron's non-distributed optimizer over it steps exactly as over the unwrapped model."""
+    inner = model()
+    ddp = wrap(inner, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [ddp])
+    reference = model()
+    ref_opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [reference])
+    assert [s.kind for s in opt.built.optimizer.stages] == ["whole+direct"]
+    for _ in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss_of(ddp).backward()
+        ddp.finish_grad_sync()
+        got = opt.step()
+        ref_opt.zero_grad()
+        loss_of(reference).backward()
+        assert got[0] and got[1] == pytest.approx(ref_opt.step()[1], rel=1e-6)
+    for p, q in zip(inner.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("flags", [{"use_distributed_optimizer": True},

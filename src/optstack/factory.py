@@ -248,7 +248,8 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
     if sharding == "zero1" and not ddp.shard_grads and _shard_grads(config):
         raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
                          "with wrap_data_parallel(config, model)")
-    if sharding != "zero1" and ddp.shard_grads:
+    # a wrapper sharding over one rank (every buffer reduced over a group of one) still holds whole gradients
+    if sharding != "zero1" and ddp.shard_grads and any(ddp.reduce_comm(b).size > 1 for b in ddp.param_and_grad_buffers):
         raise ValueError(f"distributed.sharding={sharding!r} needs whole reduced gradients on every rank, but the "
                          "DataParallel wrapper shards them (shard_grads=True); use wrap_data_parallel(config, model)")
     return ddp

@@ -243,3 +243,30 @@ def test_distributed_optimizer_bucket_space_view(world2):
     dtype = (torch.bfloat16, torch.bfloat16)
     for padded, unpadded in zip(outs[0]["numel"][0][dtype], outs[0]["unpadded"][0][dtype], strict=True):
         assert padded % 2 == 0 and unpadded <= padded  # buckets split evenly across the 2 ranks
+
+
+def _non_distributed_optimizer_over_a_sharding_wrapper() -> str:
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), _model())
+    try:
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_sharding_wrapper_refuses_the_non_distributed_optimizer_over_two_ranks(world2):
+    """Over 2 data-parallel ranks the wrapper reduces only each rank's shard: Megatron would step partly
+    reduced gradients, optstack refuses (one rank is accepted: tests/test_megatron_ddp.py)."""
+    import re
+
+    for message in world2.run(_non_distributed_optimizer_over_a_sharding_wrapper):
+        assert re.search(r"OptimizerConfig\.use_distributed_optimizer=False but the "
+                         r"model's DistributedDataParallelConfig\.use_distributed_optimizer=True", message)
+        assert "only each rank's shard" in message

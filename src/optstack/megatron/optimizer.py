@@ -245,9 +245,15 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
         )
     for ddp in (c for c in wrapped if isinstance(c, DistributedDataParallel)):
         ddp_config = ddp.ddp_config
-        if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+        # Megatron steps a non-distributed optimizer on the wrapper's gradients as they are: only each rank's
+        # shard is reduced when the data-parallel group has several ranks (refused), all of it with one rank.
+        one_rank = all(ddp.reduce_comm(b).size == 1 for b in ddp.param_and_grad_buffers)
+        if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer and not (
+                one_rank and ddp_config.use_distributed_optimizer and not layer_wise):
             why = (" (the layer-wise optimizer needs whole reduced gradients: build the wrapper with "
-                   "use_distributed_optimizer=False)" if layer_wise else "; set both the same")
+                   "use_distributed_optimizer=False)" if layer_wise else
+                   " (over more than one data-parallel rank the wrapper reduces only each rank's shard of the "
+                   "gradients); set both the same" if ddp_config.use_distributed_optimizer else "; set both the same")
             raise ValueError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model's "
                 f"DistributedDataParallelConfig.use_distributed_optimizer={ddp_config.use_distributed_optimizer}"
