@@ -250,8 +250,64 @@ def test_hybrid_device_optimizer_matches_the_plain_one() -> None:
             opt.step()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q)
-    with pytest.raises(ValueError, match="param_update_in_fp32"):
-        HybridDeviceOptimizer(mlp(torch.bfloat16).parameters(), offload_fraction=1.0, param_update_in_fp32=True)
+
+
+def _bf16_with_an_fp32_vector() -> nn.Module:
+    model = mlp(torch.bfloat16)
+    model.register_parameter("scale", nn.Parameter(torch.linspace(0.5, 1.5, 3)))  # kept fp32, as Megatron marks
+    return model
+
+
+def _loss(model: nn.Module) -> torch.Tensor:
+    return ((model(X.bfloat16()).float() * model.scale) ** 2).sum()
+
+
+def test_hybrid_device_optimizer_steps_bf16_parameters_through_fp32_copies() -> None:
+    """param_update_in_fp32: bf16 parameters are stepped as fp32 copies (offloaded ones on the host) and
+    rounded back, exactly as torch's Adam over fp32 masters; the copies travel in the state dict."""
+    def hybrid(m: nn.Module) -> HybridDeviceOptimizer:
+        return HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.Adam,
+                                     param_update_in_fp32=True, overlap_cpu_optimizer_d2h_h2d=False, lr=1e-2)
+
+    model, ref = _bf16_with_an_fp32_vector(), _bf16_with_an_fp32_vector()
+    opt = hybrid(model)
+    low = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    assert set(opt.param_to_fp32_param) == set(low) and 0 < len(opt.offloaded) < 5
+    masters = [p.detach().float().clone() for p in ref.parameters()]
+    ref_opt = torch.optim.Adam(masters, lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        _loss(model).backward()
+        opt.step()
+        ref.zero_grad()
+        _loss(ref).backward()
+        for master, p in zip(masters, ref.parameters(), strict=True):
+            master.grad = p.grad.float()
+        ref_opt.step()
+        with torch.no_grad():
+            for master, p in zip(masters, ref.parameters(), strict=True):
+                p.copy_(master)
+    for p, q, master in zip(model.parameters(), ref.parameters(), masters, strict=True):
+        assert torch.equal(p, q)
+        if p.dtype == torch.bfloat16:
+            assert opt.param_to_fp32_param[p].dtype == torch.float32
+            assert torch.equal(opt.param_to_fp32_param[p], master)  # not the rounded value
+    saved = copy.deepcopy(opt.state_dict())
+    assert set(opt.state) == set(model.parameters())
+    assert all(sorted(e) == ["exp_avg", "exp_avg_sq", "master_param", "step"] for e in saved["state"].values())
+    restored = _bf16_with_an_fp32_vector()
+    restored.load_state_dict(model.state_dict())
+    restored_opt = hybrid(restored)
+    restored_opt.load_state_dict(saved)
+    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+        if p.dtype == torch.bfloat16:
+            assert torch.equal(restored_opt.param_to_fp32_param[q], opt.param_to_fp32_param[p])
+    for o, m in ((opt, model), (restored_opt, restored)):
+        o.zero_grad()
+        _loss(m).backward()
+        o.step()
+    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 def test_tensor_parallel_muon_is_muon_with_megatrons_defaults() -> None:

@@ -13,6 +13,7 @@ import torch
 
 from optstack.algorithms.muon import Muon
 from optstack.offload.hybrid import HybridDeviceOptimizer as _CoreHybrid
+from optstack.offload.hybrid import _StateView, plan_offload
 
 __all__ = ["HybridDeviceOptimizer", "TensorParallelMuon"]
 
@@ -32,20 +33,29 @@ class HybridDeviceOptimizer(_CoreHybrid):
     group order) are stepped on the host by ``cpu_optimizer_cls``, the rest on their device by
     ``gpu_optimizer_cls``; results equal the non-offloaded step.
 
+    With ``param_update_in_fp32`` each bf16/fp16 parameter gets an fp32 copy (``param_to_fp32_param``; in host
+    memory for the offloaded ones, on the parameter's device otherwise) that is stepped in its place: the
+    gradient is copied into it, the step updates it in fp32 and its value is copied (rounded) back into the
+    parameter, as in Megatron. ``param_groups`` and ``state`` are keyed by the model's parameters; under
+    ``param_update_in_fp32`` each state entry of ``state_dict()`` carries the tensor stepped as
+    ``"master_param"``, and ``load_state_dict`` restores the fp32 copies from it (the model's parameters are
+    not written: they come from the model's checkpoint).
+
     Args:
         params: parameters or param groups, as for a torch optimizer.
         offload_fraction: share of the elements stepped on the host, in [0, 1].
         cpu_optimizer_cls / gpu_optimizer_cls: torch optimizer classes of one algorithm (default
             ``torch.optim.AdamW``); keyword arguments a class does not take are left out for it.
-        param_update_in_fp32: the host step's precision for bf16/fp16 parameters; optstack steps them in their
-            own dtype, so True with such parameters is refused (``get_megatron_optimizer`` with
-            ``optimizer_cpu_offload=True`` and ``bf16=True`` offloads fp32 masters instead).
+        param_update_in_fp32: step bf16/fp16 parameters through fp32 copies (above).
         pin_cpu_grads / pin_cpu_params: host buffers are pinned whenever the device is CUDA.
         overlap_cpu_optimizer_d2h_h2d: overlap the copies with the device step (CUDA streams).
         **kwargs: the optimizers' hyperparameters (``lr``, ``betas``, ``weight_decay``, ...).
 
+    Attributes:
+        param_to_fp32_param: ``{bf16/fp16 parameter: its fp32 copy}`` (empty without ``param_update_in_fp32``).
+
     Raises:
-        ValueError: a bad fraction, or ``param_update_in_fp32=True`` with bf16/fp16 parameters.
+        ValueError: a bad fraction.
     """
 
     def __init__(self, params: Iterable[Any], offload_fraction: float = 0.5,
@@ -55,13 +65,11 @@ class HybridDeviceOptimizer(_CoreHybrid):
                  overlap_cpu_optimizer_d2h_h2d: bool = True, **kwargs: Any) -> None:
         cpu_cls = cpu_optimizer_cls or torch.optim.AdamW
         gpu_cls = gpu_optimizer_cls or cpu_cls
-        inner = gpu_cls(params, **_accepted(gpu_cls, kwargs))
-        low = sorted({str(p.dtype) for g in inner.param_groups for p in g["params"] if p.dtype in _LOW_PRECISION})
-        if param_update_in_fp32 and low:
-            raise ValueError(
-                f"HybridDeviceOptimizer: param_update_in_fp32=True with {low} parameters is not supported (optstack "
-                "steps offloaded tensors in their own dtype); offload fp32 masters instead: "
-                "get_megatron_optimizer(OptimizerConfig(optimizer_cpu_offload=True, bf16=True, ...), model)")
+        groups = _groups(params)
+        model_params = [p for g in groups for p in g["params"]]
+        masters = _fp32_copies(model_params, offload_fraction) if param_update_in_fp32 else {}
+        inner = gpu_cls([{**g, "params": [masters.get(p, p) for p in g["params"]]} for g in groups],
+                        **_accepted(gpu_cls, kwargs))
 
         def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
             on_host = all(p.device.type == "cpu" for g in groups for p in g["params"])
@@ -70,6 +78,92 @@ class HybridDeviceOptimizer(_CoreHybrid):
 
         super().__init__(inner, make, fraction=offload_fraction, overlap_transfers=overlap_cpu_optimizer_d2h_h2d)
         self.offload_fraction = offload_fraction
+        self.param_update_in_fp32 = param_update_in_fp32
+        self.param_to_fp32_param: dict[torch.Tensor, torch.Tensor] = masters
+        if masters:  # the core steps the fp32 copies; Megatron's callers see the model's parameters
+            for param, master in masters.items():
+                self._owners[id(param)] = self._owners[id(master)]
+            positions = iter(model_params)
+            for group in self.param_groups:
+                group["params"] = [next(positions) for _ in group["params"]]
+            self.state = _StateView(self._owners, model_params)  # type: ignore[assignment]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """The step; under ``param_update_in_fp32`` the gradients go to the fp32 copies first and their
+        updated values back into the parameters after."""
+        if not self.param_to_fp32_param:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for param, master in self.param_to_fp32_param.items():
+            if param.grad is None:
+                master.grad = None
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master, pin_memory=master.is_pinned())
+            master.grad.copy_(param.grad)
+        super().step()
+        for param, master in self.param_to_fp32_param.items():
+            if master.grad is not None:
+                param.copy_(master)  # rounded to the parameter's dtype, as Megatron's copy back
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format over the model's parameters; under ``param_update_in_fp32`` every entry also holds
+        ``"master_param"``: the tensor stepped (the fp32 copy, or the fp32 parameter itself)."""
+        out = super().state_dict()
+        if self.param_update_in_fp32:
+            params = [p for g in self.param_groups for p in g["params"]]
+            out["state"] = {i: {**entry, "master_param": self.param_to_fp32_param.get(params[i], params[i])}
+                            for i, entry in out["state"].items()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s format; ``"master_param"`` entries go into the fp32 copies (none for an fp32
+        parameter, whose value is the model's)."""
+        masters = getattr(self, "param_to_fp32_param", {})
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = {}
+        state = {}
+        for index, entry in state_dict["state"].items():
+            entry = dict(entry)
+            value = entry.pop("master_param", None)
+            if isinstance(value, torch.Tensor) and index < len(params) and params[index] in masters:
+                saved[index] = value
+            state[index] = entry
+        super().load_state_dict({**state_dict, "state": state})
+        with torch.no_grad():
+            for index, value in saved.items():
+                masters[params[index]].copy_(value.reshape(params[index].shape))
+
+    def update_fp32_param_by_new_param(self) -> None:
+        """Copy the parameters' current values into their fp32 copies (e.g. after loading model weights)."""
+        with torch.no_grad():
+            for param, master in self.param_to_fp32_param.items():
+                master.copy_(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for master in self.param_to_fp32_param.values():
+            master.grad = None  # set from the parameter's gradient at the next step
+
+
+def _fp32_copies(params: list[torch.Tensor], fraction: float) -> dict[torch.Tensor, torch.Tensor]:
+    """An fp32 copy of each bf16/fp16 parameter: in host memory (pinned on CUDA) for those the offload plan
+    puts on the host (the leading ``fraction`` of elements), else on the parameter's device."""
+    on_host = {id(p) for p in params[:plan_offload([p.numel() for p in params], fraction)]}
+    out = {}
+    for p in params:
+        if p.dtype in _LOW_PRECISION:
+            host = id(p) in on_host
+            master = torch.empty(p.shape, dtype=torch.float32, device="cpu" if host else p.device,
+                                 pin_memory=host and p.device.type == "cuda")
+            master.copy_(p.detach())
+            out[p] = master
+    return out
 
 
 class TensorParallelMuon(Muon):
