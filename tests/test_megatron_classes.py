@@ -192,6 +192,33 @@ def test_distributed_optimizer_from_a_torch_optimizer_and_reload() -> None:
                              model_chunks=[mlp()])
 
 
+def test_chained_state_dict_is_megatrons_list() -> None:
+    """Megatron's ChainedOptimizer.state_dict(): the one member's dict, or a list with each member's."""
+    def build(seed: int) -> tuple[nn.Module, ChainedOptimizer]:
+        model = mlp(seed=seed)
+        model[0].weight.allreduce = False  # an expert parameter: a second chained optimizer
+        return model, get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+
+    model, opt = build(0)
+    backward(model)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert isinstance(saved, list) and len(saved) == 2
+    assert [len(s["state"]) for s in saved] == [len(o.get_parameters()) for o in opt.chained_optimizers]
+    assert isinstance(opt.sharded_state_dict()["optimizer"], dict)  # one dict over the whole chain
+    for form in (saved, dict(enumerate(saved)), copy.deepcopy(opt.sharded_state_dict()["optimizer"])):
+        other_model, other = build(1)
+        other.load_state_dict(form)
+        for mine, theirs in zip(opt.get_parameters(), other.get_parameters(), strict=True):
+            state, loaded = opt.state[(0, mine)] or opt.state[(1, mine)], other.state[(0, theirs)] or \
+                other.state[(1, theirs)]
+            assert torch.equal(state["exp_avg"], loaded["exp_avg"])
+    with pytest.raises(ValueError, match="expected 2 entries"):
+        other.load_state_dict(saved[:1])
+    single = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [mlp()])
+    assert isinstance(single.state_dict(), dict) and "param_groups" in single.state_dict()
+
+
 def test_state_dict_and_sharded_state_dict_round_trip() -> None:
     model = mlp()
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])

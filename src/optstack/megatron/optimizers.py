@@ -301,7 +301,7 @@ class MegatronOptimizer(GradNormGroups):
         sharded optimizer is ``ShardedTensor``s of whole parameters (torch.distributed.checkpoint reshards it;
         ``optstack.checkpoint.OptimizerState`` saves it with the scheduler). Parameters are matched by name,
         so ``model_sharded_state_dict`` and Megatron's ``metadata`` sharding types are not needed."""
-        return {"optimizer": self.state_dict()}
+        return {"optimizer": MegatronOptimizer.state_dict(self)}  # a chain's too: one dict over all its stages
 
     @staticmethod
     def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]
@@ -666,6 +666,32 @@ class ChainedOptimizer(MegatronOptimizer):
         if skip:
             return False, main_norm, zeros
         return all([o.step_with_ready_grads() for o in self.chained_optimizers]), main_norm, zeros
+
+    def state_dict(self) -> Any:  # type: ignore[override]
+        """Megatron's: the one chained optimizer's state dict, or a list of each chained optimizer's."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].state_dict()
+        return [o.state_dict() for o in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Load ``state_dict()``'s form: one chained optimizer's dict, or a list (or ``{index: dict}``) with one
+        per chained optimizer; also the whole chain's dict (``sharded_state_dict()["optimizer"]``).
+
+        Raises:
+            ValueError: a list of another length than ``chained_optimizers``.
+        """
+        if len(self.chained_optimizers) == 1:
+            self.chained_optimizers[0].load_state_dict(state_dict)
+            return
+        if isinstance(state_dict, Mapping) and "param_groups" in state_dict:
+            super().load_state_dict(state_dict)
+            return
+        parts = [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, Mapping) else list(state_dict)
+        if len(parts) != len(self.chained_optimizers):
+            raise ValueError(f"ChainedOptimizer.load_state_dict: expected {len(self.chained_optimizers)} entries "
+                             f"(one per chained optimizer), got {len(parts)}")
+        for optimizer, part in zip(self.chained_optimizers, parts, strict=True):
+            optimizer.load_state_dict(part)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._chain.zero_grad(set_to_none)
