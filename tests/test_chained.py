@@ -99,6 +99,31 @@ def test_clipping_applies_one_coefficient_to_every_stage() -> None:
         torch.testing.assert_close(p, -coeff * g)  # SGD lr=1 from zero: the update is the clipped grad
 
 
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_a_separate_norm_group_is_clipped_by_its_own_norm(scale: float) -> None:
+    """norm_groups: the tagged parameters leave the global norm (reported, read by the skip threshold) and are
+    clipped by their group's norm; a stage mixing both kinds scales each piece by its own factor."""
+    a, b = _params_with_grads()
+    aux = {id(a[1]), id(b[0])}  # one tagged parameter in each stage
+    grads = [p.grad.clone() for p in a + b]
+    for p in a + b:
+        p.grad.mul_(scale)  # loss-scaled gradients: norms and factors are of the unscaled ones
+    main_norm = torch.cat([g.flatten() for p, g in zip(a + b, grads, strict=True) if id(p) not in aux]).norm().item()
+    aux_norm = torch.cat([g.flatten() for p, g in zip(a + b, grads, strict=True) if id(p) in aux]).norm().item()
+    clip = min(main_norm, aux_norm) / 3
+    chain = _sgd_chain(a, b, clip_grad=clip, scaler=ConstantScaler(scale), grad_norm_skip_threshold=main_norm * 1.01,
+                       norm_groups=("aux",), norm_group_of=lambda p: "aux" if id(p) in aux else None)
+    chain.step()
+    result = chain.last_result
+    assert result.applied and result.grad_norm == pytest.approx(main_norm, rel=1e-6)
+    assert chain.norms_by_group == {"aux": pytest.approx(aux_norm, rel=1e-6)}
+    for p, g in zip(a + b, grads, strict=True):
+        norm = aux_norm if id(p) in aux else main_norm
+        torch.testing.assert_close(p, -(clip / (norm + 1e-6)) * g)
+    with pytest.raises(ValueError, match="norm group 'other'.*not among norm_groups"):
+        _sgd_chain(a, b, norm_groups=("aux",), norm_group_of=lambda p: "other")
+
+
 def test_no_clipping_below_the_limit() -> None:
     a, b = _params_with_grads()
     grads = [p.grad.clone() for p in a + b]

@@ -15,6 +15,7 @@ from optstack.megatron import (
     OptimizerConfig,
     ProcessGroupCollection,
     TensorParallelMuon,
+    get_megatron_optimizer,
 )
 from optstack.megatron.norm_groups import GradNormGroups
 from optstack.megatron.process_groups import check_optimizer_groups
@@ -71,12 +72,48 @@ def test_chained_step_skips_on_the_main_norm_only() -> None:
     assert not big.stepped
 
 
-def test_unknown_group_and_core_stages_refuse() -> None:
+def test_unknown_group_is_refused() -> None:
     with pytest.raises(ValueError, match="Unknown grad_norm_group 'vision'"):
         _Member([_param(1.0, "vision")], OptimizerConfig(lr=1e-3)).get_grads_for_grad_norm()
-    tagged = _param(1.0, "mtp")
-    with pytest.raises(ValueError, match="grad_norm_group='mtp'.*separate optimizer"):
-        FP32Optimizer(torch.optim.SGD([tagged], lr=0.1), OptimizerConfig(lr=0.1))
+    with pytest.raises(ValueError, match="Unknown grad_norm_group 'vision'"):
+        FP32Optimizer(torch.optim.SGD([_param(1.0, "vision")], lr=0.1), OptimizerConfig(lr=0.1))
+
+
+def _mtp_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)).to(dtype)
+    model[1].weight.grad_norm_group = "mtp"  # Megatron's MTP layers tag their parameters
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizers_over_core_stages_clip_mtp_by_its_own_norm(dtype: torch.dtype) -> None:
+    """get_megatron_optimizer and the classes over a torch optimizer: the MTP gradients leave the main norm
+    (returned, read by the skip threshold) and are clipped by their own (SGD lr=1: the update is the clipped
+    gradient)."""
+    x = torch.linspace(-1, 1, 20).reshape(5, 4)
+    for build in ("factory", "class"):
+        model = _mtp_model(dtype)
+        config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.5,
+                                 bf16=dtype == torch.bfloat16, grad_norm_skip_threshold=1e6)
+        if build == "factory":
+            opt = get_megatron_optimizer(config, [model])
+        else:
+            opt = ChainedOptimizer([FP32Optimizer(torch.optim.SGD(model.parameters(), lr=1.0), config)])
+        start = [p.detach().float().clone() for p in model.parameters()]
+        model(x.to(dtype)).float().square().sum().backward()
+        grads = [p.grad.float().clone() for p in model.parameters()]
+        tagged = [getattr(p, "grad_norm_group", None) == "mtp" for p in model.parameters()]
+        main = math.sqrt(sum(g.square().sum().item() for g, t in zip(grads, tagged, strict=True) if not t))
+        mtp = math.sqrt(sum(g.square().sum().item() for g, t in zip(grads, tagged, strict=True) if t))
+        assert mtp > 0.5 and main > 0.5 and abs(mtp - main) > 0.1  # both clipped, by different factors
+        applied, norm, _ = opt.step()
+        assert applied and norm == pytest.approx(main, rel=1e-3)
+        assert opt.grad_norms_by_group["mtp"] == pytest.approx(mtp, rel=1e-3)
+        for p, g, s0, t in zip(model.parameters(), grads, start, tagged, strict=True):
+            want = s0 - 0.5 / ((mtp if t else main) + 1e-6) * g
+            torch.testing.assert_close(p.float(), want.to(dtype).float(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                       atol=1e-3 if dtype != torch.float32 else 1e-6)
 
 
 def test_tensor_parallel_muon_takes_the_release_names() -> None:

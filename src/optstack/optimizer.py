@@ -52,6 +52,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
         grad_syncs: objects owning the model's gradients (data-parallel wrappers): ``step`` first calls
             their ``finish_grad_sync()`` (a no-op when the training loop already did) and ``zero_grad``
             their ``zero_grad_buffer()``.
+        norm_groups: names of separate norm groups (the same on every rank): a parameter that ``norm_group_of``
+            puts in one is left out of the global norm (what the skip threshold reads and ``grad_norm``
+            reports) and is clipped by the norm of its group's gradients alone (e.g. an auxiliary loss's head).
+        norm_group_of: a parameter -> its group's name, or None for the global norm (default: all None).
         defaults: torch's ``defaults`` (the settings a group added without them gets); default: the first
             stage's inner optimizer's.
 
@@ -71,6 +75,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         log_num_zeros_in_grad: bool = False,
         grad_syncs: Sequence[GradSync] = (),
         defaults: Mapping[str, Any] | None = None,
+        norm_groups: Sequence[str] = (),
+        norm_group_of: Callable[[torch.Tensor], str | None] | None = None,
     ) -> None:
         stages = list(stages)
         seen: dict[int, int] = {}
@@ -109,6 +115,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
         self._grad_syncs = list(grad_syncs)
+        self.norm_groups = tuple(norm_groups)
+        self.norm_group_of = norm_group_of
+        self.norms_by_group: dict[str, float] = {}  # each separate group's norm, of the latest step
+        self._label_stages()
         self.last_result: StepResult | None = None
         self._has_state = False  # the same on every rank (steps and loads are collective), unlike len(state)
 
@@ -165,6 +175,31 @@ class ChainedOptimizer(torch.optim.Optimizer):
                              "build the optimizer with a rule routing some parameters to it")
         stages[0].add_param_group(param_group)
         self.param_groups[:] = [g for stage in self._stages for g in stage.param_groups]
+        self._label_stages()
+
+    def _label_stages(self) -> None:
+        """Each stage's norm terms' and pieces' group indices (0: the global norm, k: ``norm_groups[k - 1]``);
+        None for a stage with none outside the global norm."""
+        index = {name: k for k, name in enumerate(self.norm_groups, 1)}
+
+        def label(param: torch.Tensor) -> int:
+            name = self.norm_group_of(param) if self.norm_group_of is not None else None
+            if name is not None and name not in index:
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is in norm group {name!r}, which is "
+                                 f"not among norm_groups {list(self.norm_groups)}")
+            return 0 if name is None else index[name]
+
+        self._norm_labels: list[torch.Tensor | None] = [None] * len(self._stages)
+        self._piece_labels: list[list[int] | None] = [None] * len(self._stages)
+        if self.norm_group_of is None:
+            return
+        self._norm_labels, self._piece_labels = [], []
+        for stage in self._stages:
+            terms = [label(p) for p in stage.norm_params()]
+            pieces = [label(p.param) for p in stage.pieces]
+            self._norm_labels.append(torch.tensor(terms, dtype=torch.int64, device=stage.device)
+                                     if any(terms) else None)
+            self._piece_labels.append(pieces if any(pieces) else None)
 
     # -- the step ------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -188,36 +223,45 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     sync.finish_grad_sync()
         inv_scale = self._scaler.inv_scale
         with phase("grad_norm"):
-            total, nonfinite = self._global_stats()
+            totals, nonfinite = self._global_stats()
         self._scaler.update(nonfinite)
         if nonfinite:
             return StepResult(applied=False, grad_norm=None, num_zeros=None, loss_scale=self._scaler.scale)
         inf = math.isinf(self.norm_type)
-        grad_norm = (total if inf else total ** (1.0 / self.norm_type)) * inv_scale
+        norms = [(total if inf else total ** (1.0 / self.norm_type)) * inv_scale for total in totals]
+        grad_norm = norms[0]
+        self.norms_by_group = dict(zip(self.norm_groups, norms[1:], strict=True))
         if self.grad_norm_skip_threshold is not None and grad_norm > self.grad_norm_skip_threshold:
             return StepResult(applied=False, grad_norm=grad_norm, num_zeros=None, loss_scale=self._scaler.scale)
         self._has_state = True
-        coeff = clip_coefficient(grad_norm, self.clip_grad) if self.clip_grad > 0 else 1.0
+        coeffs = [clip_coefficient(n, self.clip_grad) if self.clip_grad > 0 else 1.0 for n in norms]
+        coeff = coeffs[0]
         num_zeros = None
         if self.log_num_zeros_in_grad:
             with phase("count_zeros"):
                 counts = [stage.count_zeros() for stage in self._stages]
                 num_zeros = int(sum(int(c.item()) for c in counts))
         with phase("inner_step"):
-            for stage in self._stages:
-                stage.step(grad_scale=inv_scale * coeff)
+            for stage, labels in zip(self._stages, self._piece_labels, strict=True):
+                ratios = None if labels is None else [coeffs[k] / coeff for k in labels]
+                stage.step(grad_scale=inv_scale * coeff, piece_scales=ratios)
         return StepResult(applied=True, grad_norm=grad_norm, num_zeros=num_zeros, loss_scale=self._scaler.scale)
 
-    def _global_stats(self) -> tuple[float, bool]:
-        """(sum over stages of sum |g|^p, or the max for inf; whether any gradient is non-finite): one host
-        sync for all stages."""
-        stats = [stage.grad_stats(self.norm_type) for stage in self._stages]
+    def _global_stats(self) -> tuple[list[float], bool]:
+        """(per norm group, the global one first: the sum over stages of sum |g|^p, or the max for inf; whether
+        any gradient is non-finite): one host sync for all stages."""
+        count = 1 + len(self.norm_groups)
+        if not self.norm_groups:
+            stats = [stage.grad_stats(self.norm_type) for stage in self._stages]
+        else:
+            stats = [stage.grad_stats(self.norm_type, labels, count)
+                     for stage, labels in zip(self._stages, self._norm_labels, strict=True)]
         if not stats:
-            return 0.0, False
+            return [0.0] * count, False
         stacked = torch.stack([s.to(stats[0].device) for s in stats])
-        norm = stacked[:, 0].max() if math.isinf(self.norm_type) else stacked[:, 0].sum()
-        total, nonfinite = torch.stack([norm, stacked[:, 1].max()]).tolist()
-        return total, nonfinite > 0
+        norms = stacked[:, :-1].amax(0) if math.isinf(self.norm_type) else stacked[:, :-1].sum(0)
+        *totals, nonfinite = torch.cat([norms, stacked[:, -1].max().reshape(1)]).tolist()
+        return totals, nonfinite > 0
 
     def finish_param_sync(self) -> None:
         """Wait for every stage's overlapped parameter gathers (before evaluation or saving)."""

@@ -270,3 +270,46 @@ def test_a_sharding_wrapper_refuses_the_non_distributed_optimizer_over_two_ranks
         assert re.search(r"OptimizerConfig\.use_distributed_optimizer=False but the "
                          r"model's DistributedDataParallelConfig\.use_distributed_optimizer=True", message)
         assert "only each rank's shard" in message
+
+
+def _mtp_step(distributed: bool) -> tuple[list[float], float, float]:
+    """One clipped SGD step with an MTP-tagged layer, under the distributed optimizer (ranges cut across
+    parameters) or on one process."""
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    module = _model()
+    module[2].weight.grad_norm_group = "mtp"
+    config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.05,
+                             use_distributed_optimizer=distributed)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    model = module
+    if distributed:
+        model = DistributedDataParallel(None, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40), module)
+    opt = get_megatron_optimizer(config, [model])
+    x, y = _batch(2)
+    torch.nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    applied, norm, _ = opt.step()
+    assert applied
+    return _flat(module), norm, opt.grad_norms_by_group["mtp"]
+
+
+def test_distributed_optimizer_clips_mtp_by_its_own_norm(world2):
+    import pytest
+    import torch
+
+    ranks = world2.run(_mtp_step, True)
+    params, norm, mtp = _mtp_step(False)
+    assert mtp > 0.05 and norm > 0.05 and abs(mtp - norm) > 1e-3  # two different clip factors
+    for got, got_norm, got_mtp in ranks:
+        assert got_norm == pytest.approx(norm, rel=1e-5)
+        assert got_mtp == pytest.approx(mtp, rel=1e-5)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(params), rtol=1e-5, atol=1e-6)

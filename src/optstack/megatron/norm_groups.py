@@ -7,9 +7,9 @@ clipped by the norm of its group's gradients alone. ``GradNormGroups`` carries M
 (``get_grads_for_grad_norm``, ``has_grad_norm_group``, ``clip_grad_norm``, ...), written against what every
 Megatron optimizer offers: ``get_parameters()``, ``config`` and ``get_grad_stats_parallel_group()``.
 
-optstack's core clips all of a stage's gradients by one factor, so the optimizers built over core stages
-refuse tagged parameters (``refuse_tagged``); the chained step over optimizers implementing Megatron's
-protocol honours the groups (``ChainedOptimizer``).
+The optimizers built over core stages pass the groups to the core chain (``norm_group_kwargs``: its
+``norm_groups`` leave them out of the global norm and clip each by its own); the chained step over optimizers
+implementing Megatron's protocol honours them here (``ChainedOptimizer``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from optstack.clip import clip_coefficient, counts_toward_norm, norm_pows
 from optstack.distributed.comm import Comm, NullComm
 
 __all__ = ["MTP_GRAD_NORM_GROUP", "GRAD_NORM_GROUP_ATTR", "SEPARATE_GRAD_NORM_GROUPS", "GradNormGroups",
-           "grad_norm", "clip_by_norm", "refuse_tagged"]
+           "grad_norm", "clip_by_norm", "norm_group_kwargs", "separate_group_of"]
 
 MTP_GRAD_NORM_GROUP = "mtp"
 GRAD_NORM_GROUP_ATTR = "grad_norm_group"
@@ -69,17 +69,20 @@ def clip_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: fl
         torch._foreach_mul_(grads, coeff)
 
 
-def refuse_tagged(params: Iterable[torch.Tensor], owner: str) -> None:
-    """optstack's core stage clips every gradient it steps by one factor: a parameter in a separate
-    gradient-norm group would be clipped by the main norm, so it is refused."""
-    for param in params:
-        group = _get_param_grad_norm_group(param)
-        if _is_separate_grad_norm_group(group):
-            raise ValueError(
-                f"{owner}: a parameter of shape {tuple(param.shape)} has grad_norm_group={group!r}, whose gradients "
-                "Megatron clips by their own norm; optstack's optimizers clip all of their gradients by one norm. "
-                "Step those parameters with a separate optimizer, or delete the attribute to count them in the "
-                "main norm")
+def separate_group_of(param: torch.Tensor) -> str | None:
+    """The separate gradient-norm group of ``param`` (None: the main norm); an unregistered name is a
+    ``ValueError``. The core chain's ``norm_group_of`` for Megatron models."""
+    group = _get_param_grad_norm_group(param)
+    return group if _is_separate_grad_norm_group(group) else None
+
+
+def norm_group_kwargs(params: Iterable[torch.Tensor]) -> dict[str, Any]:
+    """The core ``ChainedOptimizer``'s norm-group arguments for ``params``: Megatron's registered groups when
+    some parameter is tagged (tags are set when the model is built, the same on every data-parallel rank),
+    else none (the step is the plain one)."""
+    if any(separate_group_of(p) is not None for p in params):
+        return {"norm_groups": SEPARATE_GRAD_NORM_GROUPS, "norm_group_of": separate_group_of}
+    return {}
 
 
 class GradNormGroups:

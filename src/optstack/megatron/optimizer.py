@@ -36,6 +36,7 @@ from optstack.megatron.keys import (
     get_standard_config_overrides,
     to_rules,
 )
+from optstack.megatron.norm_groups import norm_group_kwargs
 from optstack.megatron.optimizers import (
     ChainedOptimizer,
     DistributedOptimizer,
@@ -45,6 +46,7 @@ from optstack.megatron.optimizers import (
     MegatronOptimizer,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
+from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.rules import muon_routing_rule
 
 __all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
@@ -142,6 +144,13 @@ def _with_model_precision(config: OptimizerConfig, chunks: list[nn.Module]) -> O
 def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptimizer:
     """Megatron's classes over the core chain's stages: one Megatron optimizer per stage, chained."""
     chain = built.optimizer
+    norm_groups = norm_group_kwargs(p for s in chain.stages for g in s.param_groups for p in g["params"])
+    if norm_groups:  # MTP parameters: the same chain, their gradients clipped by their group's own norm
+        chain = CoreChained(chain.stages, scaler=chain.scaler, clip_grad=chain.clip_grad, norm_type=chain.norm_type,
+                            grad_norm_skip_threshold=chain.grad_norm_skip_threshold,
+                            log_num_zeros_in_grad=chain.log_num_zeros_in_grad, grad_syncs=chain._grad_syncs,
+                            defaults=chain.defaults, **norm_groups)
+        built = dataclasses.replace(built, optimizer=chain)
     members: list[MegatronOptimizer] = []
     for stage in chain.stages:
         kind = stage.placement.kind

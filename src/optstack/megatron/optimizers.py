@@ -39,7 +39,7 @@ from optstack.megatron.norm_groups import (
     _validate_grad_norm_group,
     clip_by_norm,
     grad_norm,
-    refuse_tagged,
+    norm_group_kwargs,
 )
 from optstack.megatron.param_and_grad_buffer import build_model_gbuf_range, compute_full_param_layout
 from optstack.optimizer import ChainedOptimizer as CoreChained
@@ -114,11 +114,13 @@ def _skip_threshold(config: Any) -> float | None:
 
 def _core_chain(stages: Sequence[Stage], config: Any, scaler: LossScaler, grad_syncs: Sequence[Any] = ()
                 ) -> CoreChained:
-    """The core chain stepping ``stages`` with ``config``'s clip, skip and zero counting (Megatron's fields)."""
+    """The core chain stepping ``stages`` with ``config``'s clip, skip and zero counting (Megatron's fields);
+    parameters in a separate gradient-norm group (MTP) are clipped by their group's own norm."""
     return CoreChained(stages, scaler=scaler, clip_grad=getattr(config, "clip_grad", 0.0),
                        grad_norm_skip_threshold=_skip_threshold(config),
                        log_num_zeros_in_grad=getattr(config, "log_num_zeros_in_grad", False),
-                       grad_syncs=list(grad_syncs))
+                       grad_syncs=list(grad_syncs),
+                       **norm_group_kwargs(p for s in stages for g in s.param_groups for p in g["params"]))
 
 
 def _rebind(optimizer: torch.optim.Optimizer, owner: str) -> Callable[[list[dict[str, Any]]], Any]:
@@ -154,9 +156,9 @@ class MegatronOptimizer(GradNormGroups):
     """Megatron's optimizer interface over one core stage (``None``: a stub, a rank without parameters).
 
     Megatron's gradient-norm methods (``get_grads_for_grad_norm``, ``has_grad_norm_group``, ``get_grad_norm``,
-    ``clip_grad_norm``) come from ``GradNormGroups``; parameters in a separate gradient-norm group (MTP) are
-    refused here, as the core clips a stage by one norm (``ChainedOptimizer`` over Megatron-protocol
-    optimizers honours them).
+    ``clip_grad_norm``) come from ``GradNormGroups``. The step leaves parameters in a separate gradient-norm
+    group (MTP) out of the main norm (what it returns and the skip threshold reads) and clips them by their
+    group's own norm (``grad_norms_by_group``), as Megatron.
 
     Args:
         optimizer: the torch optimizer (what Megatron calls the base optimizer).
@@ -176,6 +178,7 @@ class MegatronOptimizer(GradNormGroups):
         self.config = config
         self.init_state_fn = init_state_fn
         self.is_stub_optimizer = optimizer is None
+        self.grad_norms_by_group: dict[str, float] = {}
         self._stage: Stage | None = None
         self._chain = _core_chain([], config, NoScaler())
 
@@ -183,7 +186,6 @@ class MegatronOptimizer(GradNormGroups):
         """Step through ``chain`` (over ``stage``); the inner groups lose optstack's ``param_names`` key."""
         self._stage, self._chain = stage, chain
         if stage is not None:
-            refuse_tagged((p for g in stage.param_groups for p in g["params"]), type(self).__name__)
             self.optimizer = stage.optimizer
             self.is_stub_optimizer = False
             for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
@@ -209,7 +211,8 @@ class MegatronOptimizer(GradNormGroups):
             self._own = CoreChained(self.stages, scaler=self._chain.scaler, clip_grad=self._chain.clip_grad,
                                     grad_norm_skip_threshold=self._chain.grad_norm_skip_threshold,
                                     log_num_zeros_in_grad=self._chain.log_num_zeros_in_grad,
-                                    grad_syncs=self._chain._grad_syncs)
+                                    grad_syncs=self._chain._grad_syncs, norm_groups=self._chain.norm_groups,
+                                    norm_group_of=self._chain.norm_group_of)
         return self._own
 
     # -- views ---------------------------------------------------------------------------------------
@@ -257,7 +260,9 @@ class MegatronOptimizer(GradNormGroups):
         Raises:
             ValueError: a param group's ``lr`` is None (``OptimizerConfig.lr=None`` and no scheduler set it).
         """
-        result = _step(self._solo(), self.param_groups, self.config)
+        chain = self._solo()
+        result = _step(chain, self.param_groups, self.config)
+        self.grad_norms_by_group = _norms_by_group(chain, self.config)
         return result.applied, result.grad_norm, result.num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -462,6 +467,11 @@ def _step(chain: CoreChained, groups: Sequence[dict[str, Any]], config: Any = No
     return chain.last_result
 
 
+def _norms_by_group(chain: CoreChained, config: Any) -> dict[str, float]:
+    """Megatron's ``grad_norms_by_group`` after a step: each separate group's norm, when clipping."""
+    return dict(chain.norms_by_group) if getattr(config, "clip_grad", 0.0) > 0.0 else {}
+
+
 def _pull(chain: CoreChained) -> None:
     """Megatron's truth is the torch optimizer's groups: copy their settings into the core's model-side
     groups, which the stage copies back into the torch optimizer at the step."""
@@ -605,6 +615,7 @@ class ChainedOptimizer(MegatronOptimizer):
             raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
                              "torch.optim optimizers; chain those only")
         result = _step(self._chain, self.param_groups, self.config)
+        self.grad_norms_by_group = _norms_by_group(self._chain, self.config)
         return result.applied, result.grad_norm, result.num_zeros
 
     def has_grad_norm_group(self, grad_norm_group: str) -> bool:

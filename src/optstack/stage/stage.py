@@ -166,18 +166,34 @@ class Stage:
         return self.param_groups[-1]
 
     # -- the step ------------------------------------------------------------------------------------
-    def grad_stats(self, norm_type: float) -> torch.Tensor:
+    def norm_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients make this rank's norm terms, in ``grad_stats``' order (fixed)."""
+        return self.placement.norm_params(self.pieces)
+
+    def grad_stats(self, norm_type: float, groups: torch.Tensor | None = None, num_groups: int = 1
+                   ) -> torch.Tensor:
         """Make the gradients ready and return ``[sum |g|^p (max |g| for inf), non-finite count]`` over
         this stage's gradients as they are (loss-scaled), reduced over the placement's groups: a
-        2-element fp32 tensor, the same on every rank. Collective."""
+        2-element fp32 tensor, the same on every rank. Collective.
+
+        With norm groups, ``groups`` gives each norm term (``norm_params`` order) its group index in
+        ``[0, num_groups)`` (None: all in group 0) and the result is ``[one sum (max) per group..., non-finite
+        count]`` (``num_groups + 1`` elements)."""
         self.reload_states()
         self.placement.finish()
         self._ready = self.precision.ready(self.placement.grads(self.pieces))
         pows = norm_pows(self.placement.norm_grads(self._ready), norm_type, self.device)
         inf = math.isinf(norm_type)
-        counted = pows[self._counted]
-        local = (counted.max() if counted.numel() else pows.new_zeros(())) if inf else counted.sum()
-        stats = torch.stack([local, (~torch.isfinite(pows)).sum().to(torch.float32)])
+
+        def reduce(mask: torch.Tensor) -> torch.Tensor:
+            counted = pows[mask]
+            return (counted.max() if counted.numel() else pows.new_zeros(())) if inf else counted.sum()
+
+        if groups is None:
+            sums = [reduce(self._counted)] + [pows.new_zeros(())] * (num_groups - 1)
+        else:
+            sums = [reduce(self._counted & (groups == k)) for k in range(num_groups)]
+        stats = torch.stack([*sums, (~torch.isfinite(pows)).sum().to(torch.float32)])
         return self.placement.comm.all_reduce(stats, op="max" if inf else "sum")
 
     def count_zeros(self) -> torch.Tensor:
@@ -193,9 +209,17 @@ class Stage:
                 if key not in _NOT_SETTINGS:
                     inner[key] = value
 
-    def step(self, grad_scale: float = 1.0) -> None:
-        """The inner step with the ready gradients multiplied by ``grad_scale``, then publish."""
+    def step(self, grad_scale: float = 1.0, piece_scales: Sequence[float] | None = None) -> None:
+        """The inner step with the ready gradients multiplied by ``grad_scale`` (and each piece's by its
+        ``piece_scales`` entry too, when given: one per piece), then publish."""
         self.sync_settings()
+        if piece_scales is not None:
+            by_factor: dict[float, list[torch.Tensor]] = {}
+            for grad, factor in zip(self._ready, piece_scales, strict=True):
+                if grad is not None and factor != 1.0:
+                    by_factor.setdefault(factor, []).append(grad)
+            for factor, grads in by_factor.items():
+                torch._foreach_mul_(grads, factor)
         if self._takes_grad_scale:
             self.optimizer.step(grad_scale=grad_scale)  # type: ignore[call-arg]
         else:
