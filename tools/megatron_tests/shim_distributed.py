@@ -30,6 +30,7 @@ import types
 from typing import Any
 
 import pytest
+import shim
 import torch
 import torch.distributed as dist
 
@@ -261,3 +262,11 @@ install()
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
+    # the groups a test makes end with it (see shim.destroy_groups): gloo threads stay bounded over a file
+    before = shim.process_groups()
+    yield
+    shim.destroy_groups(keep=before)
