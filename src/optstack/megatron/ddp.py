@@ -84,7 +84,7 @@ from optstack.megatron.param_and_grad_buffer import (
     FullParamLayout,
     megatron_bucketing_for,
 )
-from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
+from optstack.megatron.process_groups import ProcessGroupCollection, collection_group, to_parallel_groups
 
 __all__ = ["BucketGroup", "DDPConfigAssertion", "DistributedDataParallel", "DistributedDataParallelConfig",
            "GradSyncError", "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
@@ -503,7 +503,8 @@ class DistributedDataParallel(DataParallel):
                              "DistributedDataParallel")
         intra = inter = None
         if isinstance(pg_collection, ProcessGroupCollection):
-            intra, inter = pg_collection.intra_dp_cp, pg_collection.inter_dist_opt
+            intra = collection_group(pg_collection, "intra_dp_cp")
+            inter = collection_group(pg_collection, "inter_dist_opt")
             pg_collection = to_parallel_groups(pg_collection)
         if pg_collection is not None and not isinstance(pg_collection, ParallelGroups):
             raise ValueError(
