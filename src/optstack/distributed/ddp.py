@@ -441,9 +441,14 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written)."""
+        """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written;
+        the few local accumulators now, so a subclass that zeroes ``grad_data`` itself needs no more)."""
         self._wait_all()
         self._stale, self._written, self._cleared = True, set(), True
+        with torch.no_grad():
+            for buf in self.param_and_grad_buffers:
+                for grad in buf.local_grads.values():
+                    grad.zero_()
         self._hide_grads()
         self._reset_sync_state()
 
