@@ -35,7 +35,7 @@ def pytest_runtest_call(item: Any) -> Any:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: Any, call: Any) -> Any:
-    # A test that asked for tensor-, pipeline- or context-parallel size > 1 carries the note into the junit file
+    # A test that asked for a tensor-parallel size > 1 carries the note into the junit file
     # (written from the teardown report): run.py reports its failure as out of scope.
     outcome = yield
     if call.when == "teardown":

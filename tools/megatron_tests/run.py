@@ -7,8 +7,8 @@
 Each ref is exported from the Megatron-LM git mirror (``git archive <ref> megatron tests/unit_tests``) into
 ``--work``; ``--megatron-src`` uses a checkout instead. The test files run unedited under ``shim.py`` (see its
 docstring); with ``--nproc N`` as N gloo processes (a test passes when it passes on every rank). A failure is
-reported as out of scope when the test asked for tensor-, pipeline- or context-parallel size > 1 (the shim
-notes it) or is listed in ``OUT_OF_SCOPE``.
+reported as out of scope when the test asked for a tensor-parallel size > 1 (the shim notes it) or is listed
+in ``OUT_OF_SCOPE``.
 """
 
 from __future__ import annotations

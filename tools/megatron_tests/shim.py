@@ -22,8 +22,8 @@ from a ``conftest.py``):
   ``tests.unit_tests.test_utils._init_distributed`` / ``_deinit_distributed`` (``TEST_UTILITIES``), on gloo
   with a file-store rendezvous from ``RANK`` / ``WORLD_SIZE`` (one process when unset).
   ``Utils.initialize_model_parallel`` skips a test whose parallel sizes do not divide the world size (a world
-  this run cannot give) and notes tensor-, pipeline- or context-parallel sizes > 1 (``take_out_of_scope``: the
-  face takes its data-parallel group from ``pg_collection`` or the world, not from ``parallel_state``);
+  this run cannot give) and notes a tensor-parallel size > 1 (``take_out_of_scope``: the face takes its
+  data-parallel group from ``pg_collection`` or the world, not from ``parallel_state``);
 - **process groups end with their creator**: ``destroy_groups`` (each gloo group holds threads until
   destroyed and unreferenced).
 
@@ -256,7 +256,7 @@ _out_of_scope: list[str] = []  # why the running test is out of scope, if it is 
 
 
 def take_out_of_scope() -> str | None:
-    """Why the test just run is out of scope (tensor-, pipeline- or context-parallel size > 1), or None; clears
+    """Why the test just run is out of scope (a tensor-parallel size > 1), or None; clears
     the note for the next test."""
     note = "; ".join(dict.fromkeys(_out_of_scope)) or None
     _out_of_scope.clear()
@@ -297,7 +297,8 @@ class Utils:
         if world % needed:
             pytest.skip(f"needs a world size divisible by {needed} (tensor x pipeline x context parallel x "
                         f"num_distributed_optimizer_instances); this run has {world} processes")
-        _out_of_scope.extend(f"{name}={value} > 1" for name, value in sizes.items() if value > 1)
+        if tensor_model_parallel_size > 1:  # issue 14's acceptance: tensor parallelism only (CP / PP must pass)
+            _out_of_scope.append(f"tensor_model_parallel_size={tensor_model_parallel_size} > 1")
         ps = importlib.import_module("megatron.core.parallel_state")
         if Utils.inited:  # Megatron forgets the previous groups here: end them
             destroy_groups(keep=Utils.groups_before)
