@@ -3,7 +3,7 @@ defaults: an attribute never set raises AttributeError. The face reads such a co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field, make_dataclass
 from typing import Any
 
 from torch import nn
@@ -11,21 +11,17 @@ from torch import nn
 from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig, ProcessGroupCollection
 
 
-@dataclass
-class _CollectionV016:
-    """core_v0.16.1's class, reduced to the fields the face reads (``field(init=False)``, no default)."""
+def _set(self: Any, **kwargs: Any) -> None:
+    for key, value in kwargs.items():
+        setattr(self, key, value)
 
-    tp: Any = field(init=False)
-    dp: Any = field(init=False)
-    dp_cp: Any = field(init=False)
-    expt_dp: Any = field(init=False)
-    intra_dp_cp: Any = field(init=False)
-    intra_dist_opt: Any = field(init=False)
-    inter_dist_opt: Any = field(init=False)
 
-    def __init__(self, **kwargs: Any) -> None:
-        for key, value in kwargs.items():
-            setattr(self, key, value)
+# core_v0.16.1's class, reduced to the groups the face reads: declared with field(init=False) and no default
+_CollectionV016 = make_dataclass(
+    "_CollectionV016",
+    [(name, Any, field(init=False)) for name in ("tp", "dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_dist_opt",
+                                                 "inter_dist_opt", "pp", "ep", "mp")],
+    init=False, namespace={"__init__": _set})
 
 
 def test_ddp_takes_a_collection_with_unset_groups() -> None:
