@@ -79,7 +79,6 @@ def test_unsupported_values_name_the_field(field: str, value: object) -> None:
         ({"num_buckets": 0}, "num_buckets must be an int greater than 0"),
         ({"num_distributed_optimizer_instances": 2}, "needs use_distributed_optimizer=True"),
         ({"num_distributed_optimizer_instances": 0}, "must be an int >= 1"),
-        ({"param_name_patterns_for_fp32_local_accumulation": ("*.weight",)}, "use grad_reduce_in_fp32=True"),
         ({"param_name_patterns_for_fp32_local_accumulation": ("all",), "grad_reduce_in_fp32": True},
          "only needed when grad_reduce_in_fp32 is False"),
     ],

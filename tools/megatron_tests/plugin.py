@@ -8,12 +8,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import shim
 
 
-def pytest_configure(config) -> None:  # noqa: ANN001 (pytest's hook)
+def pytest_configure(config: Any) -> None:
     # Megatron's flag says whether the emerging_optimizers package is installed; the face does not need it.
     have_emerging = importlib.util.find_spec("emerging_optimizers") is not None
     shim.install(Path(os.environ["OPTSTACK_MEGATRON_SRC"]),
@@ -23,10 +24,21 @@ def pytest_configure(config) -> None:  # noqa: ANN001 (pytest's hook)
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 (pytest's hook)
-    # The groups a test makes (parallel_state, new_group, device meshes) end with it, the default group stays:
-    # kept, each gloo group's threads piled up to thousands per process over a file. (A class- or module-scoped
-    # fixture's groups would end after its first test; none of Megatron's files in scope has one.)
+def pytest_runtest_call(item: Any) -> Any:
+    # The groups a test body makes (new_group, device meshes, Utils.initialize_model_parallel) end with it; those
+    # of setup_class / fixtures end with Utils.destroy_model_parallel or the next initialize_model_parallel.
+    # Kept, each gloo group's threads piled up to thousands per process over a file.
     before = shim.process_groups()
     yield
     shim.destroy_groups(keep=before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+    # A test that asked for a tensor-parallel size > 1 carries the note into the junit file
+    # (written from the teardown report): run.py reports its failure as out of scope.
+    outcome = yield
+    if call.when == "teardown":
+        note = shim.take_out_of_scope()
+        if note:
+            outcome.get_result().user_properties.append(("out_of_scope", note))

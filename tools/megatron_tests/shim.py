@@ -18,9 +18,14 @@ from a ``conftest.py``):
   imports it at the top) and raises ``ImportError`` when called; the tests that need TE fail with that reason;
 - **NCCL -> gloo**: ``init_process_group`` / ``new_group`` get ``gloo`` where NCCL was asked for (NCCL
   options dropped), ``init_device_mesh('cuda', ...)`` builds a CPU mesh;
-- **Megatron's test utilities**: ``tests.unit_tests.test_utilities.Utils`` and
+- **Megatron's test utilities**: ``tests.unit_tests.test_utilities.Utils`` / ``TestModel`` and
   ``tests.unit_tests.test_utils._init_distributed`` / ``_deinit_distributed`` (``TEST_UTILITIES``), on gloo
   with a file-store rendezvous from ``RANK`` / ``WORLD_SIZE`` (one process when unset).
+  ``Utils.initialize_model_parallel`` skips a test whose parallel sizes do not divide the world size (a world
+  this run cannot give) and notes a tensor-parallel size > 1 (``take_out_of_scope``: the face takes its
+  data-parallel group from ``pg_collection`` or the world, not from ``parallel_state``);
+- **process groups end with their creator**: ``destroy_groups`` (each gloo group holds threads until
+  destroyed and unreferenced).
 
 Nothing in the tests is edited: their assertions run as written.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import gc
 import importlib
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -39,6 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
@@ -59,9 +66,20 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer.grad_scaler": ("optstack.megatron.optimizers",),
     "megatron.core.optimizer.clip_grads": ("optstack.megatron.optimizers",),
     "megatron.core.optimizer_param_scheduler": ("optstack.megatron.scheduler", "optstack.megatron.keys"),
-    "megatron.core.distributed": ("optstack.megatron.ddp",),
+    "megatron.core.distributed": ("optstack.megatron.ddp", "optstack.megatron.fsdp"),
+    "megatron.core.distributed.param_and_grad_buffer": ("optstack.megatron.ddp",),
     "megatron.core.distributed.distributed_data_parallel": ("optstack.megatron.ddp",),
     "megatron.core.distributed.distributed_data_parallel_config": ("optstack.megatron.ddp",),
+}
+
+def _internal_buffer(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("Megatron's internal _ParamAndGradBuffer constructor is not part of optstack's face "
+                              "(DistributedDataParallel.buffers offers the wrapper's buffers)")
+
+
+#: Names added to an alias: Megatron internals the test files import at the top (calling one raises).
+ALIAS_EXTRAS: dict[str, dict[str, Any]] = {
+    "megatron.core.distributed.param_and_grad_buffer": {"_ParamAndGradBuffer": _internal_buffer},
 }
 
 #: Megatron modules imported from its source before the Transformer Engine stub exists, so that their
@@ -199,24 +217,32 @@ def process_groups() -> set[dist.ProcessGroup]:
     return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
 
 
+def _holds(value: Any, groups: set[dist.ProcessGroup]) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds(v, groups) for v in value)
+    return isinstance(value, dist.ProcessGroup) and value in groups
+
+
 def destroy_groups(keep: set[dist.ProcessGroup]) -> None:
-    """Destroy every process group not in ``keep`` but the default one, and drop Megatron's references to them.
+    """Destroy every process group not in ``keep`` but the default one.
 
     Megatron's ``destroy_model_parallel`` only forgets its groups: c10d keeps them, and each gloo group keeps
     its threads (about 3 per group; Megatron makes dozens per ``initialize_model_parallel``), so over a test
     file at 2 ranks a process grew to thousands of threads. A group's threads end once it is destroyed and
-    unreferenced, hence ``parallel_state``'s reset and the collection.
+    unreferenced: ``parallel_state`` is reset when it holds one of them, then garbage is collected.
     """
     if not dist.is_initialized():
         return
     default = dist.distributed_c10d._get_default_group()
-    stale = [pg for pg in process_groups() - keep if pg is not default]
-    for pg in stale:
+    stale = {pg for pg in process_groups() - keep if pg is not default}
+    if not stale:
+        return
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and any(_holds(v, stale) for v in vars(ps).values()):
+        ps.destroy_model_parallel()
+    for pg in stale & process_groups():  # resetting parallel_state may have destroyed some
         dist.destroy_process_group(pg)
-    if stale:
-        if "megatron.core.parallel_state" in sys.modules:  # its globals would keep the destroyed groups alive
-            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-        gc.collect()
+    gc.collect()
 
 
 # ------------------------------------------------------------------------------- Megatron's test utilities
@@ -226,8 +252,19 @@ def _world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_out_of_scope: list[str] = []  # why the running test is out of scope, if it is (Utils.initialize_model_parallel)
+
+
+def take_out_of_scope() -> str | None:
+    """Why the test just run is out of scope (a tensor-parallel size > 1), or None; clears
+    the note for the next test."""
+    note = "; ".join(dict.fromkeys(_out_of_scope)) or None
+    _out_of_scope.clear()
+    return note
+
+
 class Utils:
-    """Megatron's ``tests.unit_tests.test_utilities.Utils`` on gloo (the methods the optimizer tests call)."""
+    """Megatron's ``tests.unit_tests.test_utilities.Utils`` on gloo (the methods the tests call)."""
 
     rank, world_size = _world()
     local_rank = rank
@@ -252,7 +289,19 @@ class Utils:
     @staticmethod
     def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                                   virtual_pipeline_model_parallel_size: int | None = None, **kwargs: Any) -> None:
+        sizes = {"tensor_model_parallel_size": tensor_model_parallel_size,
+                 "pipeline_model_parallel_size": pipeline_model_parallel_size,
+                 "context_parallel_size": kwargs.get("context_parallel_size", 1)}
+        instances = kwargs.get("num_distributed_optimizer_instances", 1)
+        world, needed = _world()[1], math.prod(sizes.values()) * instances
+        if world % needed:
+            pytest.skip(f"needs a world size divisible by {needed} (tensor x pipeline x context parallel x "
+                        f"num_distributed_optimizer_instances); this run has {world} processes")
+        if tensor_model_parallel_size > 1:  # issue 14's acceptance: tensor parallelism only (CP / PP must pass)
+            _out_of_scope.append(f"tensor_model_parallel_size={tensor_model_parallel_size} > 1")
         ps = importlib.import_module("megatron.core.parallel_state")
+        if Utils.inited:  # Megatron forgets the previous groups here: end them
+            destroy_groups(keep=Utils.groups_before)
         ps.destroy_model_parallel()
         Utils.initialize_distributed()
         Utils.groups_before = process_groups()
@@ -274,6 +323,20 @@ class Utils:
         raise NotImplementedError("fake_initialize_model_parallel is not part of the shim")
 
 
+class TestModel(torch.nn.Module):
+    """Megatron's ``tests.unit_tests.test_utilities.TestModel``, as written there (its module imports Megatron's
+    training package)."""
+
+    __test__ = False  # not a test class
+
+    def __init__(self, input_dim: int, output_dim: int, num_layers: int, bias: bool,
+                 shared_embedding: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(input_dim, output_dim, bias) for _ in range(num_layers)])
+        if shared_embedding:
+            self.layers[-1].weight.shared_embedding = True
+
+
 def _init_distributed(world: int, rank: int) -> None:
     Utils.initialize_distributed()
     assert dist.get_rank() == rank and torch.cuda.device_count() == world
@@ -287,9 +350,19 @@ def _deinit_distributed() -> None:
 
 #: Megatron's test-utility modules -> what the shim offers for them.
 TEST_UTILITIES: dict[str, dict[str, Any]] = {
-    "tests.unit_tests.test_utilities": {"Utils": Utils},
+    "tests.unit_tests.test_utilities": {"Utils": Utils, "TestModel": TestModel},
     "tests.unit_tests.test_utils": {"_init_distributed": _init_distributed, "_deinit_distributed": _deinit_distributed},
 }
+
+
+def _rearrange(array: Any, pattern: str, **sizes: int) -> Any:
+    """``einops.rearrange`` for the one pattern form Megatron's ``HyperCommGrid`` uses (core_v0.16.1):
+    ``"(a b c) -> (c a) (b)"``, each name one axis of the given size (first name outermost)."""
+    source, target = ([g.split() for g in side.replace("(", "").split(")") if g.strip()]
+                      for side in pattern.split("->"))
+    names = source[0]
+    arranged = array.reshape([sizes[n] for n in names]).transpose([names.index(n) for g in target for n in g])
+    return arranged.reshape([math.prod(sizes[n] for n in g) for g in target])
 
 
 # ------------------------------------------------------------------------------------------------- install
@@ -336,10 +409,12 @@ def install(megatron_src: Path, aliases: Mapping[str, tuple[str, ...]] = ALIASES
         extra: Megatron module -> more names to put in its alias (e.g. flags Megatron's ``__init__`` sets).
     """
     _patch_distributed()
+    if importlib.util.find_spec("einops") is None:  # core_v0.16.1's HyperCommGrid needs it for one call
+        _package("einops", None).rearrange = _rearrange
     _package("megatron", megatron_src / "megatron")
     _package("megatron.core", megatron_src / "megatron" / "core")
     for name in sorted(aliases):  # parents before children
-        alias(name, aliases[name], (extra or {}).get(name))
+        alias(name, aliases[name], {**ALIAS_EXTRAS.get(name, {}), **(extra or {}).get(name, {})})
     core = sys.modules["megatron.core"]  # Megatron's __init__, now that the aliases answer its DDP import
     init = megatron_src / "megatron" / "core" / "__init__.py"
     spec = importlib.util.spec_from_file_location("megatron.core", init, submodule_search_locations=core.__path__)

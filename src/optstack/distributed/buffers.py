@@ -9,12 +9,17 @@ rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across parameters.
 ``Bucketing`` selects another rule for a face that must reproduce a framework's layout (Megatron's: a bucket
 closes once it *reaches* ``bucket_size``; padding only under the distributed optimizer; a shared embedding in
 a bucket of its own); the default is the rule above.
+
+Local accumulation (``local_grad_dtypes``): chosen parameters accumulate their micro-batch gradients in a
+tensor of their own, in a wider dtype (e.g. fp32 for bf16 gradients), rounded into the gradient buffer only
+for the reduction (``stage_local_grads``) and given the reduced gradient back (``unstage_local_grads``), as
+Megatron's ``param_name_patterns_for_fp32_local_accumulation`` does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -227,11 +232,14 @@ class ParamAndGradBuffer:
         dp_size: the ranks the buckets are split across (expert data-parallel for experts).
         bucket_size: elements per bucket (None = one bucket).
         grad_dtype: gradient buffer dtype (None = the parameters' dtype).
+        local_grad_dtypes: parameter name -> the dtype its gradient accumulates in locally, in a tensor of its
+            own (``local_grads``; module docstring); names not in this buffer are ignored.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
                  bucket_size: int | None, grad_dtype: torch.dtype | None = None, is_expert: bool = False,
-                 shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None) -> None:
+                 shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
+                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         first = named_params[0][1]
@@ -257,6 +265,10 @@ class ParamAndGradBuffer:
         self.buckets = tuple(Bucket(b.index, b, tuple(self._by_name[n] for n in b.param_names),
                                     self.param_data[b.offset:b.end], self.grad_data[b.offset:b.end])
                              for b in self.layout.buckets)
+        wanted = local_grad_dtypes or {}
+        #: name -> the parameter's local accumulator (its shape, the dtype asked for), in buffer order
+        self.local_grads: dict[str, torch.Tensor] = {
+            n: torch.zeros(p.shape, dtype=wanted[n], device=first.device) for n, p in named_params if n in wanted}
 
     def __repr__(self) -> str:
         k = self.key
@@ -295,6 +307,39 @@ class ParamAndGradBuffer:
         slot = self.slot_of(param)
         return self.grad_data[slot.offset:slot.end].view(slot.shape)
 
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s local accumulator, or None when it accumulates in the buffer (``grad_view``)."""
+        return self.local_grads.get(self.name_of(param))
+
+    def stage_local_grads(self, bucket: int) -> None:
+        """Round the local accumulators of bucket ``bucket``'s parameters into the gradient buffer (before its
+        reduction)."""
+        with torch.no_grad():
+            for name in self.layout.buckets[bucket].param_names:
+                if name in self.local_grads:
+                    self.grad_view(self._by_name[name]).copy_(self.local_grads[name])
+
+    def unstage_local_grads(self, bucket: int) -> None:
+        """Copy bucket ``bucket``'s reduced gradients back into its parameters' local accumulators."""
+        with torch.no_grad():
+            for name in self.layout.buckets[bucket].param_names:
+                if name in self.local_grads:
+                    self.local_grads[name].copy_(self.grad_view(self._by_name[name]))
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient by ``factor``: the buffer's and the local accumulators."""
+        with torch.no_grad():
+            self.grad_data.mul_(factor)
+            for grad in self.local_grads.values():
+                grad.mul_(factor)
+
+    def zero_gradients(self) -> None:
+        """Zero every gradient: the buffer's and the local accumulators."""
+        with torch.no_grad():
+            self.grad_data.zero_()
+            for grad in self.local_grads.values():
+                grad.zero_()
+
     def param_shard_view(self, bucket: int, rank: int) -> torch.Tensor:
         """1-D view of the parameter buffer over ``rank``'s owned range of ``bucket``."""
         return self._shard(self.param_data, bucket, rank)
@@ -312,14 +357,27 @@ class ParamAndGradBuffer:
 def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int, expert_dp_size: int,
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
-                  shard_align: int = 128, param_align: int = 64,
-                  bucketing: Bucketing | None = None) -> list[ParamAndGradBuffer]:
+                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
+                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None) -> list[ParamAndGradBuffer]:
     """One ``ParamAndGradBuffer`` per ``BufferKey`` of ``named_params`` (backward order), in order of first use;
-    ``is_expert`` ones split across ``expert_dp_size`` ranks; buckets cut as ``bucketing`` says."""
+    ``is_expert`` ones split across ``expert_dp_size`` ranks; buckets cut as ``bucketing`` says; the parameters
+    named in ``local_grad_dtypes`` accumulate locally in that dtype (``ParamAndGradBuffer``).
+
+    Raises:
+        ValueError: a ``local_grad_dtypes`` name that is not in ``named_params``, or a dtype not floating-point.
+    """
+    names = {name for name, _ in named_params}
+    for name, dtype in (local_grad_dtypes or {}).items():
+        if name not in names:
+            raise ValueError(f"local_grad_dtypes names {name!r}, which is not a trainable parameter here; "
+                             f"the parameters are {sorted(names)[:8]}{' ...' if len(names) > 8 else ''}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"local_grad_dtypes[{name!r}] must be a floating-point torch.dtype, got {dtype!r}")
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))
     return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
                                bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
-                               shard_align=shard_align, param_align=param_align, bucketing=bucketing)
+                               shard_align=shard_align, param_align=param_align, bucketing=bucketing,
+                               local_grad_dtypes=local_grad_dtypes)
             for key, members in groups.items()]

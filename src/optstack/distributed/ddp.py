@@ -24,7 +24,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -91,6 +91,10 @@ class DataParallel(nn.Module):
             rank's shard in the other parts (Megatron's inter-instance group). A bucket is reduced inside the
             part (reduced into this rank's shard), then that shard is all-reduced across the parts, as
             Megatron does; only the owned shard holds the whole data-parallel sum.
+        local_grad_dtypes: parameter name -> a dtype its micro-batch gradients accumulate in, in a tensor of its
+            own (e.g. fp32 for some bf16 parameters of a bf16 gradient buffer); rounded into the buffer for the
+            reduction and given the reduced gradient back; ``main_grad`` returns it (Megatron's
+            ``param_name_patterns_for_fp32_local_accumulation``; ``buffers.py``).
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -103,7 +107,8 @@ class DataParallel(nn.Module):
                  sharded_reduction: Literal["auto", "reduce_scatter", "all_reduce"] = "auto",
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                  shard_group: Comm | NullComm | None = None,
-                 cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False) -> None:
+                 cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False,
+                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -137,7 +142,8 @@ class DataParallel(nn.Module):
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
             list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
-            shard_align=shard_align, param_align=param_align, bucketing=bucketing)
+            shard_align=shard_align, param_align=param_align, bucketing=bucketing,
+            local_grad_dtypes=local_grad_dtypes)
         self._data_ptrs = [p.data_ptr() for _, p in named]
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
@@ -148,6 +154,9 @@ class DataParallel(nn.Module):
         # The hook's accumulation targets, made once: a view per call costs as much as the add for small params.
         self._grad_views: dict[int, torch.Tensor] = {
             id(p): buf.grad_view(p) for buf in self.param_and_grad_buffers for p in buf.params}
+        # Where backward accumulates: the buffer view, or the parameter's local accumulator (local_grad_dtypes).
+        self._accum_views = {**self._grad_views, **{
+            id(buf.param_of(n)): g for buf in self.param_and_grad_buffers for n, g in buf.local_grads.items()}}
         self._sync_enabled = True
         # Lazy zeroing: while _stale, only the views of parameters in _written hold this step's gradients.
         self._stale = False
@@ -198,7 +207,7 @@ class DataParallel(nn.Module):
             self._launch_ready()
 
     def _write_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        view, scale = self._grad_views[id(param)], self._hook_scale
+        view, scale = self._accum_views[id(param)], self._hook_scale
         with torch.no_grad():
             if self._stale and id(param) not in self._written:  # the first gradient since zero_grad_buffer
                 self._written.add(id(param))
@@ -217,7 +226,7 @@ class DataParallel(nn.Module):
         for p in params:
             if id(p) not in self._written:
                 self._written.add(id(p))
-                self._grad_views[id(p)].zero_()
+                self._accum_views[id(p)].zero_()
 
     def _reset_sync_state(self) -> None:
         self._synced = True  # nothing accumulated since: finish_grad_sync is a no-op
@@ -236,6 +245,8 @@ class DataParallel(nn.Module):
         comm = self.reduce_comm(buf)
         if self._stale:
             self._zero_unwritten(bucket.params)
+        if buf.local_grads:
+            buf.stage_local_grads(bucket.index)
         if self.check_for_nan and not bool(torch.isfinite(bucket.grad_data).all()):
             self._nonfinite += [buf.name_of(p) for p in bucket.params
                                 if not bool(torch.isfinite(buf.grad_view(p)).all())]
@@ -330,6 +341,13 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"bucket {position} of bucket_order has not been launched; mark its gradients ready "
                                "or call start_grad_sync()")
         handle.wait()
+        self._unstage(position)
+
+    def _unstage(self, position: int) -> None:
+        """The reduced gradients of a bucket back into its parameters' local accumulators (if any)."""
+        buf, bucket = self._order[position]
+        if buf.local_grads:
+            buf.unstage_local_grads(bucket.index)
 
     def bucket_launched(self, position: int) -> bool:
         """Whether the reduction of the bucket at ``position`` of ``bucket_order`` has started this step."""
@@ -353,11 +371,13 @@ class DataParallel(nn.Module):
         if self._synced:
             if self._stale:  # no gradient since zero_grad_buffer: every gradient is zero
                 for buf in self.param_and_grad_buffers:
-                    buf.grad_data.zero_()
+                    buf.zero_gradients()
                 self._stale, self._written = False, set()
             return
         self.start_grad_sync(force_all_reduce=force_all_reduce)
         self._wait_all()
+        for position in range(len(self._order)):
+            self._unstage(position)
         nonfinite = self._nonfinite
         self._reset_sync_state()
         self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
@@ -421,9 +441,14 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written)."""
+        """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written;
+        the few local accumulators now, so a subclass that zeroes ``grad_data`` itself needs no more)."""
         self._wait_all()
         self._stale, self._written, self._cleared = True, set(), True
+        with torch.no_grad():
+            for buf in self.param_and_grad_buffers:
+                for grad in buf.local_grads.values():
+                    grad.zero_()
         self._hide_grads()
         self._reset_sync_state()
 
@@ -438,14 +463,16 @@ class DataParallel(nn.Module):
         return _device_of(self.param_and_grad_buffers)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """``param``'s gradient buffer view; reduced after ``finish_grad_sync`` (only owned slices: ``shard_grads``)."""
+        """``param``'s gradient buffer view (its local accumulator with ``local_grad_dtypes``); reduced after
+        ``finish_grad_sync`` (only owned slices: ``shard_grads``)."""
         entry = self._slot_of_param.get(id(param))
         if entry is None:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
                              "wrapped module")
         if self._stale:
             self._zero_unwritten([param])  # its gradient is zero until written
-        return entry[1].grad_view(param)
+        local = entry[1].local_grad(param)
+        return local if local is not None else entry[1].grad_view(param)
 
     def sharded_layout(self, params: Sequence[torch.Tensor], *, expert: bool = False,
                        overlap_param_gather: bool = False,

@@ -16,6 +16,9 @@ take it as the wrapped model):
   ``force_all_reduce`` all-reduces over the whole data-parallel group (whole gradients on every rank; Megatron's
   reduces only the owned shard across instances);
 - ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
+- ``param_name_patterns_for_fp32_local_accumulation`` -> the matching parameters (fnmatch on the wrapped
+  module's names; ``'all'``: every one) accumulate their gradients in an fp32 tensor of their own, rounded into
+  the buffer for the reduction and given the reduced gradient back (the core's ``local_grad_dtypes``);
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
 - ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
   size), and there is a single bucket per buffer without ``overlap_grad_reduce``, with
@@ -63,6 +66,7 @@ into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +84,7 @@ from optstack.megatron.param_and_grad_buffer import (
     FullParamLayout,
     megatron_bucketing_for,
 )
-from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
+from optstack.megatron.process_groups import ProcessGroupCollection, collection_group, to_parallel_groups
 
 __all__ = ["BucketGroup", "DDPConfigAssertion", "DistributedDataParallel", "DistributedDataParallelConfig",
            "GradSyncError", "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
@@ -232,15 +236,9 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
             raise DDPConfigAssertion(f"DistributedDataParallelConfig.num_buckets must be an int greater than 0, "
                                      f"got {buckets!r}")
-    patterns = config.param_name_patterns_for_fp32_local_accumulation
-    if patterns:
-        if config.grad_reduce_in_fp32:  # Megatron's assertion
-            raise DDPConfigAssertion("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation "
-                                     "is only needed when grad_reduce_in_fp32 is False")
-        raise ValueError(
-            f"DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation={patterns!r} is not "
-            "supported by optstack (fp32 local accumulation of some bf16 gradients before a bf16 reduction); use "
-            "grad_reduce_in_fp32=True, which accumulates and reduces every gradient in fp32")
+    if config.param_name_patterns_for_fp32_local_accumulation and config.grad_reduce_in_fp32:  # Megatron's
+        raise DDPConfigAssertion("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation "
+                                 "is only needed when grad_reduce_in_fp32 is False")
 
 
 def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool,
@@ -283,6 +281,13 @@ def _instance_groups(dp: Comm | NullComm, instances: int, intra: Any, inter: Any
     intra_lists = [ranks[i * size:(i + 1) * size] for ranks in everyone for i in range(instances)]
     inter_lists = [ranks[j::size] for ranks in everyone for j in range(size)]
     return new_subgroups(intra_lists, name="intra_dp"), new_subgroups(inter_lists, name="inter_dist_opt")
+
+
+def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dict[str, torch.dtype]:
+    """Megatron's ``param_name_patterns_for_fp32_local_accumulation``: {name: float32} for the trainable
+    parameters whose name matches a pattern (fnmatch; ``'all'`` matches every one)."""
+    return {name: torch.float32 for name, p in module.named_parameters()
+            if p.requires_grad and any(pat == "all" or fnmatch.fnmatch(name, pat) for pat in patterns)}
 
 
 def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
@@ -498,7 +503,8 @@ class DistributedDataParallel(DataParallel):
                              "DistributedDataParallel")
         intra = inter = None
         if isinstance(pg_collection, ProcessGroupCollection):
-            intra, inter = pg_collection.intra_dp_cp, pg_collection.inter_dist_opt
+            intra = collection_group(pg_collection, "intra_dp_cp")
+            inter = collection_group(pg_collection, "inter_dist_opt")
             pg_collection = to_parallel_groups(pg_collection)
         if pg_collection is not None and not isinstance(pg_collection, ParallelGroups):
             raise ValueError(
@@ -536,6 +542,8 @@ class DistributedDataParallel(DataParallel):
             # "auto" all-reduces whole buckets on gloo, where that is faster).
             sharded_reduction="reduce_scatter",
             divide_after_sum=ddp_config.average_in_collective,
+            local_grad_dtypes=fp32_local_accumulation(
+                module, ddp_config.param_name_patterns_for_fp32_local_accumulation),
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
@@ -647,9 +655,8 @@ class DistributedDataParallel(DataParallel):
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient in the buffers by ``scaling_factor`` (e.g. 1 / tokens, after
         ``finish_grad_sync``, with ``calculate_per_token_loss``)."""
-        with torch.no_grad():
-            for buffer in self.param_and_grad_buffers:
-                buffer.grad_data.mul_(scaling_factor)
+        for buffer in self.param_and_grad_buffers:
+            buffer.scale_gradients(scaling_factor)
 
     def broadcast_params(self) -> None:
         """Copy data-parallel rank 0's parameters to every rank (expert parameters: expert data-parallel

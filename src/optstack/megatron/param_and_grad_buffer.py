@@ -168,7 +168,10 @@ class BufferView:
         self._group: Any = None
         self.param_dtype, self.grad_dtype = buffer.key.param_dtype, buffer.key.grad_dtype
         self.num_optimizer_shards = shard_comm.size
-        self.extra_main_grads: list[torch.Tensor] = []  # no fp32 local accumulation (BucketView)
+        # Megatron's fp32 local accumulation: the parameters' own accumulators (the core's local_grads)
+        self.extra_main_grads: list[torch.Tensor] = list(buffer.local_grads.values())
+        for view in self.buckets:
+            view.params_with_extra_main_grads = [p for p in view.params_list if buffer.local_grad(p) is not None]
 
     def __getattr__(self, name: str) -> Any:  # only for names not set above: the core buffer's
         if name in ("core", "_comm"):
@@ -180,6 +183,10 @@ class BufferView:
 
     def __repr__(self) -> str:
         return f"BufferView({self.core!r})"
+
+    def reset(self) -> None:
+        """Zero every gradient, the fp32 local accumulators' too (Megatron's name)."""
+        self.core.zero_gradients()
 
     @property
     def data_parallel_group(self) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 from optstack.distributed.parallel import ParallelGroups
 
-__all__ = ["ProcessGroupCollection", "to_parallel_groups", "check_optimizer_groups"]
+__all__ = ["ProcessGroupCollection", "to_parallel_groups", "check_optimizer_groups", "collection_group"]
 
 #: The attributes Megatron's collection declares (others are an error, as in Megatron).
 FIELDS = (
@@ -68,11 +68,18 @@ class ProcessGroupCollection(metaclass=_CollectionType):
         return f"ProcessGroupCollection({', '.join(k for k in FIELDS if self.is_set(k))})"
 
 
+def collection_group(pg_collection: Any, name: str) -> Any:
+    """The collection's group ``name``, None when unset (Megatron's own class before current main raises
+    AttributeError for a declared attribute never set)."""
+    return getattr(pg_collection, name, None)
+
+
 def to_parallel_groups(pg_collection: ProcessGroupCollection) -> ParallelGroups:
     """optstack's ``ParallelGroups`` over the collection's groups (unset ones: size 1)."""
-    g = pg_collection
+    g = {name: collection_group(pg_collection, name) for name in ("dp_cp", "dp", "tp", "pp", "ep", "expt_dp", "mp")}
     return ParallelGroups.from_process_groups(
-        dp=g.dp_cp if g.dp_cp is not None else g.dp, tp=g.tp, pp=g.pp, ep=g.ep, expert_dp=g.expt_dp, mp=g.mp)
+        dp=g["dp_cp"] if g["dp_cp"] is not None else g["dp"], tp=g["tp"], pp=g["pp"], ep=g["ep"],
+        expert_dp=g["expt_dp"], mp=g["mp"])
 
 
 def check_optimizer_groups(pg_collection: ProcessGroupCollection, use_gloo_process_groups: bool) -> None:
