@@ -155,8 +155,9 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
                 if group.get("max_lr") == 0.0 and not group.get("is_decoupled_lr"):
                     group["max_lr"] = None
     layer_wise = any(s.placement.kind == "layerwise" for s in chain.stages)
-    out = LayerWiseDistributedOptimizer(members, config) if layer_wise else ChainedOptimizer(members)
-    out.built = built
+    out = LayerWiseDistributedOptimizer._of_members(members, config) if layer_wise else ChainedOptimizer(members)
+    # overlap_param_gather rebuilds the layer-wise stages (LayerWiseDistributedOptimizer): built names the chain stepped
+    out.built = built if out._chain is chain else dataclasses.replace(built, optimizer=out._chain)
     return out
 
 
