@@ -19,7 +19,7 @@ import torch
 from optstack.distributed.comm import Comm, NullComm
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.protocol import MakeOptimizer
-from optstack.stage import Direct, Masters, Precision, Remainders, Stage
+from optstack.stage import Precision, Remainders, Stage
 from optstack.stage.placement import LayerWise, assign_params, newton_schulz_cost
 
 __all__ = ["BucketSyncedLayerWise", "comm_of", "fresh_precision", "main_grad_or_grad", "plan_bucket_gathers",
@@ -89,12 +89,11 @@ class BucketSyncedLayerWise(LayerWise):
         return {id(p): owner for p, owner in zip(self._all, self.owners, strict=True)}
 
 
-def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *, masters: bool, expert: bool,
+def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *, precision: Precision, expert: bool,
                            ddp: DistributedDataParallel | None, dp: Comm | NullComm, bucket_synced: bool) -> Stage:
     """A layer-wise stage over a torch optimizer's ``groups``: over ``ddp``'s groups and gradient buffers when
     the parameters are its (its bucket groups gather them with ``bucket_synced``), else over ``dp`` with
     gradients from ``main_grad_or_grad``."""
-    precision: Precision = Masters() if masters else Direct()
     if ddp is not None:
         if bucket_synced:
             return Stage(groups, make, placement=BucketSyncedLayerWise(ddp=ddp, expert=expert), precision=precision)

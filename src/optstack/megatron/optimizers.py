@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from optstack.clip import norm_pows
-from optstack.distributed.comm import NullComm
+from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.keys import ParamGroupOverride
@@ -179,6 +179,11 @@ class MegatronOptimizer(GradNormGroups):
         optimizer: the torch optimizer, whose ``param_groups`` hold the tensors stepped.
         config, init_state_fn: as given. is_stub_optimizer: True without an optimizer.
     """
+
+    #: True on an optimizer ``get_megatron_optimizer`` built over bf16 parameters with ``bf16=False`` (optstack
+    #: steps fp32 masters of them where Megatron builds an ``FP32Optimizer``): ``LayerWiseDistributedOptimizer``
+    #: with ``bf16`` re-wraps it as Megatron re-wraps that ``FP32Optimizer``.
+    megatron_fp32 = False
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, config: Any,
                  init_state_fn: Callable | None = lambda x: None) -> None:
@@ -749,20 +754,21 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                  init_state_fn_list: Sequence[Callable] | None = None, model_chunks: Any = None) -> None:
         if getattr(config, "bf16", False):
             for optimizer in optimizers:
-                if isinstance(optimizer, (Float16OptimizerWithFloat16Params, FP32Optimizer)):
+                if isinstance(optimizer, Float16OptimizerWithFloat16Params) and not optimizer.megatron_fp32:
                     raise TypeError("LayerWiseDistributedOptimizer expects base torch optimizers, got "
-                                    f"{type(optimizer).__name__}. Do not pre-wrap with Megatron optimizers.")
-        self._build(list(optimizers), config, pg_collection, init_state_fn_list, model_chunks)
+                                    f"{type(optimizer).__name__}. Do not pre-wrap with Megatron optimizers "
+                                    "(LayerWiseDistributedOptimizer received Float16 optimizer already).")
+        self._build(list(optimizers), config, pg_collection, init_state_fn_list, model_chunks, rewrap=True)
 
     @classmethod
     def _of_members(cls, members: Sequence[MegatronOptimizer], config: Any) -> LayerWiseDistributedOptimizer:
         """Over the Megatron optimizers ``get_megatron_optimizer`` built (already placed layer-wise)."""
         out = cls.__new__(cls)
-        out._build(list(members), config, None, None, None)
+        out._build(list(members), config, None, None, None, rewrap=False)
         return out
 
     def _build(self, optimizers: list[Any], config: Any, pg_collection: Any,
-               init_state_fn_list: Sequence[Callable] | None, model_chunks: Any) -> None:
+               init_state_fn_list: Sequence[Callable] | None, model_chunks: Any, *, rewrap: bool) -> None:
         if init_state_fn_list and len(init_state_fn_list) != len(optimizers):
             raise ValueError(f"LayerWiseDistributedOptimizer: init_state_fn_list has {len(init_state_fn_list)} "
                              f"functions for {len(optimizers)} optimizers; give one per optimizer or None")
@@ -775,7 +781,11 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                 member.init_state_fn = init_state_fn_list[i] if init_state_fn_list else None
                 members.append(member)
             else:
-                members.append(_placed_layer_wise(optimizer, config, bucket_synced=self.overlap_param_gather))
+                # Megatron wraps an FP32Optimizer's torch optimizer for bf16 (megatron-core 0.16)
+                to_bf16 = rewrap and bool(getattr(config, "bf16", False)) and (
+                    isinstance(optimizer, FP32Optimizer) or getattr(optimizer, "megatron_fp32", False))
+                members.append(_placed_layer_wise(optimizer, config, bucket_synced=self.overlap_param_gather,
+                                                  to_bf16=to_bf16, pg_collection=pg_collection))
         super().__init__(members)
         self.config = config
         self.pg_collection = pg_collection
@@ -858,33 +868,34 @@ def _torch_layer_wise(optimizer: torch.optim.Optimizer, config: Any, pg_collecti
     if bucket_synced and ddp is None:
         raise ValueError(f"{owner}: with overlap_param_gather the model's bucket groups gather the parameters; pass "
                          "model_chunks=[the DistributedDataParallel model] (Megatron asserts the same)")
-    group = None if pg_collection is None else (
-        getattr(pg_collection, "expt_dp", None) if expert else
-        getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None))
-    dp = NullComm() if ddp is not None else comm_of(group, "expert data-parallel" if expert else "data-parallel")
+    dp = NullComm() if ddp is not None else _dp_comm(pg_collection, expert)
     masters = bool(getattr(config, "bf16", False)) or any(p.dtype == torch.bfloat16 for p in params)
-    stage = torch_layer_wise_stage(groups, _rebind(optimizer, owner), masters=masters, expert=expert, ddp=ddp,
-                                   dp=dp, bucket_synced=bucket_synced)
+    stage = torch_layer_wise_stage(groups, _rebind(optimizer, owner), precision=Masters() if masters else Direct(),
+                                   expert=expert, ddp=ddp, dp=dp, bucket_synced=bucket_synced)
     cls = Float16OptimizerWithFloat16Params if masters else FP32Optimizer
     return cls._over(stage, config, _core_chain([stage], config, NoScaler(), [ddp] if ddp is not None else []))
 
 
-def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool) -> Any:
-    """Megatron re-wraps replicated optimizers layer-wise: a member over one whole-parameter stage of a
-    ``DistributedDataParallel`` model (what ``get_megatron_optimizer`` builds without the distributed optimizer)
-    becomes the same class over a layer-wise stage of the same groups, with a fresh inner optimizer of the same
-    class and defaults (so it must not have stepped); ``bucket_synced``: placed to leave their gathers to the
-    wrapper's bucket groups, layer-wise stages too. Other members are kept."""
+def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool, to_bf16: bool = False,
+                       pg_collection: Any = None) -> Any:
+    """Megatron re-wraps optimizers layer-wise: a member over one whole-parameter stage (what
+    ``get_megatron_optimizer`` builds without the distributed optimizer, or an ``FP32Optimizer`` over a torch
+    optimizer) becomes the same class (``to_bf16``: a ``Float16OptimizerWithFloat16Params``) over a layer-wise
+    stage of the same groups, with a fresh inner optimizer of the same class and defaults (so it must not have
+    stepped): over its ``DistributedDataParallel`` model's groups and buffers, else over ``pg_collection``'s
+    data-parallel group reading ``param.main_grad`` / ``param.grad``. ``bucket_synced``: placed to leave their
+    gathers to the wrapper's bucket groups, layer-wise stages too. Other members are kept."""
     stage = optimizer._stage if isinstance(optimizer, MegatronOptimizer) else None
-    syncs = [s for s in optimizer._chain._grad_syncs if isinstance(s, DataParallel)] if stage is not None else []
-    if stage is None or len(syncs) != 1 or syncs[0].shard_grads:
+    if stage is None:
         return optimizer
+    syncs = [s for s in optimizer._chain._grad_syncs if isinstance(s, DataParallel)]
     kind = stage.placement.kind
     in_layer_wise_chain = any(s.placement.kind == "layerwise" for s in optimizer._chain.stages)
-    if isinstance(stage.placement, BucketSyncedLayerWise) or kind not in ("whole", "layerwise") or (
-            kind == "whole" and in_layer_wise_chain):
+    if len(syncs) > 1 or (syncs and syncs[0].shard_grads) or isinstance(stage.placement, BucketSyncedLayerWise) \
+            or kind not in ("whole", "layerwise") or (kind == "whole" and in_layer_wise_chain):
         return optimizer  # get_megatron_optimizer's layer-wise chain keeps its scalar optimizer replicated
-    bucket_synced = bucket_synced and isinstance(syncs[0], DistributedDataParallel)
+    ddp = syncs[0] if syncs else None
+    bucket_synced = bucket_synced and isinstance(ddp, DistributedDataParallel)
     if kind == "layerwise" and not bucket_synced:
         return optimizer
     inner = stage.optimizer
@@ -895,14 +906,29 @@ def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool) -> A
     defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
     groups = [dict(g) for g in stage.param_groups]
     expert = bool(groups[0].get("is_expert_parallel", False))
-    precision = fresh_precision(stage.precision)
+    precision = Masters() if to_bf16 else fresh_precision(stage.precision)
+
+    def make(gs: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return type(inner)(gs, **defaults)
+
     if bucket_synced:
-        placed = Stage(groups, lambda gs: type(inner)(gs, **defaults),
-                       placement=BucketSyncedLayerWise(ddp=syncs[0], expert=expert), precision=precision)
+        placed = Stage(groups, make, placement=BucketSyncedLayerWise(ddp=ddp, expert=expert), precision=precision)
+    elif ddp is not None:
+        placed = layerwise_stage(groups, make, ddp=ddp, expert=expert, precision=precision)
     else:
-        placed = layerwise_stage(groups, lambda gs: type(inner)(gs, **defaults), ddp=syncs[0], expert=expert,
-                                 precision=precision)
-    return type(optimizer)._over(placed, config, _core_chain([placed], config, optimizer._chain.scaler, syncs))
+        placed = torch_layer_wise_stage(groups, make, precision=precision, expert=expert, ddp=None,
+                                        dp=_dp_comm(pg_collection, expert), bucket_synced=False)
+    cls = Float16OptimizerWithFloat16Params if to_bf16 else type(optimizer)
+    return cls._over(placed, config, _core_chain([placed], config, optimizer._chain.scaler, syncs))
+
+
+def _dp_comm(pg_collection: Any, expert: bool) -> Comm | NullComm:
+    """The data-parallel group of ``pg_collection`` (``expt_dp`` for experts, else ``dp_cp`` or ``dp``; None:
+    torch.distributed's world) as optstack's communicator."""
+    group = None if pg_collection is None else (
+        getattr(pg_collection, "expt_dp", None) if expert else
+        getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None))
+    return comm_of(group, "expert data-parallel" if expert else "data-parallel")
 
 
 class _NoClip:
