@@ -29,7 +29,9 @@ take it as the wrapped model):
   ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
 - ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
   ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
-  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main).
+  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main): the bucket groups
+  gather what each rank stepped (``start_param_sync``, ``next_param_gather_bucket_group``, the forward pre-hooks
+  and ``enable_forward_pre_hook`` / ``disable_forward_pre_hook``), as Megatron's do, into ``grad_data``.
 
 Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
@@ -50,9 +52,11 @@ Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's
 (one ``BucketGroup`` per bucket), ``register_grad_ready``, ``start_grad_sync``, ``finish_grad_sync(force_all_reduce=)``,
 ``start_param_sync``, ``scale_gradients``, ``zero_grad_buffer``, ``broadcast_params``, ``no_sync``.
 
-Not offered: ``param.main_grad`` (optstack sets no attributes on parameters; ``ddp.main_grad(param)`` is the
-gradient in the buffer) and the forward pre-hook switches (the optimizer stage owns the overlapped parameter
-gathers: ``MegatronOptimizer.finish_param_sync()`` waits for them). ``finish_grad_sync()`` called again with no
+``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (this face sets it; the core sets no
+attributes), zeroed by ``zero_grad_buffer`` (eagerly, so it reads zero). A tensor the caller assigns to it instead
+is taken, as Megatron's optimizers read ``param.main_grad``: ``finish_grad_sync`` (which the optimizers' step and
+``prepare_grads`` call) copies it into the buffer view and makes ``main_grad`` the view again.
+``finish_grad_sync()`` called again with no
 gradient in between is a no-op. Megatron does the same with ``overlap_grad_reduce``; without it Megatron reduces the
 buffers again. optstack cannot: its optimizers call ``finish_grad_sync()`` at the start of each step (so a loop that
 forgets it still steps reduced gradients), after Megatron's loop already did, and a second reduction would sum the
