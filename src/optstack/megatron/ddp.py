@@ -347,7 +347,7 @@ class BucketGroup:
         self.buckets: list[BucketView] = [view.buckets[b.index] for b in self._core_buckets]
         self.params = {p for bucket in self._core_buckets for p in bucket.params}
         self.intra_distributed_optimizer_instance_size = ddp.shard_comm(self.buffer).size
-        self.param_gather_handle: Any = None  # the layer-wise gather in flight (a list of handles)
+        self.param_gather_handle: Any = None  # the layer-wise gather in flight (its broadcasts, waited as one)
         self.param_gather_dispatched = False
         #: the group whose gather this one's finish starts (forward order; set with overlap_param_gather)
         self.next_param_gather_bucket_group: BucketGroup | None = None
@@ -840,6 +840,7 @@ class DistributedDataParallel(DataParallel):
 
     def zero_grad_buffer(self) -> None:
         """Wait for in-flight reductions, zero every gradient and reset the bucket groups (as Megatron does)."""
+        self._wait_layer_wise_param_sync()  # a gather in flight lands in grad_data
         super().zero_grad_buffer()
         self._zero_now()
         self._finished = set()

@@ -710,7 +710,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
 
     ``get_megatron_optimizer(OptimizerConfig(optimizer='muon', use_layer_wise_distributed_optimizer=True),
     [model])`` builds it over the ``DistributedDataParallel`` model; its chained optimizers are Muon's
-    (layer-wise) and the scalar optimizer's (replicated; layer-wise too with ``overlap_param_gather``).
+    (layer-wise) and the scalar optimizer's (replicated).
 
     Built directly, as Megatron's callers do, over:
 
@@ -719,16 +719,20 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
       ``FP32Optimizer``); gradients are read from ``param.main_grad`` (set by ``DistributedDataParallel``) or
       ``param.grad``, over ``pg_collection``'s ``dp_cp`` / ``expt_dp`` groups; over the wrapper's own groups and
       buffers when ``model_chunks`` holds the ``DistributedDataParallel`` model of their parameters;
-    - Megatron optimizers (``config.bf16=False`` only, as in Megatron): those over one whole-parameter stage of a
-      ``DistributedDataParallel`` model (what ``get_megatron_optimizer`` builds without the distributed
-      optimizer) are placed layer-wise with a fresh inner optimizer of the same class and defaults (so they
-      must not have stepped); others are kept.
+    - Megatron optimizers: those over one whole-parameter stage (what ``get_megatron_optimizer`` builds without
+      the distributed optimizer, or ``FP32Optimizer(torch_optimizer, config)``) are placed layer-wise with a
+      fresh inner optimizer of the same class and defaults (so they must not have stepped); with
+      ``config.bf16`` an ``FP32Optimizer`` becomes a ``Float16OptimizerWithFloat16Params`` (megatron-core 0.16
+      unwraps and re-wraps it; current main refuses it) and a ``Float16OptimizerWithFloat16Params`` is refused
+      (both releases), unless ``get_megatron_optimizer`` built it over bf16 parameters with ``bf16=False``
+      (Megatron's ``FP32Optimizer`` there: ``megatron_fp32``). Others are kept.
 
     With ``config.overlap_param_gather`` (and the model's ``DistributedDataParallelConfig`` agreeing) the step
     leaves the parameters other ranks stepped to the model's bucket groups, as Megatron does:
     ``model.start_param_sync()`` starts their gathers, the forward pre-hooks finish them (each bucket's
-    ``layerwise_params_list`` says which rank sends what); the scalar optimizer is layer-wise then too, so every
-    bucket parameter has one owner.
+    ``layerwise_params_list`` says which rank sends what; the replicated scalar optimizer's parameters are sent by
+    one rank each). Until then other ranks' parameters are the previous step's here: read the model after a
+    forward, ``model.start_param_sync(force_sync=True)`` or ``optimizer.finish_param_sync()``.
 
     Args:
         optimizers: the optimizers (see above).
@@ -743,8 +747,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             model_chunks: as given.
 
     Raises:
-        TypeError: with ``config.bf16``, an optimizer already wrapped as ``Float16OptimizerWithFloat16Params`` or
-            ``FP32Optimizer`` (Megatron's error: pass the base torch optimizers).
+        TypeError: with ``config.bf16``, an optimizer already wrapped as ``Float16OptimizerWithFloat16Params``
+            (Megatron's error: pass the base torch optimizers).
         ValueError: none of the optimizers can be placed layer-wise, a torch optimizer mixing dense and expert
             groups, fp16, ``overlap_param_gather`` without the wrapped model, or ``init_state_fn_list`` of
             another length.
@@ -835,7 +839,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                 grads = member.get_grads_for_grad_norm()
                 local = (norm_pows(grads, 2.0, stage.device).sum().reshape(1) if grads
                          else torch.zeros(1, device=stage.device))
-                total += float(stage.placement.dp.all_reduce(local).item())
+                # whole on every rank of the data-parallel group; other parts over the expert/model-parallel ones
+                total += float(stage.placement.comm.all_reduce(stage.placement.dp.all_reduce(local)).item())
             else:
                 total += float(member.get_grad_norm() or 0.0) ** 2
         return math.sqrt(total)
