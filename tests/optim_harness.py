@@ -55,6 +55,18 @@ def clones_with_grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return clones
 
 
+def shard_numbers(optimizer, model: nn.Module | None = None, *, scalars: bool = True) -> dict[str, torch.Tensor]:
+    """Copies of every stage's parameter shards (this rank's), keyed ``<param>.<key>``; with ``model`` also its
+    state dict as ``model.<name>``; ``scalars`` adds each shard's scalars as 0-d tensors."""
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()} if model is not None else {}
+    for stage in optimizer.stages:
+        for name, shard in stage.param_shards().items():
+            out |= {f"{name}.{k}": t.clone() for k, t in shard.tensors.items()}
+            if scalars:
+                out |= {f"{name}.{k}": torch.tensor(float(v)) for k, v in shard.scalars.items()}
+    return out
+
+
 def stack_state(model: nn.Module, built) -> dict[str, torch.Tensor | float]:
     """Every number of a built stack (model, each stage's shards, lrs, loss scale, scheduler step), copied:
     what a failed load must leave unchanged. Keys: ``model.<name>``, ``<stage>.<param>.<key>``, ``lr<i>``."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
+from optim_harness import shard_numbers
 from torch import nn
 
 from optstack.checkpoint import CheckpointError, io, load_checkpoint, save_checkpoint
@@ -43,12 +44,7 @@ def _stack(seed: int = 0, steps: int = 2) -> tuple[nn.Module, BuiltOptimizer]:
 
 
 def _numbers(model: nn.Module, built: BuiltOptimizer) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for stage in built.optimizer.stages:
-        for name, shard in stage.param_shards().items():
-            out |= {f"{name}.{k}": t.clone() for k, t in shard.tensors.items()}
-            out |= {f"{name}.{k}": torch.tensor(float(v)) for k, v in shard.scalars.items()}
-    return out
+    return shard_numbers(built.optimizer, model)
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

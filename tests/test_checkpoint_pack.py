@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optim_harness import shard_numbers
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -35,11 +36,7 @@ def _stack(seed: int, n: int = 300) -> tuple[nn.Module, BuiltOptimizer]:
 
 
 def _numbers(model: nn.Module, built: BuiltOptimizer) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for stage in built.optimizer.stages:
-        for name, shard in stage.param_shards().items():
-            out |= {f"{name}.{k}": t.clone() for k, t in shard.tensors.items()}
-    return out
+    return shard_numbers(built.optimizer, model, scalars=False)
 
 
 @pytest.mark.parametrize("segment_bytes", [pack.SEGMENT_BYTES, 1000])

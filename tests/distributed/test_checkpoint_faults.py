@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
+from optim_harness import shard_numbers
 
 from optstack.checkpoint import CheckpointError, io, load_checkpoint, save_checkpoint
 from optstack.distributed.comm import world_comm
@@ -36,11 +37,7 @@ FAILING = 1
 
 def _numbers(built: Any) -> dict[str, torch.Tensor]:
     """This rank's optimizer numbers (its ZeRO-1 shards), copied."""
-    out = {}
-    for stage in built.optimizer.stages:
-        for name, shard in stage.param_shards().items():
-            out |= {f"{name}.{k}": t.clone() for k, t in shard.tensors.items()}
-    return out
+    return shard_numbers(built.optimizer, scalars=False)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

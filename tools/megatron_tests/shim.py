@@ -27,6 +27,7 @@ Nothing in the tests is edited: their assertions run as written.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import os
@@ -190,6 +191,34 @@ def _patch_distributed() -> None:
     dist.device_mesh.init_device_mesh = dist.init_device_mesh = init_device_mesh
 
 
+# ---------------------------------------------------------------------------------- process-group teardown
+
+
+def process_groups() -> set[dist.ProcessGroup]:
+    """The process groups c10d holds now (the default one included)."""
+    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+
+
+def destroy_groups(keep: set[dist.ProcessGroup]) -> None:
+    """Destroy every process group not in ``keep`` but the default one, and drop Megatron's references to them.
+
+    Megatron's ``destroy_model_parallel`` only forgets its groups: c10d keeps them, and each gloo group keeps
+    its threads (about 3 per group; Megatron makes dozens per ``initialize_model_parallel``), so over a test
+    file at 2 ranks a process grew to thousands of threads. A group's threads end once it is destroyed and
+    unreferenced, hence ``parallel_state``'s reset and the collection.
+    """
+    if not dist.is_initialized():
+        return
+    default = dist.distributed_c10d._get_default_group()
+    stale = [pg for pg in process_groups() - keep if pg is not default]
+    for pg in stale:
+        dist.destroy_process_group(pg)
+    if stale:
+        if "megatron.core.parallel_state" in sys.modules:  # its globals would keep the destroyed groups alive
+            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        gc.collect()
+
+
 # ------------------------------------------------------------------------------- Megatron's test utilities
 
 
@@ -203,6 +232,7 @@ class Utils:
     rank, world_size = _world()
     local_rank = rank
     inited = False
+    groups_before: set[dist.ProcessGroup] = set()  # c10d's groups before initialize_model_parallel
 
     @staticmethod
     def initialize_distributed() -> None:
@@ -225,6 +255,7 @@ class Utils:
         ps = importlib.import_module("megatron.core.parallel_state")
         ps.destroy_model_parallel()
         Utils.initialize_distributed()
+        Utils.groups_before = process_groups()
         ps.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                      virtual_pipeline_model_parallel_size, **kwargs)
         Utils.inited = True
@@ -235,6 +266,7 @@ class Utils:
             return
         dist.barrier()
         importlib.import_module("megatron.core.parallel_state").destroy_model_parallel()
+        destroy_groups(keep=Utils.groups_before)
         Utils.inited = False
 
     @staticmethod
