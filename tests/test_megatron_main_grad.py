@@ -38,11 +38,11 @@ def test_main_grad_is_the_buffer_view_and_reads_zero_after_zero_grad_buffer() ->
     assert all(not p.main_grad.any() for p in model.module.parameters())  # zeroed now, not lazily
 
 
-def test_an_assigned_main_grad_is_what_the_step_uses() -> None:
-    model = DistributedDataParallel(None, DistributedDataParallelConfig(), mlp())
+@pytest.mark.parametrize("distributed", [False, True])
+def test_an_assigned_main_grad_is_what_the_step_uses(distributed: bool) -> None:
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=distributed), mlp())
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, sgd_momentum=0.0,
-                                                 clip_grad=0.0),
-                                 [model])
+                                                 clip_grad=0.0, use_distributed_optimizer=distributed), [model])
     backward(model)  # overwritten by the assigned gradients, as Megatron's optimizers read param.main_grad
     given = {p: torch.full_like(p, 0.25) for p in model.module.parameters()}
     before = {p: p.detach().clone() for p in given}
