@@ -147,9 +147,8 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
         kind = stage.placement.kind
         cls = (DistributedOptimizer if kind == "zero1" else
                Float16OptimizerWithFloat16Params if stage.precision.masters else FP32Optimizer)
-        member = cls._over(stage, config, chain)
-        member.megatron_fp32 = stage.precision.masters and not (config.bf16 or config.fp16)
-        members.append(member)
+        members.append(cls._over(stage, config, chain,
+                                 megatron_fp32=stage.precision.masters and not (config.bf16 or config.fp16)))
     if config.lr is None:
         for member in members:
             for group in member.param_groups:

@@ -205,10 +205,12 @@ class MegatronOptimizer(GradNormGroups):
                 group.pop("param_names", None)
 
     @classmethod
-    def _over(cls, stage: Stage, config: Any, chain: CoreChained) -> MegatronOptimizer:
+    def _over(cls, stage: Stage, config: Any, chain: CoreChained, *, megatron_fp32: bool = False
+              ) -> MegatronOptimizer:
         """This class over a stage the core built (``get_megatron_optimizer``)."""
         out = cls.__new__(cls)
         MegatronOptimizer.__init__(out, stage.optimizer, config)
+        out.megatron_fp32 = megatron_fp32
         if isinstance(out, MixedPrecisionOptimizer):
             out.grad_scaler = chain.scaler
         out._attach(stage, chain)
