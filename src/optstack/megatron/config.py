@@ -18,8 +18,8 @@ either one set True turns Nesterov momentum on.
 ``overlap_param_gather_with_optimizer_step`` (with ``use_distributed_optimizer`` and ``overlap_param_gather``, as
 Megatron requires) is what optstack's overlapped gathers do already: each stage launches its buckets' gathers as
 soon as its step has written them, so they overlap the rest of the step and the next forward.
-``overlap_param_gather`` with the layer-wise optimizer (Megatron's current main) is accepted; its broadcasts run
-at the end of the step.
+``overlap_param_gather`` with the layer-wise optimizer (Megatron's current main): the model's bucket groups
+gather what each rank stepped (``DistributedDataParallel.start_param_sync`` and its forward pre-hooks).
 
 Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precision Adam moments) does not need
 ``use_distributed_optimizer`` here.
@@ -421,7 +421,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
                 scalar_algorithm=core_algorithm(config.muon_scalar_optimizer, config.decoupled_weight_decay),
             ),
             distributed=core.DistributedConfig(
-                # The layer-wise optimizer's broadcasts run at the end of its step (not overlapped).
+                # The layer-wise optimizer's overlapped gathers are the face's (LayerWiseDistributedOptimizer).
                 sharding=sharding, overlap_param_gather=config.overlap_param_gather and sharding == "zero1"
             ),
             masters=_masters(config),

@@ -32,7 +32,9 @@ take it as the wrapped model):
   ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
 - ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
   ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
-  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main).
+  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main): the bucket groups
+  gather what each rank stepped (``start_param_sync``, ``next_param_gather_bucket_group``, the forward pre-hooks
+  and ``enable_forward_pre_hook`` / ``disable_forward_pre_hook``), as Megatron's do, into ``grad_data``.
 
 Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
 ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
@@ -53,9 +55,11 @@ Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's
 (one ``BucketGroup`` per bucket), ``register_grad_ready``, ``start_grad_sync``, ``finish_grad_sync(force_all_reduce=)``,
 ``start_param_sync``, ``scale_gradients``, ``zero_grad_buffer``, ``broadcast_params``, ``no_sync``.
 
-Not offered: ``param.main_grad`` (optstack sets no attributes on parameters; ``ddp.main_grad(param)`` is the
-gradient in the buffer) and the forward pre-hook switches (the optimizer stage owns the overlapped parameter
-gathers: ``MegatronOptimizer.finish_param_sync()`` waits for them). ``finish_grad_sync()`` called again with no
+``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (this face sets it; the core sets no
+attributes), zeroed by ``zero_grad_buffer`` (eagerly, so it reads zero). A tensor the caller assigns to it instead
+is taken, as Megatron's optimizers read ``param.main_grad``: ``finish_grad_sync`` (which the optimizers' step and
+``prepare_grads`` call) copies it into the buffer view and makes ``main_grad`` the view again.
+``finish_grad_sync()`` called again with no
 gradient in between is a no-op. Megatron does the same with ``overlap_grad_reduce``; without it Megatron reduces the
 buffers again. optstack cannot: its optimizers call ``finish_grad_sync()`` at the start of each step (so a loop that
 forgets it still steps reduced gradients), after Megatron's loop already did, and a second reduction would sum the
@@ -316,6 +320,18 @@ class GradSyncError(RuntimeError, AssertionError):
     """A gradient sync asked for out of order (Megatron asserts; an ``AssertionError`` too, for its callers)."""
 
 
+class _Handles:
+    """The broadcasts of one bucket group's layer-wise gather, waited for as one (Megatron's handle)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+
+
 class BucketGroup:
     """Megatron's bucket group: buckets of the wrapper whose reductions are started and finished together
     (one bucket each, as ``DistributedDataParallel.bucket_groups`` has them; several with
@@ -336,8 +352,10 @@ class BucketGroup:
         self.buckets: list[BucketView] = [view.buckets[b.index] for b in self._core_buckets]
         self.params = {p for bucket in self._core_buckets for p in bucket.params}
         self.intra_distributed_optimizer_instance_size = ddp.shard_comm(self.buffer).size
-        self.param_gather_handle: Any = None  # Megatron's in-flight gather (optstack's gathers are synchronous)
+        self.param_gather_handle: Any = None  # the layer-wise gather in flight (its broadcasts, waited as one)
         self.param_gather_dispatched = False
+        #: the group whose gather this one's finish starts (forward order; set with overlap_param_gather)
+        self.next_param_gather_bucket_group: BucketGroup | None = None
         self._registered: set[torch.Tensor] = set()  # register_grad_ready calls this step
         self._first_batch = True  # Megatron's: registrations are recorded, the reduction waits for finish
 
@@ -404,22 +422,91 @@ class BucketGroup:
         self._registered = set()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Gather this group's parameters from their owner ranks (distributed optimizer only; nothing to gather
-        on one rank)."""
-        for bucket in self._core_buckets:
-            self._ddp._gather_bucket(self.buffer, bucket)
+        """Gather this group's parameters from the ranks that stepped them.
+
+        Distributed optimizer: each rank's range of the buckets, synchronously. Layer-wise optimizer with
+        ``overlap_param_gather`` (``bucket.layerwise_params_list`` set by it): each rank's parameters of the
+        buckets, broadcast from their owner into ``grad_data`` (idle between the step and the next backward;
+        zeroed once unpacked, as Megatron does), asynchronously unless ``force_sync`` (which also finishes a
+        gather already in flight). Otherwise nothing to gather.
+
+        Raises:
+            GradSyncError: an asynchronous gather started while one is in flight (Megatron's assertion).
+        """
+        ddp = self._ddp
+        if ddp.shard_grads:
+            for bucket in self._core_buckets:
+                ddp._gather_bucket(self.buffer, bucket)
+            self.param_gather_dispatched = True
+            return
+        if self.param_gather_handle is not None:
+            if force_sync:
+                self._wait_layer_wise()
+                return
+            raise GradSyncError("start_param_sync(): this bucket group's parameter gather is already in flight; "
+                                "finish it first (finish_param_sync())")
+        comm = ddp.shard_comm(self.buffer)
+        handles = []
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.layerwise_gather_list = None
+                sizes = bucket.layerwise_param_flat_sizes
+                if comm.size == 1 or not sizes or max(sizes) == 0:
+                    continue
+                # Megatron's: the gather lands in the gradient buffer, as the parameters' dtype
+                receive = bucket.grad_data.view(bucket.params_list[0].dtype)
+                parts = list(receive[:sum(sizes)].split(sizes))
+                if sizes[comm.rank]:
+                    torch.cat([p.detach().reshape(-1) for p in bucket.layerwise_params_list[comm.rank]],
+                              out=parts[comm.rank])
+                handles += [comm.broadcast_async(part, rank) for rank, part in enumerate(parts) if part.numel()]
+                bucket.layerwise_gather_list = parts
+        self.param_gather_handle = _Handles(handles) if handles else None
         self.param_gather_dispatched = True
+        if force_sync or not ddp.ddp_config.overlap_param_gather:
+            self._wait_layer_wise()
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
-        """The gather of ``start_param_sync`` is synchronous: nothing to wait for."""
-        self.param_gather_dispatched = False
+        """Finish this group's parameter gather (starting it first if it was not), then, unless
+        ``skip_next_bucket_dispatch``, start the next group's (``next_param_gather_bucket_group``), as Megatron's
+        forward pre-hooks do. The distributed optimizer's gathers are synchronous: nothing to wait for."""
+        if self._ddp.shard_grads:
+            self.param_gather_dispatched = False
+            return
+        if not self.param_gather_dispatched:
+            self.start_param_sync()
+        if self.param_gather_handle is None:
+            return
+        self.param_gather_handle.wait()
+        following = self.next_param_gather_bucket_group
+        if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
+            following.start_param_sync()
+        self._wait_layer_wise()
+
+    def _wait_layer_wise(self) -> None:
+        """Wait for a layer-wise gather in flight and copy what other ranks stepped into the parameters."""
+        if self.param_gather_handle is None:
+            return
+        self.param_gather_handle.wait()
+        self.param_gather_handle = None
+        rank = self._ddp.shard_comm(self.buffer).rank
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.layerwise_gather_list is None or bucket.layerwise_params_list is None:
+                    bucket.layerwise_gather_list = None
+                    continue
+                for owner, (params, part) in enumerate(zip(bucket.layerwise_params_list,
+                                                           bucket.layerwise_gather_list, strict=True)):
+                    if owner != rank and params:
+                        for param, value in zip(params, part.split([p.numel() for p in params]), strict=True):
+                            param.copy_(value.view_as(param))
+                bucket.layerwise_gather_list = None
+                bucket.grad_data.zero_()  # it held the gather, not gradients
 
     def free_overlap_buffers(self) -> None:
-        """Wait for an in-flight parameter gather and drop the buckets' gather scratch (Megatron frees them
+        """Finish a parameter gather in flight and drop the buckets' gather scratch (Megatron frees them
         before an asynchronous checkpoint save)."""
-        if self.param_gather_handle is not None:
-            self.param_gather_handle.wait()
-            self.param_gather_handle = None
+        self._wait_layer_wise()
         for bucket in self.buckets:
             bucket.layerwise_gather_list = None
 
@@ -551,6 +638,27 @@ class DistributedDataParallel(DataParallel):
         self.bucket_size = bucket_size
         self._views = {id(b): BufferView(b, self.shard_comm(b)) for b in self.param_and_grad_buffers}
         self.full_param_layout = self._check_layout(full_param_layout)
+        # Megatron's public contract: param.main_grad is the parameter's view of the gradient buffer (the face
+        # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
+        self._main_grad_views: dict[int, torch.Tensor] = {}
+        for buffer in self.param_and_grad_buffers:
+            for param in buffer.params:
+                local = buffer.local_grad(param)  # fp32 local accumulation: main_grad is the accumulator
+                view = self._main_grad_views[id(param)] = local if local is not None else buffer.grad_view(param)
+                param.main_grad = view
+                if local is not None:
+                    param.main_grad_copy_in_grad_buffer = buffer.grad_view(param)
+        self._zero_now()  # main_grad is read directly: no lazily stale view
+        # Megatron's forward pre-hooks (overlap_param_gather without the distributed optimizer: the layer-wise
+        # optimizer's parameters reach the other ranks through the bucket groups, finished before first use).
+        self.use_forward_hook = ddp_config.overlap_param_gather
+        self._pre_hooks: list[Any] = []
+        groups = self._groups(expert=False), self._groups(expert=True)
+        if ddp_config.overlap_param_gather:
+            for kind in groups:  # all-gathers run in forward order: the reverse of the buckets'
+                for later, earlier in zip(kind[1:], kind[:-1], strict=True):
+                    later.next_param_gather_bucket_group = earlier
+            self.enable_forward_pre_hook()
         _WRAPPERS.add(self)
 
     def _view_of(self, buffer: ParamAndGradBuffer) -> BufferView:
@@ -606,6 +714,7 @@ class DistributedDataParallel(DataParallel):
     def _groups(self, *, expert: bool) -> list[BucketGroup]:
         if not hasattr(self, "_bucket_groups"):
             self._bucket_groups = [BucketGroup(self, i) for i in range(len(self.bucket_order))]
+            self._group_of = {id(p): g for g in self._bucket_groups for p in g.params}
         return [g for g in self._bucket_groups if g.buffer.key.is_expert == expert]
 
     def register_grad_ready(self, param: torch.Tensor) -> None:
@@ -625,17 +734,112 @@ class DistributedDataParallel(DataParallel):
         step calls it too; module docstring).
         ``force_all_reduce``: the buckets not started yet are all-reduced (even under the distributed
         optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
+        self._wait_layer_wise_param_sync()  # its gathers land in grad_data: done before gradients go there
         if force_all_reduce:
             super().start_grad_sync(force_all_reduce=True)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         self._finished = set()
+        self._take_assigned_main_grads()
+
+    def _take_assigned_main_grads(self) -> None:
+        """A ``param.main_grad`` the caller assigned (Megatron's optimizers read ``param.main_grad``) replaces the
+        parameter's gradient in the buffer, which the optimizer reads; ``main_grad`` is the buffer view again."""
+        views = self._main_grad_views
+        with torch.no_grad():
+            for name, param in self._named:
+                view = views.get(id(param))
+                given = getattr(param, "main_grad", view)
+                if view is None or given is view:
+                    continue
+                if not isinstance(given, torch.Tensor) or given.numel() != view.numel():
+                    raise ValueError(f"{name}.main_grad must be a tensor of {view.numel()} elements (the "
+                                     f"parameter's gradient), got {type(given).__name__} "
+                                     f"{tuple(getattr(given, 'shape', ()))}")
+                view.copy_(given.detach().reshape(view.shape))
+                param.main_grad = view
+
+    def _zero_now(self) -> None:
+        """Zero every gradient now (the core zeroes lazily), so ``param.main_grad`` reads zero, as in Megatron."""
+        with torch.no_grad():
+            for buffer in self.param_and_grad_buffers:
+                buffer.grad_data.zero_()
+        self._stale, self._written = False, set()
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
-        """Gather every bucket's parameters from the ranks owning them (the distributed optimizer's step does
-        this itself; call it after writing owned ranges of ``param_data`` by other means). Synchronous; a no-op
-        without ``use_distributed_optimizer``."""
-        for buffer, bucket in self.bucket_order:
-            self._gather_bucket(buffer, bucket)
+        """Gather every bucket's parameters from the ranks owning them.
+
+        With ``use_distributed_optimizer`` (whose step gathers by itself; call it after writing owned ranges of
+        ``param_data`` by other means): synchronous. With ``overlap_param_gather`` and the layer-wise optimizer:
+        each bucket group's gather of the parameters its owner ranks stepped, asynchronous (the forward
+        pre-hooks finish it) unless ``force_sync``; the gathers land in ``grad_data``, zeroed afterwards, as
+        in Megatron. Otherwise a no-op (every rank holds every parameter)."""
+        if self.shard_grads:
+            for buffer, bucket in self.bucket_order:
+                self._gather_bucket(buffer, bucket)
+            return
+        for group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            group.start_param_sync(force_sync=force_sync)
+
+    def enable_forward_pre_hook(self) -> None:
+        """Register the forward pre-hooks that finish a bucket group's parameter gather before a module uses
+        its parameters (Megatron's; ``overlap_param_gather`` only).
+
+        Raises:
+            GradSyncError: without ``overlap_param_gather``, or when the hooks are already registered.
+        """
+        if not self.use_forward_hook or self._pre_hooks:
+            raise GradSyncError("enable_forward_pre_hook() needs overlap_param_gather=True and the hooks disabled "
+                                f"(overlap_param_gather={self.ddp_config.overlap_param_gather}, hooks "
+                                f"{'registered' if self._pre_hooks else 'not registered'})")
+        self._pre_hooks = [m.register_forward_pre_hook(self._finish_param_sync_hook_for)
+                           for m in self.module.modules()]
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the forward pre-hooks; with ``param_sync`` gather every parameter now (synchronously).
+
+        Raises:
+            GradSyncError: without ``overlap_param_gather``, or when the hooks are not registered.
+        """
+        if not self.use_forward_hook or not self._pre_hooks:
+            raise GradSyncError("disable_forward_pre_hook() needs overlap_param_gather=True and the hooks enabled")
+        for handle in self._pre_hooks:
+            handle.remove()
+        self._pre_hooks = []
+        if param_sync:
+            with torch.no_grad():
+                self.start_param_sync(force_sync=True)
+
+    def _finish_param_sync_hook_for(self, module: nn.Module, args: Any) -> None:
+        if self.shard_grads:
+            return  # the distributed optimizer's gathers have hooks of their own (the core's)
+        for param in module.parameters(recurse=False):
+            group = self._group_of.get(id(param))
+            if group is not None:
+                group.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter gathers in flight (the distributed optimizer's, and the bucket groups' of the
+        layer-wise optimizer); gathers not started are left to the forward pre-hooks or ``start_param_sync``."""
+        super().finish_param_sync()
+        self._wait_layer_wise_param_sync()
+
+    def _wait_layer_wise_param_sync(self) -> None:
+        for group in getattr(self, "_bucket_groups", ()):
+            group._wait_layer_wise()
+
+    def _finish_layer_wise_param_sync(self) -> None:
+        """Run the layer-wise gathers not started since the last step and finish those in flight."""
+        for group in getattr(self, "_bucket_groups", ()):
+            if group.param_gather_dispatched:
+                group._wait_layer_wise()
+            else:
+                group.start_param_sync(force_sync=True)
+
+    def _layer_wise_params_stepped(self) -> None:
+        """The layer-wise optimizer stepped its owned parameters: each bucket group gathers them again."""
+        for group in getattr(self, "_bucket_groups", ()):
+            group._wait_layer_wise()
+            group.param_gather_dispatched = False
 
     def _gather_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
         if not self.shard_grads:
@@ -647,7 +851,9 @@ class DistributedDataParallel(DataParallel):
 
     def zero_grad_buffer(self) -> None:
         """Wait for in-flight reductions, zero every gradient and reset the bucket groups (as Megatron does)."""
+        self._wait_layer_wise_param_sync()  # a gather in flight lands in grad_data
         super().zero_grad_buffer()
+        self._zero_now()
         self._finished = set()
         for group in getattr(self, "_bucket_groups", ()):
             group.reset()

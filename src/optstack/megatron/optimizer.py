@@ -156,7 +156,8 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
         kind = stage.placement.kind
         cls = (DistributedOptimizer if kind == "zero1" else
                Float16OptimizerWithFloat16Params if stage.precision.masters else FP32Optimizer)
-        members.append(cls._over(stage, config, chain))
+        members.append(cls._over(stage, config, chain,
+                                 megatron_fp32=stage.precision.masters and not (config.bf16 or config.fp16)))
     if config.lr is None:
         for member in members:
             for group in member.param_groups:
@@ -164,8 +165,9 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
                 if group.get("max_lr") == 0.0 and not group.get("is_decoupled_lr"):
                     group["max_lr"] = None
     layer_wise = any(s.placement.kind == "layerwise" for s in chain.stages)
-    out = LayerWiseDistributedOptimizer(members, config) if layer_wise else ChainedOptimizer(members)
-    out.built = built
+    out = LayerWiseDistributedOptimizer._of_members(members, config) if layer_wise else ChainedOptimizer(members)
+    # overlap_param_gather rebuilds the layer-wise stages (LayerWiseDistributedOptimizer): built names the chain stepped
+    out.built = built if out._chain is chain else dataclasses.replace(built, optimizer=out._chain)
     return out
 
 

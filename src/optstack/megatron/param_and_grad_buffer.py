@@ -111,7 +111,9 @@ class BucketView:
     Attributes:
         params_list: its parameters in buffer order; params: the same, as a set.
         param_to_index: {param: (start, end)} relative to the bucket's start.
-        offset: the bucket's start in the buffer. layerwise_gather_list: Megatron's scratch slot (None).
+        offset: the bucket's start in the buffer. layerwise_gather_list: the layer-wise gather in flight (None).
+        layerwise_params_list / layerwise_param_flat_sizes: the layer-wise optimizer's parameters of this bucket
+            per data-parallel rank, and their element counts (None without ``overlap_param_gather``).
     """
 
     def __init__(self, bucket: Bucket, buffer: ParamAndGradBuffer) -> None:
@@ -122,8 +124,24 @@ class BucketView:
         self.param_to_index = {p: (buffer.slot_of(p).offset - self.offset, buffer.slot_of(p).end - self.offset)
                                for p in bucket.params}
         self.layerwise_gather_list: list[torch.Tensor] | None = None
-        # Megatron's fp32 local accumulation (param_name_patterns_for_fp32_local_accumulation) is refused: none.
+        # Megatron's layer-wise gather plan (set by LayerWiseDistributedOptimizer with overlap_param_gather):
+        # per data-parallel rank, the bucket's parameters that rank steps, and their element counts.
+        self.layerwise_params_list: list[list[nn.Parameter]] | None = None
+        self.layerwise_param_flat_sizes: list[int] | None = None
+        # the bucket's parameters with an fp32 local accumulator (param_name_patterns_for_fp32_local_accumulation)
         self.params_with_extra_main_grads: list[nn.Parameter] = []
+
+    def set_layerwise_params_list(self, layerwise_params_list: list[list[nn.Parameter]]) -> None:
+        """Set, per data-parallel rank, the parameters of this bucket that rank steps (and their sizes).
+
+        Raises:
+            ValueError: a parameter not in this bucket.
+        """
+        stray = [tuple(p.shape) for params in layerwise_params_list for p in params if p not in self.params]
+        if stray:
+            raise ValueError(f"layerwise_params_list holds parameters of shapes {stray} that are not in this bucket")
+        self.layerwise_params_list = [list(params) for params in layerwise_params_list]
+        self.layerwise_param_flat_sizes = [sum(p.numel() for p in params) for params in layerwise_params_list]
 
     def __getattr__(self, name: str) -> Any:  # only for names not set here: the core bucket's
         if name == "core":

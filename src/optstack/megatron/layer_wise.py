@@ -1,0 +1,128 @@
+"""The layer-wise optimizer's parts for Megatron's ``LayerWiseDistributedOptimizer`` (``optimizers.py``).
+
+- Megatron callers hand it plain torch optimizers (it wraps them for bf16 itself): ``torch_layer_wise_stage``
+  places such an optimizer's groups layer-wise over the data-parallel group, its gradients read from
+  ``param.main_grad`` (Megatron's ``DistributedDataParallel`` sets it) or ``param.grad``.
+- With ``overlap_param_gather`` the parameters an owner rank stepped reach the other ranks through the
+  ``DistributedDataParallel`` wrapper's bucket groups (``start_param_sync`` / the forward pre-hooks), as in
+  Megatron's current main: ``BucketSyncedLayerWise`` steps like the core ``LayerWise`` placement but leaves the
+  gather to them, and ``plan_bucket_gathers`` writes each bucket's ``layerwise_params_list``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from optstack.distributed.comm import Comm, NullComm
+from optstack.megatron.ddp import DistributedDataParallel
+from optstack.protocol import MakeOptimizer
+from optstack.stage import Precision, Remainders, Stage
+from optstack.stage.placement import LayerWise, assign_params, newton_schulz_cost
+
+__all__ = ["BucketSyncedLayerWise", "comm_of", "fresh_precision", "main_grad_or_grad", "plan_bucket_gathers",
+           "torch_layer_wise_stage", "wrapper_of"]
+
+
+def main_grad_or_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient Megatron's optimizers read: ``param.main_grad`` when set, else ``param.grad``."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def comm_of(group: Any, name: str) -> Comm | NullComm:
+    """optstack's communicator over a torch process group (None: the world; one rank: none)."""
+    if not torch.distributed.is_initialized():
+        return NullComm(name)
+    size = torch.distributed.get_world_size(group)
+    return NullComm(name) if size == 1 else Comm(group, name=name)
+
+
+def fresh_precision(precision: Precision) -> Precision:
+    """A new precision of the same kind and settings (a rebuilt stage makes its own masters)."""
+    if isinstance(precision, Remainders):
+        return Remainders(copy_grads=precision.copy_grads)
+    return type(precision)(copy_grads=precision.copy_grads, host_fraction=precision.host_fraction)
+
+
+def wrapper_of(params: Sequence[torch.Tensor], chunks: Sequence[Any]) -> DistributedDataParallel | None:
+    """The one ``DistributedDataParallel`` of ``chunks`` holding every parameter of ``params`` (None if none).
+
+    Raises:
+        ValueError: some parameters in a wrapper of ``chunks`` and some not.
+    """
+    for chunk in chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            held = [id(p) in chunk._main_grad_views for p in params]
+            if all(held) and held:
+                return chunk
+            if any(held):
+                raise ValueError("LayerWiseDistributedOptimizer: an optimizer holds parameters of the "
+                                 "DistributedDataParallel model in model_chunks and others; give each optimizer "
+                                 "parameters of one model chunk")
+    return None
+
+
+class BucketSyncedLayerWise(LayerWise):
+    """The layer-wise placement whose parameters reach the other ranks through ``ddp``'s bucket groups
+    (``overlap_param_gather``): after a step each bucket group gathers again, started by ``start_param_sync``
+    or a forward pre-hook; a step first waits for a gather in flight."""
+
+    def __init__(self, *, ddp: DistributedDataParallel, expert: bool,
+                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
+        g = ddp.groups
+        super().__init__(comm=g.expert_dp if expert else g.dp, grad_of=ddp.main_grad,
+                         reduce_over=[g.ep, g.mp] if expert else [g.mp], tp_rank=g.tp.rank, device=ddp.device,
+                         cost=cost)
+        self.ddp = ddp
+
+    def publish(self) -> None:
+        self.ddp._layer_wise_params_stepped()
+
+    def finish(self) -> None:
+        self.ddp._wait_layer_wise_param_sync()
+
+    def owner_of(self) -> dict[int, int]:
+        """``id(parameter)`` -> the data-parallel rank stepping it."""
+        return {id(p): owner for p, owner in zip(self._all, self.owners, strict=True)}
+
+
+def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *, precision: Precision, expert: bool,
+                           ddp: DistributedDataParallel | None, dp: Comm | NullComm, bucket_synced: bool) -> Stage:
+    """A layer-wise stage over a torch optimizer's ``groups``: over ``ddp``'s groups and gradient buffers when
+    the parameters are its (its bucket groups gather them with ``bucket_synced``), else over ``dp`` with
+    gradients from ``main_grad_or_grad``."""
+    if ddp is not None:
+        if bucket_synced:
+            return Stage(groups, make, placement=BucketSyncedLayerWise(ddp=ddp, expert=expert), precision=precision)
+        g = ddp.groups
+        placement = LayerWise(comm=g.expert_dp if expert else g.dp, grad_of=ddp.main_grad,
+                              reduce_over=[g.ep, g.mp] if expert else [g.mp], tp_rank=g.tp.rank, device=ddp.device)
+        return Stage(groups, make, placement=placement, precision=precision)
+    return Stage(groups, make, placement=LayerWise(comm=dp, grad_of=main_grad_or_grad), precision=precision)
+
+
+def plan_bucket_gathers(stages: Sequence[Stage]) -> None:
+    """Write every bucket's ``layerwise_params_list`` (per rank, the bucket's parameters, in bucket order, that
+    the rank sends) for the bucket-synced stages' wrappers: a layer-wise parameter's owner sends it; one stepped
+    on every rank (the replicated scalar optimizer's) is sent by one rank, balanced by size (the values are the
+    same everywhere; Megatron shards those too, so its buckets send every parameter once as well)."""
+    by_ddp: dict[int, tuple[DistributedDataParallel, dict[int, int]]] = {}
+    for stage in stages:
+        placement = stage.placement
+        if isinstance(placement, BucketSyncedLayerWise):
+            by_ddp.setdefault(id(placement.ddp), (placement.ddp, {}))[1].update(placement.owner_of())
+    stepped = {id(p) for stage in stages for group in stage.param_groups for p in group["params"]}
+    for ddp, owners in by_ddp.values():
+        for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            size = ddp.shard_comm(group.buffer).size
+            rest = [p for b in group.buckets for p in b.params_list if id(p) in stepped and id(p) not in owners]
+            owners.update(zip(map(id, rest), assign_params([float(p.numel()) for p in rest], size), strict=True))
+            for bucket in group.buckets:
+                lists: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
+                for param in bucket.params_list:
+                    if id(param) in owners:
+                        lists[owners[id(param)]].append(param)
+                bucket.set_layerwise_params_list(lists)
