@@ -88,7 +88,12 @@ from optstack.megatron.param_and_grad_buffer import (
     FullParamLayout,
     megatron_bucketing_for,
 )
-from optstack.megatron.process_groups import ProcessGroupCollection, collection_group, to_parallel_groups
+from optstack.megatron.process_groups import (
+    ProcessGroupCollection,
+    collection_group,
+    megatron_mpu_collection,
+    to_parallel_groups,
+)
 
 __all__ = ["BucketGroup", "DDPConfigAssertion", "DistributedDataParallel", "DistributedDataParallelConfig",
            "GradSyncError", "check_ddp_config", "megatron_bucket_size", "megatron_bucketing", "partition_buckets"]
@@ -543,8 +548,9 @@ class DistributedDataParallel(DataParallel):
         module: the model; its trainable parameters become views into the parameter buffers, so move it to
             its device and dtype before wrapping.
         disable_bucketing: one bucket per buffer whatever ``bucket_size`` says.
-        pg_collection: None (torch.distributed's world, every rank data-parallel; one process works without
-            it), Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``tp``, ``pp``, ``ep``,
+        pg_collection: None (the groups of Megatron's ``parallel_state`` when the program initialised it, as
+            Megatron's wrapper; else torch.distributed's world, every rank data-parallel; one process works
+            without it), Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``tp``, ``pp``, ``ep``,
             ``expt_dp``, ``mp`` groups) or an optstack ``ParallelGroups``.
 
     Attributes:
@@ -589,6 +595,8 @@ class DistributedDataParallel(DataParallel):
                              "wrapper for Megatron-FSDP (optstack builds it on torch's FSDP2), not "
                              "DistributedDataParallel")
         intra = inter = None
+        if pg_collection is None:  # Megatron's wrapper then reduces over its parallel_state's groups
+            pg_collection = megatron_mpu_collection()
         if isinstance(pg_collection, ProcessGroupCollection):
             intra = collection_group(pg_collection, "intra_dp_cp")
             inter = collection_group(pg_collection, "inter_dist_opt")

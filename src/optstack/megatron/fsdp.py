@@ -53,7 +53,7 @@ from torch import nn
 from optstack.distributed.comm import device_mesh, is_initialized
 from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron.ddp import DistributedDataParallelConfig, check_ddp_config
-from optstack.megatron.process_groups import ProcessGroupCollection, to_parallel_groups
+from optstack.megatron.process_groups import ProcessGroupCollection, megatron_mpu_collection, to_parallel_groups
 
 __all__ = ["FullyShardedDataParallel", "default_fsdp_units"]
 
@@ -132,6 +132,8 @@ class FullyShardedDataParallel(nn.Module):
         if not is_initialized():
             raise ValueError("FullyShardedDataParallel needs torch.distributed initialised (FSDP2 runs on a "
                              "DeviceMesh); call torch.distributed.init_process_group() first")
+        if pg_collection is None:  # Megatron's parallel_state groups when the program initialised them
+            pg_collection = megatron_mpu_collection()
         groups = (to_parallel_groups(pg_collection) if isinstance(pg_collection, ProcessGroupCollection)
                   else pg_collection if pg_collection is not None else ParallelGroups.from_world())
         if not isinstance(groups, ParallelGroups):

@@ -8,11 +8,13 @@ data-parallel group is ``dp_cp`` when set (context-parallel ranks reduce gradien
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from optstack.distributed.parallel import ParallelGroups
 
-__all__ = ["ProcessGroupCollection", "to_parallel_groups", "check_optimizer_groups", "collection_group"]
+__all__ = ["ProcessGroupCollection", "to_parallel_groups", "check_optimizer_groups", "collection_group",
+           "megatron_mpu_collection"]
 
 #: The attributes Megatron's collection declares (others are an error, as in Megatron).
 FIELDS = (
@@ -72,6 +74,19 @@ def collection_group(pg_collection: Any, name: str) -> Any:
     """The collection's group ``name``, None when unset (Megatron's own class before current main raises
     AttributeError for a declared attribute never set)."""
     return getattr(pg_collection, name, None)
+
+
+def megatron_mpu_collection() -> Any | None:
+    """The groups of Megatron's ``parallel_state`` when the program initialised it, as Megatron's own
+    ``ProcessGroupCollection.use_mpu_process_groups()``: what Megatron's wrapper reduces over when given no
+    ``pg_collection`` (data-parallel x context-parallel, not the world, once tensor or pipeline parallelism
+    is on). None when Megatron is not loaded or its model parallelism is not initialised; Megatron is never
+    imported here."""
+    state = sys.modules.get("megatron.core.parallel_state")
+    config = sys.modules.get("megatron.core.process_groups_config")
+    if state is None or config is None or not state.model_parallel_is_initialized():
+        return None
+    return config.ProcessGroupCollection.use_mpu_process_groups()
 
 
 def to_parallel_groups(pg_collection: ProcessGroupCollection) -> ParallelGroups:
