@@ -75,7 +75,8 @@ class DataParallel(nn.Module):
         bucket_size: elements per bucket (None = one bucket per buffer).
         grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
-        shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
+        shard_grads: only each rank's owned slice must be reduced (ZeRO-1); an optimizer stepping whole
+            parameters over the wrapper has it reduce whole buckets anyway (``require_whole_grads``).
         average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
         divide_after_sum: with ``average``, divide after the sum (in the collective, Megatron's
             ``average_in_collective``) instead of scaling before it: gradients outside a rank's reduce-scatter
