@@ -173,7 +173,7 @@ def test_check_for_nan_in_grad_raises_in_finish_grad_sync() -> None:
 
 @pytest.mark.parametrize(
     ("ddp", "optimizer", "match"),
-    [  # a non-distributed optimizer over a sharding wrapper is refused at dp > 1 (tests/distributed)
+    [  # (a non-distributed optimizer over a sharding wrapper builds, at dp > 1 too: tests/distributed)
         ({}, {"use_distributed_optimizer": True}, r"OptimizerConfig\.use_distributed_optimizer=True but"),
         ({"use_distributed_optimizer": True}, {"optimizer": "muon", "use_layer_wise_distributed_optimizer": True},
          "layer-wise optimizer needs whole reduced gradients"),

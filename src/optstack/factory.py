@@ -248,10 +248,7 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
     if sharding == "zero1" and not ddp.shard_grads and _shard_grads(config):
         raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
                          "with wrap_data_parallel(config, model)")
-    # a wrapper sharding over one rank (every buffer reduced over a group of one) still holds whole gradients
-    if sharding != "zero1" and ddp.shard_grads and any(ddp.reduce_comm(b).size > 1 for b in ddp.param_and_grad_buffers):
-        raise ValueError(f"distributed.sharding={sharding!r} needs whole reduced gradients on every rank, but the "
-                         "DataParallel wrapper shards them (shard_grads=True); use wrap_data_parallel(config, model)")
+    # replicated stages over a wrapper that shards gradients: _build_stages has it all-reduce them whole
     return ddp
 
 
@@ -318,4 +315,8 @@ def _build_stages(
             stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert,
                                      precision=precision if masters else Direct())
         stages.append(stage)
+    if ddp is not None and ddp.shard_grads and any(s.placement.kind == "whole" for s in stages):
+        # Whole parameters need whole reduced gradients: the wrapper all-reduces instead of reduce-scattering
+        # (ZeRO-1 stages over it still find their owned ranges reduced).
+        ddp.require_whole_grads()
     return stages

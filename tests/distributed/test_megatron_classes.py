@@ -254,22 +254,25 @@ def _non_distributed_optimizer_over_a_sharding_wrapper() -> str:
     )
 
     model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), _model())
+    get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])  # builds: the wrapper all-reduces whole gradients
     try:
-        get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2, optimizer="muon", use_layer_wise_distributed_optimizer=True),
+                               [model])
     except ValueError as e:
         return str(e)
     return ""
 
 
-def test_a_sharding_wrapper_refuses_the_non_distributed_optimizer_over_two_ranks(world2):
-    """Over 2 data-parallel ranks the wrapper reduces only each rank's shard: Megatron would step partly
-    reduced gradients, optstack refuses (one rank is accepted: tests/test_megatron_ddp.py)."""
+def test_a_sharding_wrapper_refuses_the_layer_wise_optimizer_over_two_ranks(world2):
+    """Over 2 data-parallel ranks the wrapper built for the distributed optimizer takes the non-distributed one
+    (it then all-reduces: tests/distributed/test_whole_grads.py) but not the layer-wise one, whose owner ranks
+    need every gradient whole and unsharded buffers (one rank: tests/test_megatron_ddp.py)."""
     import re
 
     for message in world2.run(_non_distributed_optimizer_over_a_sharding_wrapper):
         assert re.search(r"OptimizerConfig\.use_distributed_optimizer=False but the "
                          r"model's DistributedDataParallelConfig\.use_distributed_optimizer=True", message)
-        assert "only each rank's shard" in message
+        assert "layer-wise optimizer needs whole reduced gradients" in message
 
 
 def _mtp_step(distributed: bool) -> tuple[list[float], float, float]:

@@ -173,9 +173,10 @@ def _mismatched_config() -> str:
         get_megatron_optimizer,
     )
 
-    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=True), _model())
+    # (the other way round builds: tests/distributed/test_whole_grads.py)
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(use_distributed_optimizer=False), _model())
     try:
-        get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [model])
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -183,8 +184,8 @@ def _mismatched_config() -> str:
 
 def test_optimizer_and_wrapper_must_agree_on_the_distributed_optimizer(world2):
     for message in world2.run(_mismatched_config):
-        assert "OptimizerConfig.use_distributed_optimizer=False" in message
-        assert "DistributedDataParallelConfig.use_distributed_optimizer=True" in message
+        assert "OptimizerConfig.use_distributed_optimizer=True" in message
+        assert "DistributedDataParallelConfig.use_distributed_optimizer=False" in message
 
 
 # Megatron's partial distributed optimizer at 4 ranks: 2 instances of 2 (ranks 0-1 and 2-3), so a shard lives on

@@ -75,7 +75,8 @@ class DataParallel(nn.Module):
         bucket_size: elements per bucket (None = one bucket per buffer).
         grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
-        shard_grads: only each rank's owned slice must be reduced (ZeRO-1).
+        shard_grads: only each rank's owned slice must be reduced (ZeRO-1); an optimizer stepping whole
+            parameters over the wrapper has it reduce whole buckets anyway (``require_whole_grads``).
         average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
         divide_after_sum: with ``average``, divide after the sum (in the collective, Megatron's
             ``average_in_collective``) instead of scaling before it: gradients outside a rank's reduce-scatter
@@ -173,6 +174,7 @@ class DataParallel(nn.Module):
         self._grads_exposed = False  # p.grad are views of the reduced buffers (finish_grad_sync)
         _LIVE.add(self)
         self._force_all_reduce = False  # finish_grad_sync(force_all_reduce=True): whole reduced gradients
+        self._whole_grads = False  # require_whole_grads(): every bucket all-reduced, whatever shard_grads says
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
@@ -256,14 +258,31 @@ class DataParallel(nn.Module):
         op = "avg" if self.divide_after_sum else "sum"
         if self.divide_after_sum and comm.size != self.groups.dp.size:  # expert: 1 / dp overall, as dense
             bucket.grad_data.mul_(comm.size / self.groups.dp.size)
-        if self._partial(buf) and not self._force_all_reduce:
+        whole = self._force_all_reduce or self._whole_grads
+        if self._partial(buf) and not whole:
             handle = self._reduce_in_part(buf, bucket, op)
-        elif self.shard_grads and not self._force_all_reduce and self._sharded_via(comm) == "reduce_scatter":
+        elif self.shard_grads and not whole and self._sharded_via(comm) == "reduce_scatter":
             handle = comm.reduce_scatter_async(buf.grad_shard_view(bucket.index, comm.rank), bucket.grad_data, op)
         else:  # force_all_reduce: the whole sum on every rank (even under a partial shard_group)
             handle = comm.all_reduce_async(bucket.grad_data, op)
         self._handles[pos] = handle
         self._next = pos + 1
+
+    def require_whole_grads(self) -> None:
+        """Reduce every bucket whole (all-reduce over its group) from now on, even with ``shard_grads``: an
+        optimizer stage stepping whole parameters reads these buffers (a ZeRO-1 stage over the same wrapper still
+        finds its owned ranges reduced). Called when the optimizer is built, before the first backward.
+
+        Raises:
+            RuntimeError: reductions of this step were already launched (some reduced only into shards).
+        """
+        if self._whole_grads:
+            return
+        if any(h is not None for h in self._handles):
+            raise RuntimeError("require_whole_grads() while gradient reductions are in flight (some would reduce "
+                               "only each rank's shard); build the optimizer before the first backward, or call "
+                               "finish_grad_sync() and zero_grad_buffer() first")
+        self._whole_grads = True
 
     def _partial(self, buf: ParamAndGradBuffer) -> bool:
         """Whether ``buf`` is sharded over a part of the group it is reduced over (a partial ZeRO-1)."""
@@ -395,8 +414,8 @@ class DataParallel(nn.Module):
         rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
         optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
         for buf in self.param_and_grad_buffers:
-            whole = not (self.shard_grads and (self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter"
-                                               or self._partial(buf)))
+            whole = self._whole_grads or not (self.shard_grads and (
+                self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter" or self._partial(buf)))
             if whole and buf.key.grad_dtype == buf.key.param_dtype:
                 for p in buf.params:
                     p.grad = self._grad_views[id(p)]

@@ -91,7 +91,9 @@ def get_megatron_optimizer(
     ``use_distributed_optimizer`` builds the ZeRO-1 optimizer over its gradient buffers (parameters
     gathered after the step, overlapped with the next forward with ``overlap_param_gather``);
     ``use_layer_wise_distributed_optimizer`` (or ``optimizer='dist_muon'``) the layer-wise one for Muon's
-    matrices; otherwise every rank steps the whole model on the all-reduced gradients. Bucket size and
+    matrices; otherwise every rank steps the whole model on the all-reduced gradients (over a wrapper built
+    with ``use_distributed_optimizer=True`` too: it then all-reduces, where Megatron would step gradients
+    reduced only in each rank's shard). Bucket size and
     gradient dtype are the wrapper's (``DistributedDataParallelConfig``). ``step()`` finishes the gradient
     sync itself if the training loop did not; ``zero_grad()`` zeroes the wrapper's grad buffers.
 
@@ -256,15 +258,12 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
         )
     for ddp in (c for c in wrapped if isinstance(c, DistributedDataParallel)):
         ddp_config = ddp.ddp_config
-        # Megatron steps a non-distributed optimizer on the wrapper's gradients as they are: only each rank's
-        # shard is reduced when the data-parallel group has several ranks (refused), all of it with one rank.
-        one_rank = all(ddp.reduce_comm(b).size == 1 for b in ddp.param_and_grad_buffers)
+        # A non-distributed optimizer over a wrapper built for the distributed one: Megatron steps the wrapper's
+        # gradients as they are (only each rank's shard reduced); here the core has the wrapper all-reduce them.
         if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer and not (
-                one_rank and ddp_config.use_distributed_optimizer and not layer_wise):
+                ddp_config.use_distributed_optimizer and not layer_wise):
             why = (" (the layer-wise optimizer needs whole reduced gradients: build the wrapper with "
-                   "use_distributed_optimizer=False)" if layer_wise else
-                   " (over more than one data-parallel rank the wrapper reduces only each rank's shard of the "
-                   "gradients); set both the same" if ddp_config.use_distributed_optimizer else "; set both the same")
+                   "use_distributed_optimizer=False)" if layer_wise else "; set both the same")
             raise ValueError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model's "
                 f"DistributedDataParallelConfig.use_distributed_optimizer={ddp_config.use_distributed_optimizer}"
