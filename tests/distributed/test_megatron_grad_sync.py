@@ -38,3 +38,33 @@ def test_reduce_scatter_leaves_other_ranges_as_megatron(world2, average_in_colle
             assert out["other"] == [rank + 1.0]  # untouched: the average happens in the collective
         else:
             assert out["other"] == [(rank + 1.0) / 2]  # scaled by 1/dp before the sum, not reduced
+
+
+def _first_batch(steps: int) -> list[tuple[list[float], bool, list[float]]]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank = dist.get_rank()
+    module = nn.Linear(2, 1, bias=False)
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(overlap_grad_reduce=True), module)
+    out = []
+    for _ in range(steps):
+        model.zero_grad_buffer()
+        module(torch.full((1, 2), float(rank + 1))).sum().backward()
+        after_backward = module.weight.main_grad.flatten().tolist()
+        launched = model.bucket_launched(0)
+        model.finish_grad_sync()
+        out.append((after_backward, launched, module.weight.main_grad.flatten().tolist()))
+    return out
+
+
+def test_first_batch_launches_no_reduction_in_backward_as_megatron(world2) -> None:
+    # Megatron's first batch learns the order in which gradients come; its reductions start at finish_grad_sync
+    for rank, steps in enumerate(world2.run(_first_batch, 2)):
+        (before, launched, after), (_, launched_next, after_next) = steps
+        assert not launched and before == [(rank + 1) / 2] * 2  # this rank's own gradient, scaled by 1/dp
+        assert after == after_next == [1.5, 1.5]
+        assert launched_next  # from the second batch on, backward launches the bucket

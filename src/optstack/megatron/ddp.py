@@ -649,6 +649,7 @@ class DistributedDataParallel(DataParallel):
         # Megatron's public contract: param.main_grad is the parameter's view of the gradient buffer (the face
         # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
         self._main_grad_views: dict[int, torch.Tensor] = {}
+        self._megatron_first_batch = True  # until the first finish_grad_sync (_launch_ready)
         for buffer in self.param_and_grad_buffers:
             for param in buffer.params:
                 local = buffer.local_grad(param)  # fp32 local accumulation: main_grad is the accumulator
@@ -737,6 +738,13 @@ class DistributedDataParallel(DataParallel):
         """Start the reductions of every bucket not started yet."""
         super().start_grad_sync(through=through, force_all_reduce=force_all_reduce)
 
+    def _launch_ready(self) -> None:
+        # Megatron's first batch only learns which parameters get gradients: backward launches no reduction
+        # (finish_grad_sync starts them), so until then every main_grad holds this rank's own gradient.
+        if self._megatron_first_batch:
+            return
+        super()._launch_ready()
+
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:  # type: ignore[override]
         """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one (the optimizer's
         step calls it too; module docstring).
@@ -746,6 +754,7 @@ class DistributedDataParallel(DataParallel):
         if force_all_reduce:
             super().start_grad_sync(force_all_reduce=True)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        self._megatron_first_batch = False
         self._finished = set()
         self._take_assigned_main_grads()
 
