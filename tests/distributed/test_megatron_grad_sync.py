@@ -68,3 +68,28 @@ def test_first_batch_launches_no_reduction_in_backward_as_megatron(world2) -> No
         assert not launched and before == [(rank + 1) / 2] * 2  # this rank's own gradient, scaled by 1/dp
         assert after == after_next == [1.5, 1.5]
         assert launched_next  # from the second batch on, backward launches the bucket
+
+
+def _written_into_main_grad() -> list[list[float]]:
+    import torch.distributed as dist
+    from torch import nn
+
+    from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank = dist.get_rank()
+    module = nn.Linear(2, 1, bias=False)
+    model = DistributedDataParallel(None, DistributedDataParallelConfig(), module)
+    seen = []
+    for _ in range(2):
+        model.zero_grad_buffer()
+        module.weight.main_grad.fill_(float(rank + 1))  # no backward: written into the buffer directly
+        model.finish_grad_sync()
+        seen.append(module.weight.main_grad.flatten().tolist())
+        model.finish_grad_sync()  # again with nothing new: a no-op (the optimizer's step calls it too)
+        seen.append(module.weight.main_grad.flatten().tolist())
+    return seen
+
+
+def test_first_finish_after_zero_reduces_what_main_grad_holds(world2) -> None:
+    for seen in world2.run(_written_into_main_grad):
+        assert seen == [[1.5, 1.5]] * 4  # (1 + 2) / 2 each time, never reduced twice

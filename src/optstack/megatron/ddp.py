@@ -650,6 +650,7 @@ class DistributedDataParallel(DataParallel):
         # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
         self._main_grad_views: dict[int, torch.Tensor] = {}
         self._megatron_first_batch = True  # until the first finish_grad_sync (_launch_ready)
+        self._synced_since_zero = False  # finish_grad_sync reduces at least once after zero_grad_buffer
         for buffer in self.param_and_grad_buffers:
             for param in buffer.params:
                 local = buffer.local_grad(param)  # fp32 local accumulation: main_grad is the accumulator
@@ -751,10 +752,13 @@ class DistributedDataParallel(DataParallel):
         ``force_all_reduce``: the buckets not started yet are all-reduced (even under the distributed
         optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
         self._wait_layer_wise_param_sync()  # its gathers land in grad_data: done before gradients go there
-        if force_all_reduce:
-            super().start_grad_sync(force_all_reduce=True)
+        if force_all_reduce or not self._synced_since_zero:
+            # the first sync since zero_grad_buffer reduces whatever the buffers hold, as Megatron's always does
+            # (gradients may have been written into main_grad directly); later ones are no-ops until the next
+            # gradient (the optimizer's step calls it again)
+            super().start_grad_sync(force_all_reduce=force_all_reduce)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
-        self._megatron_first_batch = False
+        self._megatron_first_batch, self._synced_since_zero = False, True
         self._finished = set()
         self._take_assigned_main_grads()
 
@@ -871,7 +875,7 @@ class DistributedDataParallel(DataParallel):
         self._wait_layer_wise_param_sync()  # a gather in flight lands in grad_data
         super().zero_grad_buffer()
         self._zero_now()
-        self._finished = set()
+        self._finished, self._synced_since_zero = set(), False
         for group in getattr(self, "_bucket_groups", ()):
             group.reset()
 
