@@ -48,6 +48,19 @@ def _reference(algorithm: str, megatron: bool = False) -> list[float]:
     return _flat(model)
 
 
+def _plain_sgd() -> list[float]:
+    """One process, the whole batch, torch's SGD (lr 0.1) as it is."""
+    import torch
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _data(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return _flat(model)
+
+
 def _core(sharding: str, overlap: bool, algorithm: str) -> dict:
     """build_optimizer over a DataParallel that reduce-scatters (shard_grads, on gloo too). ``zero1``: a ZeRO-1
     stage over a wrapper that a replicated stage made all-reduce (``require_whole_grads``)."""
@@ -102,14 +115,16 @@ def test_replicated_optimizer_over_a_sharding_wrapper_steps_the_mean_gradient(wo
         assert "in flight" in out["refused"] and "before the first backward" in out["refused"]
 
 
-def _face(overlap: bool) -> list[float]:
-    """Megatron's non-distributed optimizer over a wrapper built for the distributed one, Megatron's loop."""
+def _face(overlap: bool, own_torch_optimizer: bool = False) -> list[float]:
+    """Megatron's non-distributed optimizer over a wrapper built for the distributed one, Megatron's loop (with
+    ``own_torch_optimizer``: an ``FP32Optimizer`` the caller built over a torch SGD)."""
     import torch
     import torch.distributed as dist
 
     from optstack.megatron import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
+        FP32Optimizer,
         OptimizerConfig,
         get_megatron_optimizer,
     )
@@ -118,8 +133,12 @@ def _face(overlap: bool) -> list[float]:
     model = _model()
     ddp = DistributedDataParallel(None, DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=overlap, bucket_size=64), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1, use_distributed_optimizer=False), [ddp])
-    assert [type(m).__name__ for m in opt.chained_optimizers] == ["FP32Optimizer"]
+    config = OptimizerConfig(optimizer="sgd", lr=0.1, use_distributed_optimizer=False)
+    if own_torch_optimizer:  # no factory in between: the wrapper is found through the parameters
+        opt = FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    else:
+        opt = get_megatron_optimizer(config, [ddp])
+        assert [type(m).__name__ for m in opt.chained_optimizers] == ["FP32Optimizer"]
     for x, y in _data(world):
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -129,10 +148,11 @@ def _face(overlap: bool) -> list[float]:
     return _flat(model)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_megatron_non_distributed_optimizer_over_a_distributed_optimizer_wrapper(world2, overlap):
+@pytest.mark.parametrize(("overlap", "own_torch_optimizer"), [(False, False), (True, False), (False, True)])
+def test_megatron_non_distributed_optimizer_over_a_distributed_optimizer_wrapper(world2, overlap,
+                                                                                  own_torch_optimizer):
     import torch
 
-    want = _reference("sgd", megatron=True)
-    for got in world2.run(_face, overlap):
+    want = _reference("sgd", megatron=True) if not own_torch_optimizer else _plain_sgd()
+    for got in world2.run(_face, overlap, own_torch_optimizer):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

@@ -309,6 +309,14 @@ def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer
 _WRAPPERS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
+def wrapper_holding(params: list[torch.Tensor]) -> DistributedDataParallel | None:
+    """The live ``DistributedDataParallel`` whose buffers hold every parameter of ``params`` (None if none)."""
+    for ddp in list(_WRAPPERS):
+        if params and all(id(p) in ddp._main_grad_views for p in params):
+            return ddp
+    return None
+
+
 class _BufferList(list):
     """Megatron's ``model.buffers`` (a list of grad buffers) that is still ``nn.Module.buffers`` when called, so
     code iterating module buffers (``model.buffers()``) keeps working."""

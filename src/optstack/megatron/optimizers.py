@@ -32,7 +32,7 @@ from optstack.clip import norm_pows
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.bucket_state import BucketRanges
-from optstack.megatron.ddp import DistributedDataParallel
+from optstack.megatron.ddp import DistributedDataParallel, wrapper_holding
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.layer_wise import (
     BucketSyncedLayerWise,
@@ -161,6 +161,16 @@ def _plain_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str
         raise ValueError(f"{owner}: optimizer must be a torch.optim.Optimizer (or None on a rank without "
                          f"parameters), got {type(optimizer).__name__}")
     return [{k: v for k, v in g.items() if k != "param_names"} for g in optimizer.param_groups]
+
+
+def _whole_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str, Any]]:
+    """``_plain_groups`` for a stage stepping whole parameters: a data-parallel wrapper holding them that shards
+    its gradients is told to reduce them whole (else no rank's ``p.grad`` would hold the reduced gradient)."""
+    groups = _plain_groups(optimizer, owner)
+    ddp = wrapper_holding([p for g in groups for p in g["params"]])
+    if ddp is not None and ddp.shard_grads:
+        ddp.require_whole_grads()
+    return groups
 
 
 class MegatronOptimizer(GradNormGroups):
@@ -375,7 +385,7 @@ class FP32Optimizer(MegatronOptimizer):
         super().__init__(optimizer, config, init_state_fn)
         if optimizer is not None:
             owner = type(self).__name__
-            stage = Stage(_plain_groups(optimizer, owner), lambda groups: optimizer, placement=Whole(),
+            stage = Stage(_whole_groups(optimizer, owner), lambda groups: optimizer, placement=Whole(),
                           precision=Direct())
             self._attach(stage, _core_chain([stage], config, NoScaler()))
 
@@ -409,7 +419,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         super().__init__(optimizer, config, grad_scaler, init_state_fn)
         if optimizer is not None:
             owner = type(self).__name__
-            stage = Stage(_plain_groups(optimizer, owner), _rebind(optimizer, owner), placement=Whole(),
+            stage = Stage(_whole_groups(optimizer, owner), _rebind(optimizer, owner), placement=Whole(),
                           precision=Masters())
             self._attach(stage, _core_chain([stage], config, self.grad_scaler))
 
