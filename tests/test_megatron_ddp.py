@@ -187,28 +187,6 @@ def test_optimizer_config_must_agree_with_the_wrapper(ddp: dict, optimizer: dict
         get_megatron_optimizer(OptimizerConfig(lr=1e-2, **optimizer), [wrap(**ddp)])
 
 
-def test_a_sharding_wrapper_over_one_rank_takes_the_non_distributed_optimizer() -> None:
-    """dp = 1: the wrapper built for the distributed optimizer reduces whole gradients (over one rank), so
-    Megatron's non-distributed optimizer over it steps exactly as over the unwrapped model."""
-    inner = model()
-    ddp = wrap(inner, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [ddp])
-    reference = model()
-    ref_opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [reference])
-    assert [s.kind for s in opt.built.optimizer.stages] == ["whole+direct"]
-    for _ in range(3):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        loss_of(ddp).backward()
-        ddp.finish_grad_sync()
-        got = opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference).backward()
-        assert got[0] and got[1] == pytest.approx(ref_opt.step()[1], rel=1e-6)
-    for p, q in zip(inner.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize("flags", [{"use_distributed_optimizer": True},
                                    {"optimizer": "muon", "use_layer_wise_distributed_optimizer": True}])
 def test_distributed_optimizer_without_a_wrapper_says_how_to_wrap(flags: dict) -> None:
@@ -223,12 +201,13 @@ def test_pg_collection_must_be_the_wrappers_groups() -> None:
         get_megatron_optimizer(OptimizerConfig(lr=1e-2), [wrap()], pg_collection=ddp.groups)
 
 
-@pytest.mark.parametrize("distributed", [False, True])
-def test_one_process_megatron_loop_equals_the_unwrapped_model(distributed: bool) -> None:
-    flags = {"use_distributed_optimizer": distributed}
+@pytest.mark.parametrize(("wrapper_shards", "distributed"), [(False, False), (True, True), (True, False)])
+def test_one_process_megatron_loop_equals_the_unwrapped_model(wrapper_shards: bool, distributed: bool) -> None:
+    """(True, False): the wrapper built for the distributed optimizer reduces whole gradients over one rank, so
+    Megatron's non-distributed optimizer over it steps exactly as over the unwrapped model."""
     inner = model()
-    ddp = wrap(inner, overlap_grad_reduce=True, bucket_size=40, **flags)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, **flags), [ddp])
+    ddp = wrap(inner, overlap_grad_reduce=True, bucket_size=40, use_distributed_optimizer=wrapper_shards)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=distributed), [ddp])
     reference = model()
     ref_opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [reference])
     assert {s.kind for s in opt.built.optimizer.stages} == {"zero1+masters" if distributed else "whole+direct"}

@@ -225,42 +225,38 @@ class Comm(_Blocking):
         own is copied). Unlike torch's gather, sizes may differ and ranks may stay out (replicas of a shard):
         point-to-point underneath, ``tag`` telling apart gathers in flight between the same ranks. Every rank
         must agree on who sends what; the parts are filled once the handle's ``wait()`` returns."""
-        self._check_rank("gather", dst)
-        works = []
-        if self.rank == dst:
-            if len(parts) != self.size:
-                raise ValueError(f"gather on {self.name!r}: dst needs {self.size} parts (None where a rank sends "
-                                 f"nothing), got {len(parts)}")
-            for peer, part in enumerate(parts):
-                if part is not None and peer != dst:
-                    works.append(self._p2p("gather", dist.irecv, part, peer, tag))
-            own = parts[dst]
-            if own is not None and tensor is not None and own.data_ptr() != tensor.data_ptr():
-                own.copy_(tensor.view_as(own))
-        elif tensor is not None:
-            works.append(self._p2p("gather", dist.isend, tensor, dst, tag))
-        return Handle("gather", self, works)
+        return self._rooted("gather", dst, parts, tensor, tag, at_root=dist.irecv, at_peer=dist.isend)
 
     def scatter_async(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
                       tag: int = 0) -> Handle:
         """Start a scatter from group rank ``src``: ``parts[r]`` (given on ``src``; None: rank ``r`` gets nothing)
         into rank ``r``'s ``out`` (None where it gets nothing). Sizes may differ; point-to-point underneath, as
         ``gather_async``. ``out`` is filled once the handle's ``wait()`` returns."""
-        self._check_rank("scatter", src)
+        return self._rooted("scatter", src, parts, out, tag, at_root=dist.isend, at_peer=dist.irecv)
+
+    def _rooted(self, op: str, root: int, parts: Sequence[torch.Tensor | None], mine: torch.Tensor | None,
+                tag: int, *, at_root: Callable, at_peer: Callable) -> Handle:
+        """Gather (the root receives ``parts``) or scatter (the root sends them) point to point; the root's own
+        part and ``mine`` are copied into each other in the direction of the data."""
+        self._check_rank(op, root)
         works = []
-        if self.rank == src:
+        if self.rank == root:
             if len(parts) != self.size:
-                raise ValueError(f"scatter on {self.name!r}: src needs {self.size} parts (None where a rank gets "
-                                 f"nothing), got {len(parts)}")
+                side = "dst" if op == "gather" else "src"
+                raise ValueError(f"{op} on {self.name!r}: {side} needs {self.size} parts (None where a rank "
+                                 f"{'sends' if op == 'gather' else 'gets'} nothing), got {len(parts)}")
             for peer, part in enumerate(parts):
-                if part is not None and peer != src:
-                    works.append(self._p2p("scatter", dist.isend, part, peer, tag))
-            own = parts[src]
-            if own is not None and out is not None and own.data_ptr() != out.data_ptr():
-                out.copy_(own.view_as(out))
-        elif out is not None:
-            works.append(self._p2p("scatter", dist.irecv, out, src, tag))
-        return Handle("scatter", self, works)
+                if part is not None and peer != root:
+                    works.append(self._p2p(op, at_root, part, peer, tag))
+            own = parts[root]
+            if own is not None and mine is not None and own.data_ptr() != mine.data_ptr():
+                if op == "gather":
+                    own.copy_(mine.view_as(own))
+                else:
+                    mine.copy_(own.view_as(mine))
+        elif mine is not None:
+            works.append(self._p2p(op, at_peer, mine, root, tag))
+        return Handle(op, self, works)
 
     def _check_rank(self, op: str, rank: int) -> None:
         if not 0 <= rank < self.size:
