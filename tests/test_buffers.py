@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from optstack.distributed.buffers import BufferLayout, ParamAndGradBuffer, build_buffers
+from optstack.distributed.buffers import Bucketing, BufferLayout, ParamAndGradBuffer, build_buffers
 
 
 def test_plan_example():
@@ -107,6 +107,68 @@ def test_range_plan_every_element_owned_by_exactly_one_rank(shapes, dp_size, buc
     assert [s.name for s in layout.params] == [n for n, _ in params]
 
 
+def test_whole_plan_example():
+    # backward order; dp 2; one bucket: "w1" (40) to shard 0, "w2" (30) and "w3" (8) to shard 1 (largest first,
+    # each to the least-filled shard), "w3" after "w2" there (backward order); shards padded to 40
+    params = [("w2", (5, 6)), ("w1", (8, 5)), ("w3", (8,))]
+    layout = BufferLayout.plan(params, dp_size=2, bucket_size=None, shard_align=4, param_align=1, whole=True)
+    assert [(s.name, s.offset, s.bucket) for s in layout.params] == [("w2", 40, 0), ("w1", 0, 0), ("w3", 70, 0)]
+    (bucket,) = layout.buckets
+    assert (bucket.numel, bucket.shard_numel, bucket.param_names) == (80, 40, ("w1", "w2", "w3"))
+    assert layout.holds_whole and [layout.owner_of(n) for n in ("w1", "w2", "w3")] == [0, 1, 1]
+    assert [(s.name, s.param_start, s.param_end) for s in layout.owned_slices(0, 1)] == [("w2", 0, 30),
+                                                                                          ("w3", 0, 8)]
+    # the default layout cuts "w1" across the two shards
+    cut = BufferLayout.plan(params, dp_size=2, bucket_size=None, shard_align=4, param_align=1)
+    assert not cut.holds_whole and cut.owner_of("w1") is None
+
+
+def test_whole_plan_closes_a_bucket_once_each_shard_could_hold_its_largest_param():
+    # bucket_size 10 alone would make a bucket per matrix, three of four shards padding; a bucket closes at
+    # max(bucket_size, dp_size x largest) = 4 x 12 elements
+    params = [(f"m{i}", (3, 4)) for i in range(6)]
+    layout = BufferLayout.plan(params, dp_size=4, bucket_size=10, shard_align=1, param_align=1, whole=True)
+    assert [len(b.param_names) for b in layout.buckets] == [4, 2]
+    assert layout.buckets[0].numel == 48 and layout.buckets[0].shard_numel == 12
+    alone = BufferLayout.plan(params[:3], dp_size=2, bucket_size=None, param_align=1, whole=True,
+                              bucketing=Bucketing(alone=frozenset({"m1"})))
+    assert [b.param_names for b in alone.buckets] == [("m0",), ("m1",), ("m2",)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=shapes, dp_size=st.integers(1, 7), bucket_size=st.one_of(st.none(), st.integers(1, 200)),
+       shard_align=st.sampled_from([1, 3, 8, 128]), param_align=st.sampled_from([1, 4, 64]),
+       pad=st.sampled_from(["aligned", "even", "none"]))
+def test_whole_plan_puts_every_param_whole_in_one_shard(shapes, dp_size, bucket_size, shard_align, param_align,
+                                                        pad):
+    params = [(f"p{i}", s) for i, s in enumerate(shapes)]
+    layout = BufferLayout.plan(params, dp_size=dp_size, bucket_size=bucket_size, shard_align=shard_align,
+                               param_align=param_align, bucketing=Bucketing(pad=pad), whole=True)
+    assert layout.holds_whole
+    assert [s.name for s in layout.params] == [n for n, _ in params]
+    assert layout.buckets[0].offset == 0 and layout.buckets[-1].end == layout.numel
+    taken = [False] * layout.numel
+    position = {n: i for i, (n, _) in enumerate(params)}
+    for k in layout.buckets:
+        assert k.numel == dp_size * k.shard_numel and k.shard_numel % param_align == 0 and k.shard_numel > 0
+        for rank in range(dp_size):
+            owned = layout.owned_slices(k.index, rank)
+            # whole parameters, in backward order inside the shard
+            assert all(piece.param_start == 0 and piece.param_end == layout.slot(piece.name).numel
+                       for piece in owned if layout.slot(piece.name).numel)
+            assert [position[p.name] for p in owned] == sorted(position[p.name] for p in owned)
+            assert all(layout.owner_of(p.name) == rank for p in owned)
+        # shards no larger than needed: the fullest shard, aligned
+        loads = [sum(-(-layout.slot(n).numel // param_align) * param_align for n in k.param_names
+                     if layout.owner_of(n) == r) for r in range(dp_size)]
+        assert k.shard_numel < max(max(loads), 1) + math.lcm(shard_align, param_align) * dp_size
+    for slot in layout.params:
+        assert slot.offset % param_align == 0
+        for e in range(slot.offset, slot.end):
+            assert not taken[e]
+            taken[e] = True
+
+
 def test_buffer_makes_params_views_and_keeps_values():
     torch.manual_seed(0)
     lin = nn.Linear(3, 5).to(torch.bfloat16)
@@ -140,3 +202,12 @@ def test_build_buffers_groups_by_dtype_and_expert_flag():
                     (torch.float32, True, 1, ("e",))]
     with pytest.raises(ValueError, match="one dtype on one device"):
         ParamAndGradBuffer([("a", a), ("b", b)], dp_size=1, bucket_size=None)
+    # the chosen parameters get whole-shard buffers of their own
+    m, n = nn.Parameter(torch.arange(12.0).view(3, 4)), nn.Parameter(torch.arange(6.0).view(2, 3))
+    bufs = build_buffers([("a", a), ("m", m), ("n", n)], dp_size=2, expert_dp_size=1, bucket_size=None,
+                         whole=lambda name, p: p.dim() == 2)
+    assert [(x.key.whole, x.names, x.layout.holds_whole) for x in bufs] == [(False, ("a",), True),
+                                                                          (True, ("m", "n"), True)]
+    assert "whole" in repr(bufs[1]) and torch.equal(m, torch.arange(12.0).view(3, 4))  # values kept
+    assert m.data_ptr() == bufs[1].param_shard_view(0, 0).data_ptr()  # shard 0 is "m", shard 1 "n"
+    assert n.data_ptr() == bufs[1].param_shard_view(0, 1).data_ptr()

@@ -10,6 +10,13 @@ rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across parameters.
 closes once it *reaches* ``bucket_size``; padding only under the distributed optimizer; a shared embedding in
 a bucket of its own); the default is the rule above.
 
+Whole-shard buffers (``whole=True``): every parameter lies whole inside one rank's shard, so a reduce-scatter
+hands each rank whole gradients of the parameters it owns and the stage can step whole matrices (Muon's
+Newton-Schulz) over sharded gradients, then all-gather. A bucket's parameters are assigned to shards largest
+first, each to the least-filled shard (balancing elements, so little padding), in backward order inside a shard;
+the shards are padded to one size. A bucket closes once it holds ``max(bucket_size, dp_size x its largest
+parameter)`` elements: fewer parameters than that would leave shards mostly padding.
+
 Local accumulation (``local_grad_dtypes``): chosen parameters accumulate their micro-batch gradients in a
 tensor of their own, in a wider dtype (e.g. fp32 for bf16 gradients), rounded into the gradient buffer only
 for the reduction (``stage_local_grads``) and given the reduced gradient back (``unstage_local_grads``), as
@@ -124,9 +131,12 @@ class BufferLayout:
 
     @classmethod
     def plan(cls, params: Sequence[tuple[str, Sequence[int]]], *, dp_size: int, bucket_size: int | None,
-             shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None) -> BufferLayout:
+             shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
+             whole: bool = False) -> BufferLayout:
         """Lay out ``params`` (name, shape), given in backward order, cut as ``bucketing`` says (default: the
-        module docstring's rule); ValueError for a size < 1 or a repeated name."""
+        module docstring's rule); ``whole``: each parameter whole inside one rank's shard (module docstring).
+        ``params`` of the result keep the given order; a bucket's ``param_names`` are in buffer order.
+        ValueError for a size < 1 or a repeated name."""
         rule = bucketing if bucketing is not None else Bucketing()
         if rule.param_align is not None:
             param_align = rule.param_align
@@ -140,6 +150,10 @@ class BufferLayout:
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"parameter names must be unique; {dup!r} appears twice")
         multiple = {"aligned": dp_size * shard_align, "even": math.lcm(dp_size, shard_align), "none": 1}[rule.pad]
+        if whole:
+            # each shard starts aligned too
+            return cls._plan_whole(params, dp_size, bucket_size, param_align,
+                                   math.lcm(multiple, dp_size * param_align), rule)
         slots: list[ParamSlot] = []
         buckets: list[BucketSlot] = []
         start, offset, members = 0, 0, []  # the open bucket's start, the next free element, its parameters
@@ -166,6 +180,66 @@ class BufferLayout:
         if members:
             close()
         return cls(tuple(slots), tuple(buckets), start, dp_size)
+
+    @classmethod
+    def _plan_whole(cls, params: Sequence[tuple[str, Sequence[int]]], dp_size: int, bucket_size: int | None,
+                    param_align: int, multiple: int, rule: Bucketing) -> BufferLayout:
+        """``plan(whole=True)``: buckets of whole-shard parameters (module docstring); ``multiple`` divides each
+        bucket's size (a multiple of ``dp_size``)."""
+        slots: dict[str, ParamSlot] = {}
+        buckets: list[BucketSlot] = []
+        start = 0
+        members: list[tuple[str, tuple[int, ...], int]] = []  # the open bucket: (name, shape, numel)
+
+        def close() -> None:
+            nonlocal start, members
+            loads, owner = [0] * dp_size, {}
+            for i in sorted(range(len(members)), key=lambda i: (-members[i][2], i)):
+                rank = min(range(dp_size), key=lambda r: (loads[r], r))
+                owner[i] = rank
+                loads[rank] += _align_up(members[i][2], param_align)
+            shard = _align_up(max(max(loads), 1) * dp_size, multiple) // dp_size
+            index, order, unpadded = len(buckets), [], 0
+            for rank in range(dp_size):
+                at = start + rank * shard
+                for i, (name, shape, numel) in enumerate(members):
+                    if owner[i] == rank:
+                        slots[name] = ParamSlot(name, shape, at, numel, index)
+                        order.append(name)
+                        unpadded = at + numel - start
+                        at += _align_up(numel, param_align)
+            buckets.append(BucketSlot(index, start, shard * dp_size, shard, tuple(order), unpadded))
+            start, members = start + shard * dp_size, []
+
+        for name, shape in params:
+            numel = math.prod(shape)
+            alone = name in rule.alone
+            if members and alone:
+                close()
+            members.append((name, tuple(int(s) for s in shape), numel))
+            held = sum(m[2] for m in members)
+            enough = bucket_size is not None and held >= max(bucket_size, dp_size * max(m[2] for m in members))
+            if alone or enough:
+                close()
+        if members:
+            close()
+        return cls(tuple(slots[name] for name, _ in params), tuple(buckets), start, dp_size)
+
+    @cached_property
+    def holds_whole(self) -> bool:
+        """Every parameter lies inside one rank's shard of its bucket (a reduce-scatter gives it whole)."""
+        for p in self.params:
+            b = self.buckets[p.bucket]
+            if p.numel and (p.offset - b.offset) // b.shard_numel != (p.end - 1 - b.offset) // b.shard_numel:
+                return False
+        return True
+
+    def owner_of(self, name: str) -> int | None:
+        """The rank whose shard holds parameter ``name`` whole, or None when shards cut it."""
+        p = self.slot(name)
+        b = self.buckets[p.bucket]
+        first, last = ((x - b.offset) // b.shard_numel for x in (p.offset, max(p.end - 1, p.offset)))
+        return first if first == last else None
 
     @cached_property
     def _by_name(self) -> dict[str, ParamSlot]:
@@ -206,6 +280,8 @@ class BufferKey:
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     is_expert: bool
+    #: every parameter whole inside one rank's shard (``BufferLayout.plan(whole=True)``)
+    whole: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,12 +310,13 @@ class ParamAndGradBuffer:
         grad_dtype: gradient buffer dtype (None = the parameters' dtype).
         local_grad_dtypes: parameter name -> the dtype its gradient accumulates in locally, in a tensor of its
             own (``local_grads``; module docstring); names not in this buffer are ignored.
+        whole: each parameter whole inside one rank's shard (``BufferLayout.plan``).
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
                  bucket_size: int | None, grad_dtype: torch.dtype | None = None, is_expert: bool = False,
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
-                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None, whole: bool = False) -> None:
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         first = named_params[0][1]
@@ -247,10 +324,10 @@ class ParamAndGradBuffer:
             if p.dtype != first.dtype or p.device != first.device:
                 raise ValueError(f"a buffer holds one dtype on one device; {name!r} is {p.dtype} on "
                                  f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
-        self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert)
+        self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert, whole)
         self.layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
                                         bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
-                                        bucketing=bucketing)
+                                        bucketing=bucketing, whole=whole)
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)
@@ -273,7 +350,8 @@ class ParamAndGradBuffer:
     def __repr__(self) -> str:
         k = self.key
         return (f"ParamAndGradBuffer({len(self.params)} params, {self.layout.numel} elements, "
-                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, expert={k.is_expert})")
+                f"{len(self.buckets)} buckets, param {k.param_dtype}, grad {k.grad_dtype}, expert={k.is_expert}"
+                f"{', whole' if k.whole else ''})")
 
     def __contains__(self, param: object) -> bool:
         return id(param) in self._slots
@@ -358,10 +436,12 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
                   bucket_size: int | None, grad_dtype: torch.dtype | None = None,
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
                   shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
-                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None) -> list[ParamAndGradBuffer]:
+                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
+                  whole: Callable[[str, nn.Parameter], bool] | None = None) -> list[ParamAndGradBuffer]:
     """One ``ParamAndGradBuffer`` per ``BufferKey`` of ``named_params`` (backward order), in order of first use;
     ``is_expert`` ones split across ``expert_dp_size`` ranks; buckets cut as ``bucketing`` says; the parameters
-    named in ``local_grad_dtypes`` accumulate locally in that dtype (``ParamAndGradBuffer``).
+    named in ``local_grad_dtypes`` accumulate locally in that dtype (``ParamAndGradBuffer``); those ``whole``
+    chooses in buffers of their own, each whole inside one rank's shard.
 
     Raises:
         ValueError: a ``local_grad_dtypes`` name that is not in ``named_params``, or a dtype not floating-point.
@@ -375,9 +455,11 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
             raise ValueError(f"local_grad_dtypes[{name!r}] must be a floating-point torch.dtype, got {dtype!r}")
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
-        groups.setdefault(BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p))), []).append((name, p))
+        in_whole = whole is not None and bool(whole(name, p))
+        key = BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p)), in_whole)
+        groups.setdefault(key, []).append((name, p))
     return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
                                bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
                                shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-                               local_grad_dtypes=local_grad_dtypes)
+                               local_grad_dtypes=local_grad_dtypes, whole=key.whole)
             for key, members in groups.items()]
