@@ -70,6 +70,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "megatron.core.distributed.param_and_grad_buffer": ("optstack.megatron.ddp",),
     "megatron.core.distributed.distributed_data_parallel": ("optstack.megatron.ddp",),
     "megatron.core.distributed.distributed_data_parallel_config": ("optstack.megatron.ddp",),
+    "megatron.core.optimizer.param_layout": ("optstack.megatron.param_and_grad_buffer",),
 }
 
 def _internal_buffer(*args: Any, **kwargs: Any) -> Any:

@@ -87,6 +87,7 @@ from optstack.megatron.param_and_grad_buffer import (
     BufferView,
     FullParamLayout,
     megatron_bucketing_for,
+    megatron_key,
 )
 from optstack.megatron.process_groups import (
     ProcessGroupCollection,
@@ -299,6 +300,12 @@ def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dic
             if p.requires_grad and any(pat == "all" or fnmatch.fnmatch(name, pat) for pat in patterns)}
 
 
+def _layer_wise_managed(name: str, param: nn.Parameter) -> bool:
+    """Whether ``param`` goes to a whole-shard buffer: tagged for the layer-wise optimizer by Megatron's
+    ``tag_params_for_buffer_routing`` (``is_managed_by_layer_wise_optimizer``)."""
+    return bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
+
+
 def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
     """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -448,6 +455,7 @@ class BucketGroup:
         """
         ddp = self._ddp
         if ddp.shard_grads:
+            DataParallel.finish_param_sync(ddp)  # the optimizer's overlapped gathers still in flight land first
             for bucket in self._core_buckets:
                 ddp._gather_bucket(self.buffer, bucket)
             self.param_gather_dispatched = True
@@ -482,8 +490,14 @@ class BucketGroup:
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Finish this group's parameter gather (starting it first if it was not), then, unless
         ``skip_next_bucket_dispatch``, start the next group's (``next_param_gather_bucket_group``), as Megatron's
-        forward pre-hooks do. The distributed optimizer's gathers are synchronous: nothing to wait for."""
+        forward pre-hooks do. The distributed optimizer's gathers are synchronous: nothing to wait for (the
+        next group's starts all the same, so the chain reads as Megatron's)."""
         if self._ddp.shard_grads:
+            if not self.param_gather_dispatched:
+                self.start_param_sync()
+            following = self.next_param_gather_bucket_group
+            if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
+                following.start_param_sync()
             self.param_gather_dispatched = False
             return
         if not self.param_gather_dispatched:
@@ -685,7 +699,8 @@ class DistributedDataParallel(DataParallel):
     def _check_layout(self, given: FullParamLayout | None) -> FullParamLayout | None:
         """The layout of the buffers (Megatron's ``full_param_layout``): the given one, checked to be the one
         built, or with the distributed optimizer the one built (Megatron computes it then)."""
-        built = FullParamLayout({b.key: self._view_of(b).param_layout() for b in self.param_and_grad_buffers})
+        built = FullParamLayout({megatron_key(b.key): self._view_of(b).param_layout()
+                                 for b in self.param_and_grad_buffers})
         if given is None:
             return built if self.ddp_config.use_distributed_optimizer else None
         if not isinstance(given, FullParamLayout) or set(given.layouts) != set(built.layouts):
@@ -698,7 +713,8 @@ class DistributedDataParallel(DataParallel):
                     f"full_param_layout for buffer {key} differs from the layout this wrapper builds (bucket "
                     f"{theirs.bucket_indices} vs {layout.bucket_indices}); compute it with "
                     "DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp_size, ddp_config) "
-                    "over the same parameters, bucket size and data-parallel size, or pass None")
+                    "(LayerWiseDistributedOptimizer's for parameters tagged by tag_params_for_buffer_routing) over "
+                    "the same parameters, bucket size and data-parallel size, or pass None")
         return given
 
     @property

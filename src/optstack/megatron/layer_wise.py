@@ -3,6 +3,11 @@
 - Megatron callers hand it plain torch optimizers (it wraps them for bf16 itself): ``torch_layer_wise_stage``
   places such an optimizer's groups layer-wise over the data-parallel group, its gradients read from
   ``param.main_grad`` (Megatron's ``DistributedDataParallel`` sets it) or ``param.grad``.
+- Megatron's current main can lay the wrapper's buffers out for it (``tag_params_for_buffer_routing``, then
+  ``LayerWiseDistributedOptimizer.compute_full_param_layout`` and a wrapper with ``use_distributed_optimizer``):
+  each matrix it manages (``is_managed_by_layer_wise_optimizer``) lies whole inside one rank's reduce-scatter
+  shard, so that rank steps it from its shard and the buckets' all-gather publishes it; the other parameters get
+  the distributed optimizer's layout in buffers of their own.
 - With ``overlap_param_gather`` the parameters an owner rank stepped reach the other ranks through the
   ``DistributedDataParallel`` wrapper's bucket groups (``start_param_sync`` / the forward pre-hooks), as in
   Megatron's current main: ``BucketSyncedLayerWise`` steps like the core ``LayerWise`` placement but leaves the
@@ -22,8 +27,28 @@ from optstack.protocol import MakeOptimizer
 from optstack.stage import Precision, Remainders, Stage
 from optstack.stage.placement import LayerWise, assign_params, newton_schulz_cost
 
-__all__ = ["BucketSyncedLayerWise", "comm_of", "fresh_precision", "main_grad_or_grad", "plan_bucket_gathers",
-           "torch_layer_wise_stage", "wrapper_of"]
+__all__ = ["BucketSyncedLayerWise", "comm_of", "fresh_precision", "is_managed_by_layer_wise_optimizer",
+           "main_grad_or_grad", "plan_bucket_gathers", "tag_params_for_buffer_routing", "torch_layer_wise_stage",
+           "wrapper_of"]
+
+
+def is_managed_by_layer_wise_optimizer(param: torch.Tensor) -> bool:
+    """Megatron's rule for the parameters the layer-wise optimizer steps: the matrices Muon orthogonalises (2-D,
+    not an embedding or output parameter, not excluded with ``use_muon=False``); the rest go to Muon's scalar
+    optimizer. It must agree with Muon's routing (``get_megatron_optimizer`` routes the same way)."""
+    return (bool(getattr(param, "use_muon", True)) and param.dim() == 2
+            and not getattr(param, "is_embedding_or_output_parameter", False))
+
+
+def tag_params_for_buffer_routing(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Megatron's: set ``is_managed_by_layer_wise_optimizer`` on every trainable parameter of the (not yet
+    wrapped) model chunks, so that ``DistributedDataParallel`` puts the layer-wise optimizer's matrices in
+    whole-shard buffers and the rest in buffers of their own. Megatron routes buffers by this attribute, so the
+    face sets it as Megatron does (optstack's core takes the choice as an argument instead)."""
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.requires_grad:
+                param.is_managed_by_layer_wise_optimizer = is_managed_by_layer_wise_optimizer(param)
 
 
 def main_grad_or_grad(param: torch.Tensor) -> torch.Tensor | None:

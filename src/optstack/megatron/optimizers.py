@@ -38,7 +38,9 @@ from optstack.megatron.layer_wise import (
     BucketSyncedLayerWise,
     comm_of,
     fresh_precision,
+    is_managed_by_layer_wise_optimizer,
     plan_bucket_gathers,
+    tag_params_for_buffer_routing,
     torch_layer_wise_stage,
     wrapper_of,
 )
@@ -52,7 +54,7 @@ from optstack.megatron.norm_groups import (
     grad_norm,
     norm_group_kwargs,
 )
-from optstack.megatron.param_and_grad_buffer import build_model_gbuf_range, compute_full_param_layout
+from optstack.megatron.param_and_grad_buffer import FullParamLayout, build_model_gbuf_range, compute_full_param_layout
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
@@ -63,7 +65,7 @@ __all__ = [
     "MegatronOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer", "ChainedOptimizer", "LayerWiseDistributedOptimizer", "ProxyDict",
     "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "param_group_identifier_keys",
-    "copy_optimizer_param_metadata",
+    "copy_optimizer_param_metadata", "is_managed_by_layer_wise_optimizer", "tag_params_for_buffer_routing",
 ]
 
 _NOT_SETTINGS = ("params", "param_names")
@@ -851,6 +853,17 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                              "DistributedDataParallel model with use_distributed_optimizer=False")
         if self.overlap_param_gather:
             plan_bucket_gathers(self.stages)
+
+    @staticmethod
+    def compute_full_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,
+                                  data_parallel_world_size: int, ddp_config: Any,
+                                  expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
+        """Megatron's (current main): the layouts of the buffers of ``params`` (forward order) for a wrapper with
+        ``use_distributed_optimizer``, the parameters tagged ``is_managed_by_layer_wise_optimizer``
+        (``tag_params_for_buffer_routing``) each whole inside one rank's shard, the others in the distributed
+        optimizer's layout (``DistributedOptimizer.compute_full_param_layout``)."""
+        return compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
+                                         expert_data_parallel_world_size, whole_for_layer_wise=True)
 
     def finish_param_sync(self) -> None:
         """Make every rank hold every updated parameter: with ``overlap_param_gather`` the bucket groups' gathers

@@ -2,15 +2,23 @@
 
 Megatron code reads its ``_ParamAndGradBuffer`` and buckets by attribute (``param_index_map``, ``params_list``,
 ``offset``, ``data_parallel_group``, ...) and, on current main, computes a ``FullParamLayout`` up front
-(``DistributedOptimizer.compute_full_param_layout``) and hands it to ``DistributedDataParallel``. optstack's
-core buffers (``optstack.distributed.buffers``) hold the same layout under their own names; ``BufferView`` and
-``BucketView`` present one core buffer with Megatron's names (reads only, plus Megatron's per-bucket scratch
-attribute ``layerwise_gather_list``), and ``compute_full_param_layout`` runs the core's layout plan with
-Megatron's bucket rule, so a precomputed layout is the layout the wrapper builds.
+(``DistributedOptimizer.compute_full_param_layout``, or ``LayerWiseDistributedOptimizer``'s) and hands it to
+``DistributedDataParallel``. optstack's core buffers (``optstack.distributed.buffers``) hold the same layout
+under their own names; ``BufferView`` and ``BucketView`` present one core buffer with Megatron's names (reads
+only, plus Megatron's per-bucket scratch attribute ``layerwise_gather_list``), and ``compute_full_param_layout``
+runs the core's layout plan with Megatron's bucket rule, so a precomputed layout is the layout the wrapper builds.
+
+Megatron's ``param_layout`` names live here too: its ``BufferKey`` (``is_expert_parallel``,
+``is_managed_by_layer_wise_optimizer``: the core's ``BufferKey.is_expert`` and ``whole``), the padding helpers
+and ``group_params_for_buffers``. A buffer of parameters managed by the layer-wise optimizer is the core's
+whole-shard buffer: every parameter lies whole inside one rank's reduce-scatter shard (the core's packing,
+balanced by element count; Megatron's own packing balances Newton-Schulz cost, so the offsets differ from
+Megatron's while the guarantee is the same).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,11 +26,83 @@ from typing import Any
 import torch
 from torch import nn
 
-from optstack.distributed.buffers import Bucket, Bucketing, BufferKey, BufferLayout, ParamAndGradBuffer
+from optstack.distributed.buffers import Bucket, Bucketing, BufferLayout, ParamAndGradBuffer
+from optstack.distributed.buffers import BufferKey as CoreBufferKey
 from optstack.distributed.comm import Comm, NullComm, torch_group
 
-__all__ = ["BucketView", "BufferView", "FullParamLayout", "PerBufferParamLayout", "Range", "build_model_gbuf_range",
-           "compute_full_param_layout", "megatron_bucketing_for"]
+__all__ = ["BucketView", "BufferKey", "BufferView", "FullParamLayout", "PerBufferParamLayout", "Range",
+           "bucket_end_divisor", "build_model_gbuf_range", "compute_full_param_layout", "group_params_for_buffers",
+           "megatron_bucketing_for", "megatron_key", "pad_bucket_end", "pad_param_start", "pad_to_divisor"]
+
+
+def pad_to_divisor(value: int, divisor: int) -> int:
+    """``value`` rounded up to a multiple of ``divisor`` (Megatron's helper)."""
+    return -(-value // divisor) * divisor
+
+
+def pad_param_start(param_start_index: int) -> int:
+    """A parameter's start rounded up to a multiple of 64 elements (Megatron's alignment)."""
+    return pad_to_divisor(param_start_index, 64)
+
+
+def bucket_end_divisor(data_parallel_world_size: int, pad_for_high_nccl_busbw: bool) -> int:
+    """What a distributed-optimizer bucket's length is a multiple of: ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)``
+    with ``pad_for_high_nccl_busbw``, which the face's wrapper refuses but the helper computes)."""
+    if pad_for_high_nccl_busbw:
+        return math.lcm(data_parallel_world_size, 128, 2**16)
+    return math.lcm(data_parallel_world_size, 128)
+
+
+def pad_bucket_end(bucket_end_index: int, data_parallel_world_size: int, pad_for_high_nccl_busbw: bool) -> int:
+    """A bucket's end rounded up to ``bucket_end_divisor`` (Megatron's helper)."""
+    return pad_to_divisor(bucket_end_index, bucket_end_divisor(data_parallel_world_size, pad_for_high_nccl_busbw))
+
+
+@dataclass(frozen=True)
+class BufferKey:
+    """Megatron's identity of a buffer: parameters sharing all four fields share a buffer.
+
+    Attributes:
+        param_dtype / grad_dtype: the buffer's dtypes.
+        is_expert_parallel: expert (``allreduce=False``) parameters, reduced over expert data-parallel.
+        is_managed_by_layer_wise_optimizer: parameters the layer-wise optimizer steps (Muon's matrices), laid out
+            so that each lies whole inside one rank's shard (the core's ``BufferKey.whole``).
+    """
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    is_expert_parallel: bool
+    is_managed_by_layer_wise_optimizer: bool = False
+
+
+def megatron_key(key: CoreBufferKey) -> BufferKey:
+    """Megatron's ``BufferKey`` of a core buffer's key."""
+    return BufferKey(key.param_dtype, key.grad_dtype, key.is_expert, key.whole)
+
+
+def _key_of(param: nn.Parameter, grad_reduce_in_fp32: bool) -> BufferKey:
+    return BufferKey(param.dtype, torch.float32 if grad_reduce_in_fp32 else param.dtype,
+                     not getattr(param, "allreduce", True),
+                     bool(getattr(param, "is_managed_by_layer_wise_optimizer", False)))
+
+
+def group_params_for_buffers(params: Sequence[nn.Parameter], grad_reduce_in_fp32: bool
+                             ) -> dict[BufferKey, tuple[list[nn.Parameter], list[int]]]:
+    """Megatron's grouping of ``params`` into buffers: ``{BufferKey: (its parameters in the given order, each
+    one's index among the parameters of its key)}``, keys in order of first appearance.
+
+    Raises:
+        ValueError: a parameter that does not require gradients (the wrapper holds trainable ones only).
+    """
+    out: dict[BufferKey, tuple[list[nn.Parameter], list[int]]] = {}
+    for index, param in enumerate(params):
+        if not param.requires_grad:
+            raise ValueError(f"group_params_for_buffers: parameter {index} (shape {tuple(param.shape)}) does not "
+                             "require gradients; pass the trainable parameters only")
+        members, indices = out.setdefault(_key_of(param, grad_reduce_in_fp32), ([], []))
+        indices.append(len(members))
+        members.append(param)
+    return out
 
 
 def megatron_bucketing_for(params: Sequence[tuple[str, nn.Parameter]], *, distributed_optimizer: bool) -> Bucketing:
@@ -50,43 +130,53 @@ class PerBufferParamLayout:
 
 @dataclass
 class FullParamLayout:
-    """Megatron's layouts of every buffer of a model chunk, keyed by (param dtype, grad dtype, expert)."""
+    """Megatron's layouts of every buffer of a model chunk, keyed by Megatron's ``BufferKey``."""
 
     layouts: dict[BufferKey, PerBufferParamLayout] = field(default_factory=dict)
 
 
-def _per_buffer(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards: int | None
-                ) -> PerBufferParamLayout:
-    """Megatron's ``PerBufferParamLayout`` of a core layout whose slots are ``params`` (backward order)."""
+def _per_buffer(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards: int | None,
+                indices: Sequence[int] | None = None) -> PerBufferParamLayout:
+    """Megatron's ``PerBufferParamLayout`` of a core layout whose slots are ``params`` (backward order);
+    ``indices``: each parameter's index among its key's in forward order (default: their backward positions
+    reversed)."""
     return PerBufferParamLayout(
         param_index_map={p: (s.offset, s.end, s.bucket) for p, s in zip(params, layout.params, strict=True)},
         bucket_indices=[(b.offset, b.end) for b in layout.buckets],
         per_bucket_numel_unpadded=[b.numel_unpadded for b in layout.buckets],
-        param_indices=list(range(len(params)))[::-1],
+        param_indices=list(indices) if indices is not None else list(range(len(params)))[::-1],
         num_optimizer_shards=shards)
+
+
+def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size: int, *, whole: bool,
+                indices: Sequence[int] | None = None) -> PerBufferParamLayout:
+    """The distributed-optimizer layout of one buffer's ``params`` (forward order) as the face's wrapper builds
+    it: the core's plan with Megatron's bucket rule, split across ``dp_size`` ranks; ``whole``: each parameter
+    whole inside one rank's shard (the layer-wise optimizer's buffers)."""
+    backward = list(reversed(params))
+    named = [(str(i), p) for i, p in enumerate(backward)]
+    plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp_size, bucket_size=bucket_size,
+                             bucketing=megatron_bucketing_for(named, distributed_optimizer=True), whole=whole)
+    return _per_buffer(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
 
 
 def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None,
                               data_parallel_world_size: int, ddp_config: Any,
-                              expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
+                              expert_data_parallel_world_size: int | None = None, *,
+                              whole_for_layer_wise: bool = False) -> FullParamLayout:
     """Megatron's ``DistributedOptimizer.compute_full_param_layout``: the padded layout of each buffer group of
-    ``params`` (forward order; grouped by param dtype, grad dtype and ``allreduce=False`` expert flag), its
-    buckets split across ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``)."""
-    grad_fp32 = bool(getattr(ddp_config, "grad_reduce_in_fp32", False))
-    groups: dict[BufferKey, list[nn.Parameter]] = {}
-    for p in params:
-        if p.requires_grad:
-            key = BufferKey(p.dtype, torch.float32 if grad_fp32 else p.dtype, not getattr(p, "allreduce", True))
-            groups.setdefault(key, []).append(p)
+    ``params`` (forward order; ``group_params_for_buffers``), its buckets split across
+    ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``). ``whole_for_layer_wise``
+    (``LayerWiseDistributedOptimizer.compute_full_param_layout``): the buffers of parameters tagged
+    ``is_managed_by_layer_wise_optimizer`` hold each parameter whole inside one shard."""
+    groups = group_params_for_buffers([p for p in params if p.requires_grad],
+                                      bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
     layouts = {}
-    for key, members in groups.items():
-        dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert \
+    for key, (members, indices) in groups.items():
+        dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert_parallel \
             else data_parallel_world_size
-        backward = list(reversed(members))
-        named = [(str(i), p) for i, p in enumerate(backward)]
-        plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp, bucket_size=bucket_size,
-                                 bucketing=megatron_bucketing_for(named, distributed_optimizer=True))
-        layouts[key] = _per_buffer(plan, backward, shards=dp)
+        whole = whole_for_layer_wise and key.is_managed_by_layer_wise_optimizer
+        layouts[key] = plan_buffer(members, bucket_size, dp, whole=whole, indices=indices)
     return FullParamLayout(layouts)
 
 

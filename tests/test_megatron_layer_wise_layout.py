@@ -1,0 +1,110 @@
+"""The face's layer-wise buffer layout (Megatron's current main): which parameters the layer-wise optimizer
+manages, their tags, Megatron's ``param_layout`` names, and ``LayerWiseDistributedOptimizer.compute_full_param_layout``
+(each managed matrix whole inside one rank's shard), on one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from optstack.megatron import DistributedDataParallelConfig, DistributedOptimizer, LayerWiseDistributedOptimizer
+from optstack.megatron.optimizers import is_managed_by_layer_wise_optimizer, tag_params_for_buffer_routing
+from optstack.megatron.param_and_grad_buffer import (
+    BufferKey,
+    bucket_end_divisor,
+    group_params_for_buffers,
+    pad_bucket_end,
+    pad_param_start,
+    pad_to_divisor,
+)
+
+
+class Net(nn.Module):
+    """Matrices of several sizes, biases, an embedding-like matrix and one excluded from Muon."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 12, bias=False)
+        self.embed.weight.is_embedding_or_output_parameter = True
+        self.a = nn.Linear(12, 40)
+        self.b = nn.Linear(40, 24)
+        self.c = nn.Linear(24, 8)
+        self.c.weight.use_muon = False
+
+
+def test_managed_are_muons_matrices_and_tags_follow() -> None:
+    net = Net()
+    assert [n for n, p in net.named_parameters() if is_managed_by_layer_wise_optimizer(p)] == ["a.weight", "b.weight"]
+    frozen = nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+    net.frozen = frozen
+    tag_params_for_buffer_routing([net])
+    assert {n: p.is_managed_by_layer_wise_optimizer for n, p in net.named_parameters() if p.requires_grad} == {
+        "embed.weight": False, "a.weight": True, "a.bias": False, "b.weight": True, "b.bias": False,
+        "c.weight": False, "c.bias": False}
+    assert not hasattr(frozen, "is_managed_by_layer_wise_optimizer")  # only trainable parameters are tagged
+
+
+def test_megatron_padding_helpers() -> None:
+    assert [pad_to_divisor(v, 64) for v in (0, 1, 64, 65)] == [0, 64, 64, 128]
+    assert [pad_param_start(v) for v in (0, 1, 63, 64, 65)] == [0, 64, 64, 64, 128]
+    assert bucket_end_divisor(4, False) == 128 and bucket_end_divisor(3, False) == 384
+    assert bucket_end_divisor(4, True) == 2**16
+    assert pad_bucket_end(1, 3, False) == 384 and pad_bucket_end(384, 3, False) == 384
+
+
+def test_group_params_for_buffers_splits_by_dtype_expert_and_tag() -> None:
+    dense, expert, fp32 = (nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16)) for _ in range(3))
+    managed = nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    expert.allreduce = False
+    fp32.data = fp32.data.float()
+    managed.is_managed_by_layer_wise_optimizer = True
+    second = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    groups = group_params_for_buffers([dense, managed, expert, fp32, second], grad_reduce_in_fp32=True)
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert list(groups) == [BufferKey(bf16, f32, False), BufferKey(bf16, f32, False, True),
+                            BufferKey(bf16, f32, True), BufferKey(f32, f32, False)]
+    assert groups[BufferKey(bf16, f32, False)] == ([dense, second], [0, 1])
+    plain = group_params_for_buffers([dense], grad_reduce_in_fp32=False)
+    assert plain == {BufferKey(bf16, bf16, False): ([dense], [0])}
+    with pytest.raises(ValueError, match="does not require gradients"):
+        group_params_for_buffers([nn.Parameter(torch.zeros(2), requires_grad=False)], False)
+
+
+def _shard_of(layout, param) -> tuple[int, int]:
+    """(shard of its start, shard of its last element), as Megatron's LayerWiseDistributedOptimizer reads them."""
+    start, end, bucket = layout.param_index_map[param]
+    lo, hi = layout.bucket_indices[bucket]
+    shard = (hi - lo) // layout.num_optimizer_shards
+    return (start - lo) // shard, (end - 1 - lo) // shard
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+@pytest.mark.parametrize("bucket_size", [None, 500])
+def test_layer_wise_layout_keeps_each_managed_matrix_in_one_shard(dp: int, bucket_size: int | None) -> None:
+    net = Net().bfloat16()
+    tag_params_for_buffer_routing([net])
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    params = list(net.parameters())
+    full = LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, config)
+    bf16 = torch.bfloat16
+    managed, rest = full.layouts[BufferKey(bf16, bf16, False, True)], full.layouts[BufferKey(bf16, bf16, False)]
+    assert set(managed.param_index_map) == {net.a.weight, net.b.weight}
+    owners = set()
+    for param in managed.param_index_map:
+        first, last = _shard_of(managed, param)
+        assert first == last  # whole inside one shard
+        owners.add(first)
+    assert len(owners) == 2  # two matrices of similar size: one per rank
+    for lo, hi in managed.bucket_indices:
+        assert (hi - lo) % math.lcm(dp, 128) == 0 and (hi - lo) // dp % 64 == 0
+    # the rest: the distributed optimizer's layout of those parameters (ranges cut across parameters)
+    others = [p for p in params if not p.is_managed_by_layer_wise_optimizer]
+    plain = DistributedOptimizer.compute_full_param_layout(others, bucket_size, dp, config)
+    (only,) = plain.layouts.values()
+    assert rest.param_index_map == only.param_index_map and rest.bucket_indices == only.bucket_indices
+    # the distributed optimizer's own layout keeps the tagged parameters apart but cuts them across shards
+    distopt = DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, config)
+    assert set(distopt.layouts) == set(full.layouts)
