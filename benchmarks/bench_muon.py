@@ -17,10 +17,13 @@ step's time, against the best matmul rate measured here per dtype at the same si
 batched for the stack), best of ~1 s of repetitions (a peak, robust to other processes sharing the cores).
 Variants are timed interleaved (one step each in turn) so load from other processes hits all alike.
 
-``--layerwise``: Muon over 8 x (512 x 512) matrices built from a config (``sharding="layerwise"``) at 2 gloo
-ranks (spawned, FileStore, one thread each) vs the replicated optimizer in one process (one thread); the
-Newton-Schulz phase is the ``inner_step`` phase (``optstack.protocol.set_phase_hook``), wall and CPU time, the
-slowest rank; the final parameters are compared.
+``--layerwise``: Muon over 8 x (512 x 512) matrices built from a config at 2 gloo ranks (spawned, FileStore, one
+thread each), ``sharding="layerwise"`` (gradients all-reduced, each matrix broadcast by its owner) and
+``sharding="zero1"`` (whole-shard buffers: gradients reduce-scattered into whole matrices, all-gathered), vs the
+replicated optimizer in one process (one thread); the Newton-Schulz phase is the ``inner_step`` phase
+(``optstack.protocol.set_phase_hook``), wall and CPU time, and the whole synchronisation plus step
+(``finish_grad_sync()`` + ``optimizer.step()``, which publishes), wall, the slowest rank; the final parameters are
+compared.
 """
 
 from __future__ import annotations
@@ -199,7 +202,7 @@ def run_case(title: str, shapes: list[tuple[int, ...]], args: argparse.Namespace
 # Layer-wise at 2 ranks
 
 
-def _layerwise_run(rank: int, size: int, store: str, steps: int, out: Any) -> None:
+def _layerwise_run(rank: int, size: int, store: str, steps: int, out: Any, sharding: str) -> None:
     import torch.distributed as dist
 
     from optstack import DistributedConfig, OptimizerConfig, build_optimizer, wrap_data_parallel
@@ -208,7 +211,6 @@ def _layerwise_run(rank: int, size: int, store: str, steps: int, out: Any) -> No
     torch.set_num_threads(1)
     if size > 1:
         dist.init_process_group("gloo", store=dist.FileStore(store, size), rank=rank, world_size=size)
-    sharding = "layerwise" if size > 1 else "replicated"
     config = OptimizerConfig(algorithm="muon", lr=0.02, distributed=DistributedConfig(sharding=sharding))
     torch.manual_seed(0)
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(512, 512)) for _ in range(8)])
@@ -220,6 +222,7 @@ def _layerwise_run(rank: int, size: int, store: str, steps: int, out: Any) -> No
     optimizer = build_optimizer(config, ddp).optimizer
     wall: list[float] = []
     cpu: list[float] = []
+    whole: list[float] = []  # finish_grad_sync + step
 
     @contextlib.contextmanager
     def timer(name: str) -> Iterator[None]:
@@ -236,13 +239,16 @@ def _layerwise_run(rank: int, size: int, store: str, steps: int, out: Any) -> No
         else:
             model.zero_grad()
         sum((w * g).sum() for w, g in zip(ddp.module if size > 1 else model, mine, strict=True)).backward()
+        t0 = time.perf_counter()
         if size > 1:
             ddp.finish_grad_sync()
         optimizer.step()
+        whole.append(time.perf_counter() - t0)
     # As bytes: a tensor sent through the queue shares its storage by file descriptor, which dies with this process.
     buffer = io.BytesIO()
     torch.save(torch.cat([p.detach().reshape(-1) for p in model]), buffer)
-    out.put((rank, statistics.median(wall[1:]), statistics.median(cpu[1:]), buffer.getvalue()))
+    out.put((rank, statistics.median(wall[1:]), statistics.median(cpu[1:]), statistics.median(whole[1:]),
+             buffer.getvalue()))
     if size > 1:
         dist.destroy_process_group()
 
@@ -251,27 +257,39 @@ def run_layerwise(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    results: dict[int, list[tuple[int, float, float, torch.Tensor]]] = {}
-    for size in (1, 2):
+    results: dict[tuple[int, str], list[tuple[int, float, float, float, torch.Tensor]]] = {}
+    runs = [(1, "replicated")] + [(2, s) for s in ("layerwise", "zero1")] * args.rounds  # interleaved rounds
+    for size, sharding in runs:
         with tempfile.TemporaryDirectory() as tmp:
             queue = ctx.Queue()
-            procs = [ctx.Process(target=_layerwise_run, args=(r, size, os.path.join(tmp, "store"), args.steps, queue))
+            procs = [ctx.Process(target=_layerwise_run,
+                                 args=(r, size, os.path.join(tmp, "store"), args.steps, queue, sharding))
                      for r in range(size)]
             for p in procs:
                 p.start()
             got = sorted(queue.get(timeout=600) for _ in procs)
-            results[size] = [(*r[:3], torch.load(io.BytesIO(r[3]), weights_only=True)) for r in got]
             for p in procs:
                 p.join()
-    (_, wall1, cpu1, params1), = results[1]
-    wall2, cpu2 = max(r[1] for r in results[2]), max(r[2] for r in results[2])
-    diff = max((r[3] - params1).abs().max().item() for r in results[2])
-    print(f"\n### Layer-wise Muon, 8 x (512 x 512), fp32, gloo, one thread per rank, {args.steps} timed steps")
-    print("| run | NS phase wall s (slowest rank) | NS phase CPU s (slowest rank) | speed-up (wall) | speed-up (CPU) |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| 1 rank, replicated | {wall1:.3f} | {cpu1:.3f} | 1.00x | 1.00x |")
-    print(f"| 2 ranks, layerwise | {wall2:.3f} | {cpu2:.3f} | {wall1 / wall2:.2f}x | {cpu1 / cpu2:.2f}x |")
-    print(f"\nmax |2 ranks - 1 rank| over the parameters after {args.steps + 1} steps: {diff:.2e}")
+            # per run, the slowest rank's figures; over rounds, their medians
+            slowest = (max(r[1] for r in got), max(r[2] for r in got), max(r[3] for r in got))
+            params = torch.load(io.BytesIO(got[0][4]), weights_only=True)
+            diff = max((torch.load(io.BytesIO(r[4]), weights_only=True) - params).abs().max().item() for r in got)
+            results.setdefault((size, sharding), []).append((*slowest, params, diff))
+    (wall1, cpu1, step1, params1, _), = results[(1, "replicated")]
+    print(f"\n### Distributed Muon, 8 x (512 x 512), fp32, gloo, one thread per rank, {args.steps} timed steps, "
+          f"{args.rounds} round(s)")
+    print("| run | NS phase wall s | NS phase CPU s | sync + step wall s | NS speed-up (wall) | sync + step vs 1 rank "
+          "| max diff vs 1 rank |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| 1 rank, replicated | {wall1:.3f} | {cpu1:.3f} | {step1:.3f} | 1.00x | 1.00x | - |")
+    for sharding in ("layerwise", "zero1"):
+        rows = results[(2, sharding)]
+        wall, cpu, step = (statistics.median(r[i] for r in rows) for i in range(3))
+        diff = max(max(r[4], (r[3] - params1).abs().max().item()) for r in rows)
+        print(f"| 2 ranks, {sharding} | {wall:.3f} | {cpu:.3f} | {step:.3f} | {wall1 / wall:.2f}x | "
+              f"{step / step1:.2f}x | {diff:.2e} |")
+    print("\n(the slowest rank of each run; zero1 reduce-scatters whole matrices into their owners' shards and "
+          "all-gathers, layerwise all-reduces and broadcasts)")
 
 
 def main() -> None:
@@ -282,7 +300,9 @@ def main() -> None:
                         help="also time torch.optim.Muon as shipped (bf16 NS) where optstack's NS is fp32")
     parser.add_argument("--torch-steps", type=int, default=1, help="timed steps of torch.optim.Muon as shipped")
     parser.add_argument("--include-reference", action="store_true", help="also time the per-matrix reference loop")
-    parser.add_argument("--layerwise", action="store_true", help="layer-wise Muon at 2 gloo ranks vs one rank")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="distributed Muon (layerwise, zero1) at 2 gloo ranks vs one rank")
+    parser.add_argument("--rounds", type=int, default=1, help="--layerwise: runs per 2-rank sharding, interleaved")
     args = parser.parse_args()
     if args.layerwise:
         run_layerwise(args)

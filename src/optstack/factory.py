@@ -56,14 +56,26 @@ def algorithm_kwargs(name: str, config: OptimizerConfig) -> dict[str, Any]:
 
 
 def wrap_data_parallel(
-    config: OptimizerConfig, model: nn.Module, *, groups: ParallelGroups | None = None
+    config: OptimizerConfig, model: nn.Module, *, groups: ParallelGroups | None = None,
+    rules: Sequence[Rule] | None = None,
 ) -> DataParallel:
     """Wrap ``model`` for data-parallel training as ``config.distributed`` says (bucket size, grad dtype,
     overlapped reduction; sharded gradients for ZeRO-1). ``groups`` defaults to the whole initialised
-    world as data-parallel (a single process without torch.distributed works too). Under ZeRO-1 with Muon the
-    gradients are all-reduced, not reduce-scattered: each matrix is stepped whole by its owner rank."""
+    world as data-parallel (a single process without torch.distributed works too).
+
+    Under ZeRO-1 with Muon the matrices ``rules`` (default ``default_rules(config)``, pass the ones
+    ``build_optimizer`` gets) route to Muon are laid out whole in one rank's reduce-scatter shard each
+    (whole-shard buffers): each rank receives the whole reduced gradients of the matrices it owns, steps them
+    and all-gathers, half the gradient traffic of an all-reduce; the rest is sharded as usual."""
     d = config.distributed
-    _refuse_dtensor(named_parameters(model), "wrap_data_parallel")
+    named = named_parameters(model)
+    _refuse_dtensor(named, "wrap_data_parallel")
+    whole_shards = None
+    if d.sharding == "zero1" and get_algorithm(config.algorithm).family == "muon":
+        resolved = resolve(named, default_rules(config) if rules is None else rules)
+        muon = {id(p) for n, p in named
+                if get_algorithm(resolved[n].settings.get("algorithm", config.algorithm)).family == "muon"}
+        whole_shards = lambda name, p: id(p) in muon  # noqa: E731
     if groups is None:
         check_launched_world("wrap_data_parallel")
         groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
@@ -73,8 +85,9 @@ def wrap_data_parallel(
         bucket_size=d.bucket_size if d.bucket_size is not None else 40_000_000,
         grad_dtype=dtype_from_name(d.grad_dtype, "distributed.grad_dtype") if d.grad_dtype else None,
         overlap_grad_reduce=d.overlap_grad_reduce,
-        shard_grads=_shard_grads(config),
+        shard_grads=d.sharding == "zero1",
         average=d.average_in_collective,
+        whole_shards=whole_shards,
     )
 
 
@@ -194,12 +207,6 @@ def _check_dtypes(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerCo
         )
 
 
-def _shard_grads(config: OptimizerConfig) -> bool:
-    """Whether the wrapper reduce-scatters: ZeRO-1, but not for Muon, whose matrices are stepped whole (by an
-    owner rank each, as layer-wise) and so need whole reduced gradients."""
-    return config.distributed.sharding == "zero1" and get_algorithm(config.algorithm).family != "muon"
-
-
 def _refuse_dtensor(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
     for name, p in named:
         if is_dtensor(p):
@@ -241,14 +248,10 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
             "chunk (e.g. nn.ModuleList(chunks)) in one DataParallel"
         )
     ddp = wrapped[0]
-    if sharding == "zero1" and ddp.shard_grads and not _shard_grads(config):
-        raise ValueError(f"distributed.sharding='zero1' with algorithm={config.algorithm!r} needs whole reduced "
-                         "gradients (each Muon matrix is stepped whole by its owner rank), but the DataParallel "
-                         "wrapper shards them (shard_grads=True); build it with wrap_data_parallel(config, model)")
-    if sharding == "zero1" and not ddp.shard_grads and _shard_grads(config):
+    if sharding == "zero1" and not ddp.shard_grads and get_algorithm(config.algorithm).family != "muon":
         raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
                          "with wrap_data_parallel(config, model)")
-    # replicated stages over a wrapper that shards gradients: _build_stages has it all-reduce them whole
+    # stages stepping whole parameters over a wrapper that shards gradients: _build_stages has it all-reduce
     return ddp
 
 
@@ -298,14 +301,18 @@ def _build_stages(
         elif ddp is None:
             stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision if masters else Direct())
         elif sharding == "zero1" and spec.family == "muon":
-            # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank (the layer-wise
-            # placement); a bucket range would cut matrices, and Newton-Schulz needs them whole.
-            if ddp.shard_grads:
-                raise ValueError(f"parameters routed to {name!r} under distributed.sharding='zero1' need whole "
-                                 "reduced gradients, but the wrapper reduce-scatters them (config.algorithm is "
-                                 f"{config.algorithm!r}); set algorithm={name!r} (the rest routed to its scalar "
-                                 "optimizer) before wrap_data_parallel, or use distributed.sharding='layerwise'")
-            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
+            # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank. Over whole-shard
+            # buffers (wrap_data_parallel) that is a ZeRO-1 stage whose ranges are whole matrices; else the
+            # layer-wise placement over whole reduced gradients (Newton-Schulz needs whole matrices).
+            params = [p for g in kind_groups for p in g["params"]]
+            if ddp.shard_grads and ddp.holds_whole(params):
+                stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                    overlap_param_gather=config.distributed.overlap_param_gather,
+                                    precision=precision)
+            else:
+                if ddp.shard_grads:
+                    ddp.require_whole_grads()
+                stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
         elif sharding == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)

@@ -155,7 +155,7 @@ def _peer_fails(how: str, timeout_s: float, op: str = "all_reduce") -> tuple[str
         if dist.get_rank() == 1:
             if how == "raise":
                 raise RuntimeError("rank 1 fails before the collective")
-            time.sleep(timeout_s + 1.5)  # arrives well after rank 0 gave up, even on a loaded machine
+            time.sleep(timeout_s + 4)  # arrives after rank 0 gave up, even on a loaded machine
         if op == "broadcast_async":
             comm.broadcast_async(torch.ones(3), src=1).wait()
         else:
@@ -171,7 +171,8 @@ def test_peer_that_stalls_or_raises_gives_comm_error_within_timeout(world2, how)
     assert msg0.startswith(
         "CommError: all_reduce on the 'short-timeout' group (rank 0 of 2, gloo, timeout 1 s)")
     assert "A peer rank may have died, stalled" in msg0
-    assert 0.9 < elapsed0 < 3.0
+    # the group's 1 s, not the session's 30 s (the upper bound leaves room for a loaded machine)
+    assert 0.9 < elapsed0 < 5.0
     assert msg1 != "no error"
     # the session world still works
     assert world2.run(_all_reduce_and_gather)[0] == ([3.0, 1.0], [0, 1])
@@ -180,7 +181,7 @@ def test_peer_that_stalls_or_raises_gives_comm_error_within_timeout(world2, how)
 def test_stalled_broadcast_async_gives_comm_error_naming_broadcast(world2):
     (msg0, elapsed0), _ = world2.run(_peer_fails, "stall", 1.0, "broadcast_async")
     assert msg0.startswith("CommError: broadcast on the 'short-timeout' group (rank 0 of 2, gloo, timeout 1 s)")
-    assert 0.9 < elapsed0 < 3.0
+    assert 0.9 < elapsed0 < 5.0
 
 
 def _broadcasts_in_flight() -> dict:

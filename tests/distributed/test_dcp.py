@@ -72,6 +72,7 @@ def test_zero1_state_is_sharded_tensors_tiling_each_parameter(world2) -> None:
 
 
 @pytest.mark.parametrize("name, sharding", [("zero1-adamw-bf16", "zero1"), ("layerwise-muon", "layerwise"),
+                                            ("zero1-muon-bf16", "zero1"),
                                             ("zero1-adamw-bf16", "replicated")])
 def test_dcp_save_at_2_resume_at_3(world2, world3, tmp_path: Path, name: str, sharding: str) -> None:
     assert world2.run(run, str(tmp_path), name, sharding, None, "dp2") == [2, 2]

@@ -114,10 +114,16 @@ def train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
 def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
     world = world_comm()
     model = _mlp(DTYPES[cfg["dtype"]])
-    ddp = DataParallel(model, bucket_size=150, grad_dtype=torch.float32, shard_grads=False, shard_align=4,
-                       param_align=4, average=cfg.get("average", True))
+    whole = cfg.get("whole", False)  # Muon's matrices in whole-shard buffers: reduce-scattered, ZeRO-1 stepped
+    ddp = DataParallel(model, bucket_size=150, grad_dtype=torch.float32, shard_grads=whole, shard_align=4,
+                       param_align=4, average=cfg.get("average", True),
+                       whole_shards=(lambda name, p: name in cfg["muon"]) if whole else None)
     muon_groups, adamw_groups = _split(model, cfg["muon"])
-    muon = layerwise_stage(muon_groups, _muon, ddp=ddp)
+    if whole:
+        muon = zero1_stage(muon_groups, _muon, ddp=ddp, overlap_param_gather=cfg.get("overlap_param", False))
+        assert muon.placement.owns_whole
+    else:
+        muon = layerwise_stage(muon_groups, _muon, ddp=ddp)
     if cfg["scalars"] == "zero1":
         scalars = zero1_stage(adamw_groups, _adamw, ddp=ddp, param_gather=cfg.get("param_gather", "auto"),
                                overlap_param_gather=cfg.get("overlap_param", False))
@@ -161,6 +167,10 @@ CASES = {
     # ... and overlapped: on gloo the packed pieces travel as one asynchronous broadcast per rank
     "fp32-zero1-scalars-overlap": {"dtype": "fp32", "muon": ALL, "scalars": "zero1", "clip": 0.0,
                                    "overlap_param": True, "in_place_from": 100},
+    # Muon as ZeRO-1 over whole-shard buffers: reduce-scattered whole matrices, all-gathered (overlapped too)
+    "bf16-whole-shards": {"dtype": "bf16", "muon": ALL, "scalars": "zero1", "clip": 0.0, "whole": True},
+    "fp32-whole-shards-overlap": {"dtype": "fp32", "muon": ALL, "scalars": "zero1", "clip": 0.0, "whole": True,
+                                  "overlap_param": True},
 }
 
 
@@ -204,6 +214,15 @@ def test_layerwise_at_three_ranks_one_matrix_each(world3) -> None:
     results = world3.run(train_layerwise, cfg)
     _check(results, cfg, rtol=1e-5)
     assert all(len(out["owned"]) == 1 for out in results)
+
+
+def test_zero1_muon_over_a_wrapper_cutting_its_matrices_falls_back_to_whole_gradients(world2) -> None:
+    results = world2.run(train_experts_from_config, "zero1", True)
+    ref = _experts_reference(2)
+    for out in results:
+        assert _rel(out["params"], ref) < 1e-5
+        assert out["muon_placement"] == "layerwise" and out["whole_grads"] and out["shard_grads"]
+    assert sorted(n for out in results for n in out["owned"]) == ["experts", "inp.weight", "out.weight"]
 
 
 def layerwise_state_roundtrip() -> dict[str, Any]:
@@ -307,13 +326,14 @@ def _expert_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(dp, 4, 6, generator=gen), torch.randn(dp, 4, 5, generator=gen)
 
 
-def train_experts_from_config(sharding: str) -> dict[str, Any]:
+def train_experts_from_config(sharding: str, plain_wrapper: bool = False) -> dict[str, Any]:
     from optstack import build_optimizer, wrap_data_parallel
 
     world = world_comm()
     model = _Experts()
     config = _expert_config(sharding)
-    ddp = wrap_data_parallel(config, model)
+    # plain_wrapper: reduce-scattered buckets that cut the matrices (no whole-shard buffers)
+    ddp = DataParallel(model, shard_grads=True) if plain_wrapper else wrap_data_parallel(config, model)
     optimizer = build_optimizer(config, ddp).optimizer
     for step in range(4):
         xs, ys = _expert_batch(step, world.size)
@@ -325,7 +345,7 @@ def train_experts_from_config(sharding: str) -> dict[str, Any]:
     owned = sorted(muon.param_shards())
     state = sum(t.numel() for s in muon.optimizer.state.values() for t in s.values() if t.dim() > 0)
     return {"params": _flat(model), "owned": owned, "state_numel": state, "shard_grads": ddp.shard_grads,
-            "stages": repr(optimizer)}
+            "stages": repr(optimizer), "muon_placement": muon.placement.kind, "whole_grads": ddp.whole_grads}
 
 
 def _experts_reference(dp: int) -> torch.Tensor:
@@ -354,7 +374,9 @@ def test_muon_from_config_owns_whole_matrices_and_equals_one_process(world2, sha
     for out in results:
         assert torch.equal(out["params"], results[0]["params"])  # identical replicas
         assert _rel(out["params"], ref) < 1e-5
-        assert not out["shard_grads"]  # Muon needs whole reduced gradients, under ZeRO-1 too
+        # Muon needs whole reduced gradients: under ZeRO-1 each matrix lies whole in its owner's reduce-scatter
+        # shard (whole-shard buffers); layer-wise all-reduces
+        assert out["shard_grads"] == (sharding == "zero1") and out["muon_placement"] == sharding
     # every Muon matrix (the 3-D expert stack as one) stepped whole by exactly one rank, its state there only
     owned = sorted(n for out in results for n in out["owned"])
     assert owned == ["experts", "inp.weight", "out.weight"]

@@ -24,7 +24,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -96,6 +96,9 @@ class DataParallel(nn.Module):
             own (e.g. fp32 for some bf16 parameters of a bf16 gradient buffer); rounded into the buffer for the
             reduction and given the reduced gradient back; ``main_grad`` returns it (Megatron's
             ``param_name_patterns_for_fp32_local_accumulation``; ``buffers.py``).
+        whole_shards: (name, parameter) -> whether it goes to a whole-shard buffer: laid out whole inside one
+            rank's shard (``buffers.py``), so with ``shard_grads`` a reduce-scatter gives its owner the whole
+            reduced gradient and a stage stepping whole matrices (Muon) is ZeRO-1 over it (``holds_whole``).
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -109,7 +112,8 @@ class DataParallel(nn.Module):
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                  shard_group: Comm | NullComm | None = None,
                  cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False,
-                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
+                 whole_shards: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -144,7 +148,7 @@ class DataParallel(nn.Module):
             list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
             shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-            local_grad_dtypes=local_grad_dtypes)
+            local_grad_dtypes=local_grad_dtypes, whole=whole_shards)
         self._data_ptrs = [p.data_ptr() for _, p in named]
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
@@ -283,6 +287,11 @@ class DataParallel(nn.Module):
                                "only each rank's shard); build the optimizer before the first backward, or call "
                                "finish_grad_sync() and zero_grad_buffer() first")
         self._whole_grads = True
+
+    @property
+    def whole_grads(self) -> bool:
+        """Every bucket is reduced whole on every rank (no ``shard_grads``, or ``require_whole_grads``)."""
+        return self._whole_grads or not self.shard_grads
 
     def _partial(self, buf: ParamAndGradBuffer) -> bool:
         """Whether ``buf`` is sharded over a part of the group it is reduced over (a partial ZeRO-1)."""
@@ -493,12 +502,19 @@ class DataParallel(nn.Module):
         local = entry[1].local_grad(param)
         return local if local is not None else entry[1].grad_view(param)
 
+    def holds_whole(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether every one of ``params`` is in a whole-shard buffer (``whole_shards``): whole inside one
+        rank's shard, so that a ZeRO-1 stage steps it whole, in its shape, on its owner."""
+        entries = [self._slot_of_param.get(id(param)) for param in params]
+        return bool(entries) and all(e is not None and e[1].key.whole for e in entries)
+
     def sharded_layout(self, params: Sequence[torch.Tensor], *, expert: bool = False,
                        overlap_param_gather: bool = False,
                        param_gather: Literal["auto", "all_gather", "broadcast"] = "auto") -> ShardedLayout:
         """The views a ZeRO-1 placement steps ``params`` through: this rank's owned part of each (over expert
         data-parallel for ``expert``) and the gather publishing them after a step. With ``overlap_param_gather``
-        each module's forward pre-hook waits for its buckets' gathers, overlapping the next forward.
+        each module's forward pre-hook waits for its buckets' gathers, overlapping the next forward. Where every
+        one of ``params`` is in a whole-shard buffer (``holds_whole``) the views have the parameters' shapes.
 
         Args:
             param_gather: "all_gather" (per bucket), "broadcast" (per rank and bucket, in place) or "auto".
@@ -510,6 +526,7 @@ class DataParallel(nn.Module):
         comm = self.groups.expert_dp if expert else self._dense_shard
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
         slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        whole = self.holds_whole(params)
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
         for param in params:
             if id(param) not in self._slot_of_param:
@@ -529,7 +546,10 @@ class DataParallel(nn.Module):
             part = buffer.layout.owned_slice(slot.name, comm.rank)  # per parameter: linear in the bucket's size
             if part is not None:
                 at = slice(part.buffer_start, part.buffer_start + part.numel)
-                slices[id(param)] = (part.param_start, part.param_end, buffer.param_data[at], buffer.grad_data[at])
+                views = buffer.param_data[at], buffer.grad_data[at]
+                if whole:
+                    views = tuple(v.view(param.shape) for v in views)
+                slices[id(param)] = (part.param_start, part.param_end, *views)
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather)
         self._param_gathers.append(gather)
@@ -537,7 +557,8 @@ class DataParallel(nn.Module):
             gather.attach = lambda: self._gather_hooks.extend(_register_wait_hooks(self.module, gather))
         g = self.groups
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
-        return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather)
+        return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather,
+                             whole)
 
     def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""

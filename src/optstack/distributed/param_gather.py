@@ -146,6 +146,7 @@ class ShardedLayout:
             parameters this rank owns ``[start, end)`` of (flattened).
         reduce_over: the shard group first, then the groups holding other gradients.
         gather: the stage's parameter gather (its forward pre-hooks, with overlap, are the wrapper's).
+        whole: every parameter lies whole in one rank's range: the views have the parameters' shapes.
     """
 
     slices: Mapping[int, tuple[int, int, torch.Tensor, torch.Tensor]]
@@ -153,6 +154,7 @@ class ShardedLayout:
     tp_rank: int
     device: torch.device
     gather: ParamGather
+    whole: bool = False
 
     def owned(self, param: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
         return self.slices.get(id(param))

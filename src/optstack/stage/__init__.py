@@ -75,9 +75,9 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
     """Whole parameters stepped by owner ranks of ``comm`` (or of ``ddp``'s data-parallel group: gradients
     from its buffers, which must not be sharded), then broadcast (see ``LayerWise``)."""
     if ddp is not None:
-        if ddp.shard_grads:
+        if ddp.shard_grads and not ddp.whole_grads:
             raise ValueError("the layer-wise stage needs every rank to hold complete gradients; build the "
-                             "DataParallel wrapper with shard_grads=False")
+                             "DataParallel wrapper with shard_grads=False, or call ddp.require_whole_grads()")
         g = ddp.groups
         comm, grad_of, tp_rank = (g.expert_dp if expert else g.dp), ddp.main_grad, g.tp.rank
         reduce_over = [g.ep, g.mp] if expert else [g.mp]

@@ -6,7 +6,8 @@ parameter": elements ``[start, end)`` of the flattened parameter, as a tensor of
 
 - ``Whole``: every parameter whole on every rank (a single process, or replicated data parallelism).
 - ``Zero1``: this rank's range of every bucket of a data-parallel wrapper (``ShardedLayout``: views of its
-  buffers, never the wrapper); the ranges cut across parameters; the wrapper's gather publishes them.
+  buffers, never the wrapper); the ranges cut across parameters, except in whole-shard buffers, where each is
+  a whole parameter (so Muon steps reduce-scattered matrices); the wrapper's gather publishes them.
 - ``LayerWise``: whole parameters, each stepped by one owner rank (balanced by cost), then broadcast.
 
 A DTensor placement (local shards of ``fully_shard`` / tensor-parallel parameters) is one more of these.
@@ -169,6 +170,7 @@ class Zero1(Placement):
         self.layout = layout
         self.gather: ParamGather = layout.gather
         self.shard_comm = layout.reduce_over[0]
+        self.owns_whole = layout.whole  # whole-shard buffers: each parameter, shaped, on its one owner
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         out = []
