@@ -661,12 +661,17 @@ class DistributedDataParallel(DataParallel):
             divide_after_sum=ddp_config.average_in_collective,
             local_grad_dtypes=fp32_local_accumulation(
                 module, ddp_config.param_name_patterns_for_fp32_local_accumulation),
+            # Megatron's current main: parameters tagged for the layer-wise optimizer (tag_params_for_buffer_routing)
+            # get whole-shard buffers of their own when gradients are reduce-scattered
+            whole_shards=_layer_wise_managed if ddp_config.use_distributed_optimizer else None,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
         self.ddp_config = dataclasses.replace(ddp_config)
         self.bucket_size = bucket_size
         self._views = {id(b): BufferView(b, self.shard_comm(b)) for b in self.param_and_grad_buffers}
+        #: Megatron's current main: tagged matrices in whole-shard buffers (wrap_model_chunks_with_ddp)
+        self._laid_out_for_layer_wise = any(b.key.whole for b in self.param_and_grad_buffers)
         self.full_param_layout = self._check_layout(full_param_layout)
         # Megatron's public contract: param.main_grad is the parameter's view of the gradient buffer (the face
         # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
@@ -819,6 +824,7 @@ class DistributedDataParallel(DataParallel):
         pre-hooks finish it) unless ``force_sync``; the gathers land in ``grad_data``, zeroed afterwards, as
         in Megatron. Otherwise a no-op (every rank holds every parameter)."""
         if self.shard_grads:
+            super().finish_param_sync()  # the optimizer's overlapped gathers still in flight land first
             for buffer, bucket in self.bucket_order:
                 self._gather_bucket(buffer, bucket)
             return
@@ -887,12 +893,17 @@ class DistributedDataParallel(DataParallel):
             group.param_gather_dispatched = False
 
     def _gather_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
+        """All-gather one bucket's parameters from their owners' shards. In a wrapper laid out for the layer-wise
+        optimizer the bucket's gradients are zeroed afterwards, as Megatron's layer-wise gathers leave them (the
+        step consumed them; the next backward starts from zero)."""
         if not self.shard_grads:
             return
         comm = self.shard_comm(buffer)
         with torch.no_grad():
             own = buffer.param_shard_view(bucket.index, comm.rank).clone()
             comm.all_gather_into(bucket.param_data, own)
+            if self._laid_out_for_layer_wise:
+                bucket.grad_data.zero_()
 
     def zero_grad_buffer(self) -> None:
         """Wait for in-flight reductions, zero every gradient and reset the bucket groups (as Megatron does)."""

@@ -24,7 +24,7 @@ import torch
 from optstack.distributed.comm import Comm, NullComm
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.protocol import MakeOptimizer
-from optstack.stage import Precision, Remainders, Stage
+from optstack.stage import Precision, Remainders, Stage, zero1_stage
 from optstack.stage.placement import LayerWise, assign_params, newton_schulz_cost
 
 __all__ = ["BucketSyncedLayerWise", "comm_of", "fresh_precision", "is_managed_by_layer_wise_optimizer",
@@ -38,6 +38,11 @@ def is_managed_by_layer_wise_optimizer(param: torch.Tensor) -> bool:
     optimizer. It must agree with Muon's routing (``get_megatron_optimizer`` routes the same way)."""
     return (bool(getattr(param, "use_muon", True)) and param.dim() == 2
             and not getattr(param, "is_embedding_or_output_parameter", False))
+
+
+def _is_muon_excluded(param: torch.Tensor) -> bool:
+    """Megatron's (``emerging_optimizers``): the parameters Muon leaves to its scalar optimizer."""
+    return not is_managed_by_layer_wise_optimizer(param)
 
 
 def tag_params_for_buffer_routing(model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -117,8 +122,14 @@ class BucketSyncedLayerWise(LayerWise):
 def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *, precision: Precision, expert: bool,
                            ddp: DistributedDataParallel | None, dp: Comm | NullComm, bucket_synced: bool) -> Stage:
     """A layer-wise stage over a torch optimizer's ``groups``: over ``ddp``'s groups and gradient buffers when
-    the parameters are its (its bucket groups gather them with ``bucket_synced``), else over ``dp`` with
-    gradients from ``main_grad_or_grad``."""
+    the parameters are its (its bucket groups gather them with ``bucket_synced``; a wrapper sharding its
+    gradients must hold them in whole-shard buffers: ZeRO-1 over those), else over ``dp`` with gradients from
+    ``main_grad_or_grad``."""
+    if ddp is not None and ddp.shard_grads:
+        # a wrapper laid out for the layer-wise optimizer (wrap_model_chunks_with_ddp): each rank steps the whole
+        # parameters of its reduce-scatter shard; the buckets' all-gather publishes them (overlapped: bucket_synced)
+        return zero1_stage(groups, make, ddp=ddp, expert=expert, overlap_param_gather=bucket_synced,
+                           precision=precision)
     if ddp is not None:
         if bucket_synced:
             return Stage(groups, make, placement=BucketSyncedLayerWise(ddp=ddp, expert=expert), precision=precision)

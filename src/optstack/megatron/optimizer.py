@@ -44,10 +44,11 @@ from optstack.megatron.optimizers import (
     FP32Optimizer,
     LayerWiseDistributedOptimizer,
     MegatronOptimizer,
+    steps_whole,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
 from optstack.optimizer import ChainedOptimizer as CoreChained
-from optstack.rules import muon_routing_rule
+from optstack.rules import Predicate, Rule, muon_routing_rule
 
 __all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
 
@@ -118,8 +119,20 @@ def get_megatron_optimizer(
     core_config = to_core(_with_model_precision(
         config if config.lr is not None else dataclasses.replace(config, lr=0.0), chunks))
     rules = to_rules(config, config_overrides)
+    whole = _whole_shard_wrapper(config, chunks)
     if core_config.algorithm == "muon":
-        rules.append(muon_routing_rule(core_config.muon.scalar_algorithm))
+        scalar = core_config.muon.scalar_algorithm
+        rules.append(muon_routing_rule(scalar))
+        rules.append(Rule(Predicate(_muon_excluded, "use_muon=False"), algorithm=scalar,
+                          why="excluded from Muon (use_muon=False)"))
+        if whole is not None:  # Muon steps exactly what the wrapper laid out whole (its tags)
+            rules.append(Rule(Predicate(_not_in_whole_shards, "not is_managed_by_layer_wise_optimizer"),
+                              algorithm=scalar, why="not in the layer-wise optimizer's whole-shard buffers"))
+    if whole is not None:
+        # Muon's matrices are stepped whole from each owner's reduce-scatter shard, the rest by range: the core's
+        # ZeRO-1 over a wrapper with whole-shard buffers; the buckets' all-gather publishes both
+        core_config = dataclasses.replace(core_config, distributed=dataclasses.replace(
+            core_config.distributed, sharding="zero1", overlap_param_gather=config.overlap_param_gather))
     _check_data_parallel(config, chunks, pg_collection)
     if any(isinstance(c, FullyShardedDataParallel) for c in chunks) and core_config.distributed.sharding == "zero1":
         # FSDP2 already shards: the DTensor placement steps each rank's shard (Megatron's distributed optimizer).
@@ -130,6 +143,27 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None:
         _dump_group_map(built, dump_param_to_param_group_map)
     return _as_megatron(built, config)
+
+
+def _muon_excluded(param: torch.Tensor) -> bool:
+    """Megatron's exclusion of a matrix from Muon: ``use_muon=False`` (it goes to the scalar optimizer)."""
+    return not getattr(param, "use_muon", True)
+
+
+def _not_in_whole_shards(param: torch.Tensor) -> bool:
+    return not getattr(param, "is_managed_by_layer_wise_optimizer", False)
+
+
+def _whole_shard_wrapper(config: OptimizerConfig, chunks: list[nn.Module]) -> DistributedDataParallel | None:
+    """The wrapper laid out for the layer-wise optimizer (``wrap_model_chunks_with_ddp``: distributed optimizer,
+    tagged matrices in whole-shard buffers) when ``config`` asks for the layer-wise optimizer, else None."""
+    if not (config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"):
+        return None
+    for chunk in chunks:
+        if isinstance(chunk, DistributedDataParallel) and chunk.shard_grads and any(
+                b.key.whole for b in chunk.param_and_grad_buffers):
+            return chunk
+    return None
 
 
 def _with_model_precision(config: OptimizerConfig, chunks: list[nn.Module]) -> OptimizerConfig:
@@ -156,7 +190,7 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
     members: list[MegatronOptimizer] = []
     for stage in chain.stages:
         kind = stage.placement.kind
-        cls = (DistributedOptimizer if kind == "zero1" else
+        cls = (DistributedOptimizer if kind == "zero1" and not steps_whole(stage) else
                Float16OptimizerWithFloat16Params if stage.precision.masters else FP32Optimizer)
         members.append(cls._over(stage, config, chain,
                                  megatron_fp32=stage.precision.masters and not (config.bf16 or config.fp16)))
@@ -167,7 +201,17 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
                 if group.get("max_lr") == 0.0 and not group.get("is_decoupled_lr"):
                     group["max_lr"] = None
     layer_wise = any(s.placement.kind == "layerwise" for s in chain.stages)
-    out = LayerWiseDistributedOptimizer._of_members(members, config) if layer_wise else ChainedOptimizer(members)
+    whole = [m for m in members if steps_whole(m._stage)]
+    if whole:
+        # Megatron's current main over a wrapper laid out for it: the layer-wise optimizer holds Muon's whole-shard
+        # matrices, a distributed optimizer the rest, chained (one norm, one clip, one skip)
+        rest = [m for m in members if m not in whole]
+        lw = LayerWiseDistributedOptimizer._of_members(whole, config)
+        out = ChainedOptimizer([lw, *rest]) if rest else lw
+    elif layer_wise:
+        out = LayerWiseDistributedOptimizer._of_members(members, config)
+    else:
+        out = ChainedOptimizer(members)
     # overlap_param_gather rebuilds the layer-wise stages (LayerWiseDistributedOptimizer): built names the chain stepped
     out.built = built if out._chain is chain else dataclasses.replace(built, optimizer=out._chain)
     return out
@@ -260,10 +304,14 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
         ddp_config = ddp.ddp_config
         # A non-distributed optimizer over a wrapper built for the distributed one: Megatron steps the wrapper's
         # gradients as they are (only each rank's shard reduced); here the core has the wrapper all-reduce them.
+        # The layer-wise optimizer over a wrapper laid out for it (whole-shard buffers) steps reduce-scattered
+        # shards, as Megatron's current main does.
+        laid_out = layer_wise and any(b.key.whole for b in ddp.param_and_grad_buffers)
         if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer and not (
-                ddp_config.use_distributed_optimizer and not layer_wise):
-            why = (" (the layer-wise optimizer needs whole reduced gradients: build the wrapper with "
-                   "use_distributed_optimizer=False)" if layer_wise else "; set both the same")
+                ddp_config.use_distributed_optimizer and (not layer_wise or laid_out)):
+            why = (" (the layer-wise optimizer needs whole reduced gradients, or a wrapper laid out for it: build "
+                   "it with use_distributed_optimizer=False, or with wrap_model_chunks_with_ddp(..., "
+                   "use_layer_wise_distributed_optimizer=True))" if layer_wise else "; set both the same")
             raise ValueError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model's "
                 f"DistributedDataParallelConfig.use_distributed_optimizer={ddp_config.use_distributed_optimizer}"

@@ -54,7 +54,14 @@ from optstack.megatron.norm_groups import (
     grad_norm,
     norm_group_kwargs,
 )
-from optstack.megatron.param_and_grad_buffer import FullParamLayout, build_model_gbuf_range, compute_full_param_layout
+from optstack.megatron.param_and_grad_buffer import (
+    FullParamLayout,
+    PerBufferParamLayout,
+    bucket_end_divisor,
+    build_model_gbuf_range,
+    compute_full_param_layout,
+    plan_buffer,
+)
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import StepResult
@@ -474,6 +481,13 @@ class DistributedOptimizer(BucketRanges, MixedPrecisionOptimizer):
     compute_full_param_layout = staticmethod(compute_full_param_layout)
     _build_model_gbuf_range = staticmethod(build_model_gbuf_range)
 
+    @staticmethod
+    def _compute_per_buffer_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,
+                                         data_parallel_world_size: int, ddp_config: Any,
+                                         param_indices: Sequence[int] | None = None) -> PerBufferParamLayout:
+        """Megatron's: one buffer's distributed-optimizer layout (``params`` in forward order)."""
+        return plan_buffer(params, bucket_size, data_parallel_world_size, whole=False, indices=param_indices)
+
     @property
     def optimizer_state_keys(self) -> tuple[str, ...]:
         """The torch optimizer's tensor state keys by ``config.optimizer`` (Muon's scalar optimizer for Muon):
@@ -847,12 +861,30 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         self.config = config
         self.pg_collection = pg_collection
         self.model_chunks = chunks
-        if not any(isinstance(s.placement, LayerWise) for s in self.stages):
+        #: Megatron's: the parameters reach the other ranks through the wrapper's buffer all-gather (ZeRO-1 over
+        #: whole-shard buffers), not through this optimizer's own gathers
+        self.use_buffer_param_sync = any(steps_whole(s) for s in self.stages)
+        if not self.use_buffer_param_sync and not any(isinstance(s.placement, LayerWise) for s in self.stages):
             raise ValueError("LayerWiseDistributedOptimizer: none of the optimizers can be placed layer-wise; pass "
                              "torch optimizers, or build them with get_megatron_optimizer(config, [ddp_model]) over a "
                              "DistributedDataParallel model with use_distributed_optimizer=False")
         if self.overlap_param_gather:
             plan_bucket_gathers(self.stages)
+
+    @staticmethod
+    def _shard_divisor(data_parallel_world_size: int, ddp_config: Any) -> int:
+        """Megatron's: what each shard of a whole-shard bucket is a multiple of (64-aligned starts, buckets a
+        multiple of ``bucket_end_divisor``)."""
+        divisor = bucket_end_divisor(data_parallel_world_size, bool(ddp_config.pad_buckets_for_high_nccl_busbw))
+        return math.lcm(64, divisor // data_parallel_world_size)
+
+    @staticmethod
+    def _compute_per_buffer_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,
+                                         data_parallel_world_size: int, ddp_config: Any,
+                                         param_indices: Sequence[int] | None = None) -> PerBufferParamLayout:
+        """Megatron's: one buffer's whole-shard layout (``params`` in forward order), as the face's wrapper lays
+        it out (the core's packing: module docstring of ``param_and_grad_buffer``)."""
+        return plan_buffer(params, bucket_size, data_parallel_world_size, whole=True, indices=param_indices)
 
     @staticmethod
     def compute_full_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,
@@ -908,6 +940,12 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             else:
                 total += float(member.get_grad_norm() or 0.0) ** 2
         return math.sqrt(total)
+
+
+def steps_whole(stage: Stage | None) -> bool:
+    """Whether ``stage`` is ZeRO-1 over whole-shard buffers: each rank steps whole parameters from its
+    reduce-scatter shard (the layer-wise optimizer over a wrapper laid out for it)."""
+    return stage is not None and stage.placement.kind == "zero1" and stage.placement.owns_whole
 
 
 def _prepare(chain: CoreChained) -> bool:

@@ -160,6 +160,19 @@ def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size
     return _per_buffer(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
 
 
+def _compute_default_per_buffer_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None
+                                             ) -> PerBufferParamLayout:
+    """Megatron's layout of a buffer without the distributed optimizer: ``params`` (forward order) in backward
+    order, unpadded, a bucket closing once it reaches ``bucket_size``."""
+    backward = list(reversed(params))
+    named = [(str(i), p) for i, p in enumerate(backward)]
+    plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=1, bucket_size=bucket_size,
+                             bucketing=megatron_bucketing_for(named, distributed_optimizer=False))
+    out = _per_buffer(plan, backward, shards=None)
+    out.param_indices = []
+    return out
+
+
 def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None,
                               data_parallel_world_size: int, ddp_config: Any,
                               expert_data_parallel_world_size: int | None = None, *,

@@ -1,0 +1,120 @@
+"""The layer-wise optimizer over a wrapper laid out for it (Megatron's current main: ``wrap_model_chunks_with_ddp``
+with ``use_layer_wise_distributed_optimizer``) on real gloo ranks: gradients reduce-scattered, each Muon matrix
+stepped whole by the rank whose shard holds it, the rest by a distributed optimizer, parameters all-gathered
+from the buffers; the same training as one process stepping Muon on the whole batch."""
+
+from __future__ import annotations
+
+STEPS = 3
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 20), nn.Tanh(),
+                          nn.Linear(20, 8))
+    model[4].weight.use_muon = False  # a matrix Muon must leave to the scalar optimizer (Megatron's exclusion)
+    return model
+
+
+def _batch(rank: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 16, generator=g), torch.randn(6, 8, generator=g)
+
+
+def _config(overlap: bool):
+    from optstack.megatron import OptimizerConfig
+
+    return OptimizerConfig(optimizer="muon", lr=2e-2, weight_decay=0.01, clip_grad=0.5, overlap_param_gather=overlap,
+                           use_layer_wise_distributed_optimizer=True)
+
+
+def _flat(model) -> list[float]:
+    import torch
+
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def _laid_out(overlap: bool, bucket_size: int | None) -> dict:
+    """One rank: wrap_model_chunks_with_ddp + get_megatron_optimizer, STEPS steps of this rank's half batch."""
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import (
+        DistributedDataParallelConfig,
+        DistributedOptimizer,
+        LayerWiseDistributedOptimizer,
+        get_megatron_optimizer,
+    )
+    from optstack.megatron.training import wrap_model_chunks_with_ddp
+
+    rank, inner = dist.get_rank(), _model()
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap,
+                                               bucket_size=bucket_size)
+    (model,) = wrap_model_chunks_with_ddp([inner], None, ddp_config, use_layer_wise_distributed_optimizer=True)
+    assert ddp_config.use_distributed_optimizer  # Megatron's: set in place for the reduce-scatter
+    managed = [n for n, p in inner.named_parameters() if p.is_managed_by_layer_wise_optimizer]
+    assert managed == ["0.weight", "2.weight", "6.weight"]  # 4.weight: use_muon=False
+    opt = get_megatron_optimizer(_config(overlap), [model])
+    lw, distopt = opt.chained_optimizers
+    assert isinstance(lw, LayerWiseDistributedOptimizer) and isinstance(distopt, DistributedOptimizer)
+    assert lw.use_buffer_param_sync and lw.overlap_param_gather == overlap
+    # this rank's Muon matrices, stepped whole (their fp32 masters have the parameter's shape; the three managed
+    # matrices' shapes differ, so a shape names its matrix)
+    by_shape = {tuple(p.shape): n for n, p in inner.named_parameters() if n in managed}
+    mine = sorted(by_shape[tuple(t.shape)] for t in lw.get_parameters())
+    loss_fn = torch.nn.MSELoss()
+    x_probe = torch.randn(2, 16, generator=torch.Generator().manual_seed(7))
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        loss_fn(model(x), y).backward()
+        model.finish_grad_sync()
+        applied, norm, _ = opt.step()
+        assert applied and norm > 0
+        if overlap:
+            if step % 2 == 0:
+                model.start_param_sync()
+                model(x_probe)  # the forward pre-hooks finish the gathers
+            else:
+                model.start_param_sync(force_sync=True)
+    return {"params": _flat(model), "mine": mine}
+
+
+def _one_process() -> list[float]:
+    """The reference: the whole batch (both ranks' halves) on one process, Muon replicated."""
+    import dataclasses
+
+    import torch
+
+    from optstack.megatron import get_megatron_optimizer
+
+    model = _model()
+    opt = get_megatron_optimizer(dataclasses.replace(_config(False), use_layer_wise_distributed_optimizer=False),
+                                 [model])
+    loss_fn = torch.nn.MSELoss()
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in (0, 1):  # the data-parallel average of the two halves' gradients
+            x, y = _batch(rank, step)
+            (loss_fn(model(x), y) / 2).backward()
+        assert opt.step()[0]
+    return _flat(model)
+
+
+def test_laid_out_layer_wise_matches_one_process(world2):
+    import torch
+
+    reference = torch.tensor(_one_process())
+    for overlap, bucket_size in ((False, None), (True, 500)):
+        first, second = world2.run(_laid_out, overlap, bucket_size)
+        assert first["params"] == second["params"]  # the buckets' all-gather gave every rank every parameter
+        # each Muon matrix stepped by exactly one rank
+        assert sorted(first["mine"] + second["mine"]) == ["0.weight", "2.weight", "6.weight"]
+        assert first["mine"] and second["mine"]
+        torch.testing.assert_close(torch.tensor(first["params"]), reference, rtol=1e-5, atol=1e-6)
