@@ -108,3 +108,57 @@ def test_layer_wise_layout_keeps_each_managed_matrix_in_one_shard(dp: int, bucke
     # the distributed optimizer's own layout keeps the tagged parameters apart but cuts them across shards
     distopt = DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, config)
     assert set(distopt.layouts) == set(full.layouts)
+
+
+def test_wrap_model_chunks_with_ddp_lays_out_what_the_optimizer_needs() -> None:
+    from optstack.distributed.parallel import ParallelGroups
+    from optstack.megatron.training import wrap_model_chunks_with_ddp
+
+    one = ParallelGroups.single()
+    config = DistributedDataParallelConfig()
+    (model,) = wrap_model_chunks_with_ddp([Net()], None, config, use_layer_wise_distributed_optimizer=True,
+                                          pg_collection=one)
+    assert config.use_distributed_optimizer  # Megatron's: set on the caller's config
+    keys = set(model.full_param_layout.layouts)
+    assert {k.is_managed_by_layer_wise_optimizer for k in keys} == {True, False}
+    whole = [b for b in model.param_and_grad_buffers if b.key.whole]
+    assert [set(b.params) for b in whole] == [{model.module.a.weight, model.module.b.weight}]
+    # the distributed optimizer alone: its own layout, nothing tagged
+    (plain,) = wrap_model_chunks_with_ddp([Net()], None, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                          pg_collection=one)
+    assert plain.full_param_layout is not None and not any(b.key.whole for b in plain.param_and_grad_buffers)
+    assert not hasattr(plain.module.a.weight, "is_managed_by_layer_wise_optimizer")
+    # neither (or the layer-wise optimizer without its layout): no layout, the config untouched
+    for layer_wise in (False, True):
+        config = DistributedDataParallelConfig()
+        (bare,) = wrap_model_chunks_with_ddp([Net()], None, config, use_layer_wise_distributed_optimizer=layer_wise,
+                                             use_layer_wise_param_layout=False, pg_collection=one)
+        assert bare.full_param_layout is None and not config.use_distributed_optimizer
+    with pytest.raises(ValueError, match="bucket_sizes has 2 entries for 1 model chunks"):
+        wrap_model_chunks_with_ddp([Net()], None, DistributedDataParallelConfig(), bucket_sizes=[None, None])
+
+
+def test_the_wrapper_refuses_a_layout_computed_before_tagging() -> None:
+    from optstack.distributed.parallel import ParallelGroups
+    from optstack.megatron import DistributedDataParallel
+
+    net = Net()
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    untagged = DistributedOptimizer.compute_full_param_layout(list(net.parameters()), None, 1, config)
+    tag_params_for_buffer_routing([net])
+    with pytest.raises(ValueError, match="full_param_layout must be a FullParamLayout with a layout per buffer"):
+        DistributedDataParallel(None, config, net, pg_collection=ParallelGroups.single(), full_param_layout=untagged)
+
+
+def test_muon_leaves_what_layer_wise_does_not_manage_to_its_scalar_optimizer() -> None:
+    from optstack.megatron import OptimizerConfig, get_megatron_optimizer
+
+    net = Net()
+    names = {id(p): n for n, p in net.named_parameters()}
+    muon, scalar = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=1e-2), [net]).chained_optimizers
+    stepped = {type(m.optimizer).__name__: sorted(names[id(p)] for g in m._stage.param_groups for p in g["params"])
+               for m in (muon, scalar)}
+    # c.weight is a matrix excluded with use_muon=False (Megatron's rule), embed.weight an embedding
+    assert stepped == {"Muon": ["a.weight", "b.weight"],
+                       "AdamW": ["a.bias", "b.bias", "c.bias", "c.weight", "embed.weight"]}
+    assert stepped["Muon"] == sorted(n for n, p in net.named_parameters() if is_managed_by_layer_wise_optimizer(p))

@@ -69,6 +69,7 @@ def _laid_out(overlap: bool, bucket_size: int | None) -> dict:
     mine = sorted(by_shape[tuple(t.shape)] for t in lw.get_parameters())
     loss_fn = torch.nn.MSELoss()
     x_probe = torch.randn(2, 16, generator=torch.Generator().manual_seed(7))
+    groups = model.bucket_groups
     for step in range(STEPS):
         model.zero_grad_buffer()
         opt.zero_grad()
@@ -78,12 +79,87 @@ def _laid_out(overlap: bool, bucket_size: int | None) -> dict:
         applied, norm, _ = opt.step()
         assert applied and norm > 0
         if overlap:
-            if step % 2 == 0:
+            if step == 0:  # finishing the last bucket group starts the next one (forward order), as Megatron's
+                assert len(groups) > 1
+                following = groups[-1].next_param_gather_bucket_group
+                assert not following.param_gather_dispatched
+                groups[-1].finish_param_sync()
+                assert following.param_gather_dispatched
+                for group in reversed(groups[:-1]):
+                    group.finish_param_sync()
+            elif step == 1:
                 model.start_param_sync()
                 model(x_probe)  # the forward pre-hooks finish the gathers
             else:
                 model.start_param_sync(force_sync=True)
+            assert all(not b.grad_data.any() for g in groups for b in g.buckets)  # consumed, zeroed after the sync
     return {"params": _flat(model), "mine": mine}
+
+
+def _direct() -> list[float]:
+    """Megatron's own wiring over the laid-out wrapper: LayerWiseDistributedOptimizer over a torch Muon of the
+    tagged matrices and a DistributedOptimizer over an AdamW of the rest, chained; an optimizer holding
+    parameters the wrapper cuts across ranks is refused."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import (
+        ChainedOptimizer,
+        DistributedDataParallelConfig,
+        DistributedOptimizer,
+        LayerWiseDistributedOptimizer,
+        OptimizerConfig,
+        TensorParallelMuon,
+    )
+    from optstack.megatron.training import wrap_model_chunks_with_ddp
+
+    rank, inner = dist.get_rank(), _model()
+    (model,) = wrap_model_chunks_with_ddp([inner], None, DistributedDataParallelConfig(),
+                                          use_layer_wise_distributed_optimizer=True)
+    managed = [p for p in inner.parameters() if p.is_managed_by_layer_wise_optimizer]
+    rest = [p for p in inner.parameters() if not p.is_managed_by_layer_wise_optimizer]
+    config = OptimizerConfig(optimizer="muon", lr=2e-2, clip_grad=0.0)
+    with pytest.raises(ValueError, match="cuts some of this optimizer's parameters"):
+        LayerWiseDistributedOptimizer([torch.optim.AdamW(rest, lr=1e-2)], config, model_chunks=[model])
+    lw = LayerWiseDistributedOptimizer([TensorParallelMuon(managed, lr=2e-2)], config, model_chunks=[model])
+    opt = ChainedOptimizer([lw, DistributedOptimizer(torch.optim.AdamW(rest, lr=1e-2), config, None,
+                                                     model_chunks=[model])])
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.finish_grad_sync()
+        assert opt.step()[0]
+    return _flat(model)
+
+
+def _direct_reference() -> list[float]:
+    import torch
+
+    from optstack.megatron import TensorParallelMuon
+
+    model = _model()
+    managed = [p for p in model.parameters() if p.dim() == 2 and getattr(p, "use_muon", True)]
+    rest = [p for p in model.parameters() if not any(p is m for m in managed)]
+    muon, adamw = TensorParallelMuon(managed, lr=2e-2), torch.optim.AdamW(rest, lr=1e-2)
+    for step in range(STEPS):
+        for opt in (muon, adamw):
+            opt.zero_grad()
+        for rank in (0, 1):
+            x, y = _batch(rank, step)
+            (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        muon.step()
+        adamw.step()
+    return _flat(model)
+
+
+def test_megatrons_own_wiring_over_the_laid_out_wrapper(world2):
+    import torch
+
+    first, second = world2.run(_direct)
+    assert first == second
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(_direct_reference()), rtol=1e-5, atol=1e-6)
 
 
 def _one_process() -> list[float]:

@@ -710,7 +710,8 @@ class DistributedDataParallel(DataParallel):
             return built if self.ddp_config.use_distributed_optimizer else None
         if not isinstance(given, FullParamLayout) or set(given.layouts) != set(built.layouts):
             raise ValueError(f"full_param_layout must be a FullParamLayout with a layout per buffer "
-                             f"{sorted(map(str, built.layouts))}; got {given!r:.200}")
+                             f"{sorted(map(str, built.layouts))} (parameters tagged by tag_params_for_buffer_routing "
+                             f"have buffers of their own: compute the layout after tagging); got {given!r:.200}")
         for key, layout in built.layouts.items():
             theirs = given.layouts[key]
             if theirs.param_index_map != layout.param_index_map or theirs.bucket_indices != layout.bucket_indices:

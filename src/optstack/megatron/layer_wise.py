@@ -128,6 +128,14 @@ def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *,
     if ddp is not None and ddp.shard_grads:
         # a wrapper laid out for the layer-wise optimizer (wrap_model_chunks_with_ddp): each rank steps the whole
         # parameters of its reduce-scatter shard; the buckets' all-gather publishes them (overlapped: bucket_synced)
+        params = [p for g in groups for p in g["params"]]
+        if params and not ddp.holds_whole(params):
+            raise ValueError("LayerWiseDistributedOptimizer: the model's DistributedDataParallel reduce-scatters "
+                             "gradients (use_distributed_optimizer=True) and cuts some of this optimizer's "
+                             "parameters across ranks; wrap the model with wrap_model_chunks_with_ddp(..., "
+                             "use_layer_wise_distributed_optimizer=True) and give this optimizer the parameters "
+                             "it tags (is_managed_by_layer_wise_optimizer), or build the wrapper with "
+                             "use_distributed_optimizer=False")
         return zero1_stage(groups, make, ddp=ddp, expert=expert, overlap_param_gather=bucket_synced,
                            precision=precision)
     if ddp is not None:

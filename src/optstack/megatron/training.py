@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from optstack.distributed.comm import Comm
+from optstack.distributed.comm import Comm, is_initialized, world_size
 from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig, megatron_bucket_size
 from optstack.megatron.layer_wise import tag_params_for_buffer_routing
@@ -35,18 +35,21 @@ from optstack.megatron.process_groups import collection_group, megatron_mpu_coll
 __all__ = ["wrap_model_chunks_with_ddp"]
 
 
-def _groups(pg_collection: Any) -> tuple[Any, ParallelGroups]:
-    """The collection the wrappers will use (``parallel_state``'s when none is given and Megatron initialised
-    it) and optstack's groups of it (torch.distributed's world without one)."""
+def _layout_sizes(pg_collection: Any) -> tuple[int, int, int, int]:
+    """(data-parallel size, ranks a dense bucket is split across, ranks an expert bucket is split across, pipeline
+    rank) of the groups the wrappers will use: ``pg_collection``, else ``parallel_state``'s when Megatron
+    initialised it, else torch.distributed's world (every rank data-parallel; one process without it). A bucket
+    is split over the intra-instance group (``intra_dp_cp`` / ``intra_expt_dp``) when set."""
     collection = pg_collection if pg_collection is not None else megatron_mpu_collection()
-    return collection, to_parallel_groups(collection) if collection is not None else ParallelGroups.from_world()
-
-
-def _shard_size(collection: Any, name: str, fallback: int) -> int:
-    """The size of the collection's group ``name`` (the intra-instance group a buffer is sharded over), else
-    ``fallback`` (the data-parallel size: one distributed-optimizer instance)."""
-    group = collection_group(collection, name) if collection is not None else None
-    return fallback if group is None else Comm(group, name=name).size
+    if collection is None:
+        size = world_size() if is_initialized() else 1
+        return size, size, size, 0
+    groups = collection if isinstance(collection, ParallelGroups) else to_parallel_groups(collection)
+    sizes = []
+    for name, fallback in (("intra_dp_cp", groups.dp.size), ("intra_expt_dp", groups.expert_dp.size)):
+        group = collection_group(collection, name)
+        sizes.append(fallback if group is None else Comm(group, name=name).size)
+    return groups.dp.size, sizes[0], sizes[1], groups.pp.rank
 
 
 def wrap_model_chunks_with_ddp(
@@ -99,14 +102,11 @@ def wrap_model_chunks_with_ddp(
         if layer_wise:
             ddp_config.use_distributed_optimizer = True  # Megatron's: the layout needs the reduce-scatter
             tag_params_for_buffer_routing(chunks)
-        collection, groups = _groups(pg_collection)
-        # each bucket is split over the intra-instance group (the data-parallel group with one instance)
-        dense = _shard_size(collection, "intra_dp_cp", groups.dp.size)
-        expert = _shard_size(collection, "intra_expt_dp", groups.expert_dp.size)
+        dp_size, dense, expert, pp_rank = _layout_sizes(pg_collection)
         for i, chunk in enumerate(chunks):
             params = [p for p in chunk.parameters() if p.requires_grad]
             size = bucket_sizes[i] if bucket_sizes is not None else megatron_bucket_size(
-                ddp_config, dp_size=groups.dp.size, bucketing=not disable[i] and groups.pp.rank == 0,
+                ddp_config, dp_size=dp_size, bucketing=not disable[i] and pp_rank == 0,
                 num_parameters=sum(p.numel() for p in chunk.parameters()))
             layouts[i] = compute_full_param_layout(params, size, dense, ddp_config, expert,
                                                    whole_for_layer_wise=layer_wise)
