@@ -909,9 +909,13 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
     @torch.no_grad()
     def allgather_params(self) -> None:
         """Send the parameters each rank stepped to every rank, as the step does after stepping (packed per owner;
-        with ``overlap_param_gather`` the bucket groups do it instead: ``model.start_param_sync()``). Collective."""
+        over a wrapper laid out for this optimizer, its buckets' all-gather; with ``overlap_param_gather`` the
+        bucket groups do it instead: ``model.start_param_sync()``). Collective."""
         for stage in self.stages:
-            if isinstance(stage.placement, LayerWise) and not isinstance(stage.placement, BucketSyncedLayerWise):
+            if steps_whole(stage):  # over a laid-out wrapper: its buckets' all-gather
+                stage.placement.publish()
+                stage.placement.finish()
+            elif isinstance(stage.placement, LayerWise) and not isinstance(stage.placement, BucketSyncedLayerWise):
                 stage.placement.publish()
 
     @torch.no_grad()
