@@ -130,6 +130,11 @@ def test_whole_plan_closes_a_bucket_once_each_shard_could_hold_its_largest_param
     layout = BufferLayout.plan(params, dp_size=4, bucket_size=10, shard_align=1, param_align=1, whole=True)
     assert [len(b.param_names) for b in layout.buckets] == [4, 2]
     assert layout.buckets[0].numel == 48 and layout.buckets[0].shard_numel == 12
+    # ... before the first parameter that does not fit in the padding: a, b, c (10 | 6 + 6) reach 2 x 10; d (2)
+    # fills shard 0 up to 12, what it pads to anyway; e (5) would grow the shards and opens the next bucket
+    absorbing = BufferLayout.plan([("a", (10,)), ("b", (6,)), ("c", (6,)), ("d", (2,)), ("e", (5,))], dp_size=2,
+                                  bucket_size=1, shard_align=1, param_align=1, whole=True)
+    assert [(b.param_names, b.numel) for b in absorbing.buckets] == [(("a", "d", "b", "c"), 24), (("e",), 10)]
     alone = BufferLayout.plan(params[:3], dp_size=2, bucket_size=None, param_align=1, whole=True,
                               bucketing=Bucketing(alone=frozenset({"m1"})))
     assert [b.param_names for b in alone.buckets] == [("m0",), ("m1",), ("m2",)]

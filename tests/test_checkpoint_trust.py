@@ -265,6 +265,13 @@ def test_signed_checkpoint_refuses_recomputed_checksums(root: Path, victim) -> N
     _refused(root / "signed", victim, r"manifest\.json fails its HMAC-SHA256 check", key=KEY)
 
 
+def test_an_older_signed_checkpoint_under_a_newer_steps_name_is_refused(root: Path, victim) -> None:
+    # a replay: step 1's checkpoint, validly signed, copied in as step 3 (the newest) would roll training back
+    shutil.rmtree(root / "signed" / "step_00000003")
+    shutil.copytree(root / "signed" / "step_00000001", root / "signed" / "step_00000003")
+    _refused(root / "signed", victim, r"checkpoint of step 1 but its directory is named for step 3", key=KEY)
+
+
 def test_wrong_key_unsigned_and_right_key(root: Path, victim, source) -> None:
     _refused(root / "signed", victim, "fails its HMAC-SHA256 check", key=b"another key")
     _refused(root / "plain", victim, r"is not signed \(no hmac_sha256\)", key=KEY)

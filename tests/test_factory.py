@@ -209,3 +209,24 @@ def test_bare_parameters_keep_the_default_rules_and_name_free_rules():
     slower = Rule(Ndim(eq=2), lr_mult=0.5)
     built = build_optimizer(cfg, _model().parameters(), rules=[*default_rules(cfg), slower])
     assert sorted({g["lr_mult"] for g in built.param_groups}) == [0.5, 1.0]
+
+
+def test_zero1_muon_wrapper_lays_the_matrices_muon_steps_whole_in_their_shards():
+    from optstack.config import DistributedConfig
+    from optstack.factory import wrap_data_parallel
+
+    config = OptimizerConfig(algorithm="muon", lr=0.02, distributed=DistributedConfig(sharding="zero1"))
+
+    def whole_buffers(rules: list[Rule] | None) -> list[tuple[str, ...]]:
+        torch.manual_seed(0)
+        ddp = wrap_data_parallel(config, nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), rules=rules)
+        return [b.names for b in ddp.param_and_grad_buffers if b.key.whole]
+
+    assert whole_buffers(None) == [("2.weight", "0.weight")]  # backward order; the biases go to AdamW
+    # rules that route a matrix to the scalar optimizer: only Muon's matrices are laid out whole
+    rules = default_rules(config) + [Rule(Name("2.weight"), algorithm="adamw")]
+    assert whole_buffers(rules) == [("0.weight",)]
+    ddp = wrap_data_parallel(config, nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), rules=rules)
+    stages = build_optimizer(config, ddp, rules=rules).optimizer.stages
+    assert [(s.placement.kind, s.placement.owns_whole, sorted(s.param_shards())) for s in stages] == [
+        ("zero1", True, ["0.weight"]), ("zero1", False, ["0.bias", "2.bias", "2.weight"])]

@@ -34,6 +34,8 @@ CASES: dict[str, dict[str, Any]] = {
     "zero1-muon-bf16": {"model": "mlp", "dtype": torch.bfloat16, "algorithm": "muon", "sharding": "zero1",
                         "overlap": True},
     "moe-chained-zero1": {"model": "moe", "dtype": torch.bfloat16, "algorithm": "adamw", "sharding": "zero1"},
+    # dense and expert Muon stages over whole-shard buffers (the experts' over expert data-parallel)
+    "moe-zero1-muon": {"model": "moe", "dtype": torch.bfloat16, "algorithm": "muon", "sharding": "zero1"},
 }
 
 

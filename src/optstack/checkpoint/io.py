@@ -31,7 +31,8 @@ from optstack.checkpoint.format import MANIFEST
 
 __all__ = ["LATEST", "CheckpointError", "FAILURES", "describe_error", "is_storage_error", "TempDir",
            "checkpoint_name", "replaceable", "make_temp", "remove_stale", "fsync_path", "fsync_tree", "write_synced",
-           "commit_dir", "write_latest", "committed_steps", "resolve_checkpoint", "prune", "file_checksum"]
+           "commit_dir", "write_latest", "committed_steps", "resolve_checkpoint", "prune", "file_checksum",
+           "step_of_name"]
 
 LATEST = "latest"
 OWNER = ".owner"  # in a temporary directory: flock-ed by the saving process while it saves
@@ -262,6 +263,12 @@ def committed_steps(root: Path) -> list[Path]:
         return []
     found = sorted((int(m.group(1)), p) for p in entries if (m := _NAME.match(p.name)) and (p / MANIFEST).is_file())
     return [p for _, p in found]
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a checkpoint directory's name ``step_<N>`` stands for, None for another name."""
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:

@@ -77,6 +77,13 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) 
         check_signature(body, key, where)
     manifest = migrate(body)
     check_manifest(manifest, where)
+    named = io.step_of_name(directory.name)
+    if named is not None and manifest.get("step") is not None and manifest["step"] != named:
+        # e.g. an older (validly signed) checkpoint copied in under a newer step's name: loading it would
+        # silently roll training back
+        raise ValueError(f"{where} is the checkpoint of step {manifest['step']} but its directory is named for step "
+                         f"{named}: it was renamed or replaced; load it by its own step_{manifest['step']} "
+                         "directory if it is the one you want")
     return directory, manifest
 
 

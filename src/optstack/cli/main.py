@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "across them (default 1)")
     t.add_argument("--sharding", choices=("replicated", "zero1", "layerwise"),
                    help="optimizer state across processes (= optimizer.distributed.sharding; default with "
-                   "--nproc > 1: zero1, layerwise for muon)")
+                   "--nproc > 1: zero1)")
     t.add_argument("--optimizer", help="adamw | sgd | lion | muon (= optimizer.algorithm)")
     t.add_argument("--lr", type=float, help="peak learning rate (= optimizer.lr)")
     t.add_argument("--print-config", action="store_true",

@@ -11,7 +11,7 @@ run directory; ``--config runs/x/config.toml`` repeats the run.
 Demo defaults that differ from ``OptimizerConfig``'s own: when the user sets no ``optimizer.lr``, it is taken
 per algorithm from ``DEFAULT_LR``; ``min_lr`` defaults to lr / 10, ``weight_decay`` to 0.1 and ``clip_grad`` to
 1.0 (the core default is no clipping); with several processes, ``optimizer.distributed.sharding`` defaults to
-``zero1`` (``layerwise`` for Muon, which needs whole matrices).
+``zero1`` (for Muon: each matrix whole in its owner's reduce-scatter shard).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def load_config(
         overrides: nested dicts (``parse_override`` output), applied in order.
         base: a nested dict applied before the file (a resumed run's saved config).
         nproc: the processes the run will have; with more than one and no ``optimizer.distributed.sharding``
-            given anywhere, the sharding defaults to ``zero1`` (``layerwise`` for Muon).
+            given anywhere, the sharding defaults to ``zero1``.
 
     Raises:
         ConfigError: unreadable file, TOML syntax error, unknown key or wrong type (naming key and line).
@@ -267,7 +267,7 @@ def load_config(
         opt.setdefault("weight_decay", 0.1)
         opt.setdefault("clip_grad", 1.0)
         if nproc > 1 and isinstance(dist := opt.setdefault("distributed", {}), dict):
-            dist.setdefault("sharding", "layerwise" if algorithm == "muon" else "zero1")
+            dist.setdefault("sharding", "zero1")
     return _build(TrainConfig, raw, "", where)
 
 

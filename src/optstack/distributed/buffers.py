@@ -15,7 +15,8 @@ hands each rank whole gradients of the parameters it owns and the stage can step
 Newton-Schulz) over sharded gradients, then all-gather. A bucket's parameters are assigned to shards largest
 first, each to the least-filled shard (balancing elements, so little padding), in backward order inside a shard;
 the shards are padded to one size. A bucket closes once it holds ``max(bucket_size, dp_size x its largest
-parameter)`` elements: fewer parameters than that would leave shards mostly padding.
+parameter)`` elements (fewer would leave shards mostly padding), before the first parameter that does not fit in
+the padding its shards need anyway.
 
 Local accumulation (``local_grad_dtypes``): chosen parameters accumulate their micro-batch gradients in a
 tensor of their own, in a wider dtype (e.g. fp32 for bf16 gradients), rounded into the gradient buffer only
@@ -211,16 +212,24 @@ class BufferLayout:
             buckets.append(BucketSlot(index, start, shard * dp_size, shard, tuple(order), unpadded))
             start, members = start + shard * dp_size, []
 
+        loads = [0] * dp_size  # the open bucket's shards, as arriving parameters fill them (close() re-plans)
         for name, shape in params:
             numel = math.prod(shape)
             alone = name in rule.alone
-            if members and alone:
-                close()
-            members.append((name, tuple(int(s) for s in shape), numel))
             held = sum(m[2] for m in members)
-            enough = bucket_size is not None and held >= max(bucket_size, dp_size * max(m[2] for m in members))
-            if alone or enough:
+            enough = members and bucket_size is not None and held >= max(
+                bucket_size, dp_size * max(m[2] for m in members))
+            # a parameter that fits in the padding the shards already need joins a bucket that is full enough
+            absorbed = min(loads) + numel <= _align_up(max(loads), param_align)
+            if members and (alone or (enough and not absorbed)):
                 close()
+                loads = [0] * dp_size
+            members.append((name, tuple(int(s) for s in shape), numel))
+            rank = loads.index(min(loads))
+            loads[rank] += _align_up(numel, param_align)
+            if alone:
+                close()
+                loads = [0] * dp_size
         if members:
             close()
         return cls(tuple(slots[name] for name, _ in params), tuple(buckets), start, dp_size)
