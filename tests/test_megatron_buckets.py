@@ -12,7 +12,7 @@ from torch import nn
 from optstack.distributed.buffers import Bucketing, BufferLayout
 from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron import DistributedDataParallel, DistributedDataParallelConfig
-from optstack.megatron.ddp import GradSyncError
+from optstack.megatron.bucket_groups import GradSyncError
 
 
 def megatron_gold(sizes: list[int], bucket_size: int | None, dp: int, distopt: bool, shared_last: bool
@@ -146,7 +146,7 @@ def test_first_batch_only_records_then_registration_launches() -> None:
 
 
 def test_partition_buckets_groups_a_wrappers_buckets() -> None:
-    from optstack.megatron.ddp import partition_buckets
+    from optstack.megatron.bucket_groups import partition_buckets
 
     model = wrap()
     each = partition_buckets(model.buffers + model.expert_parallel_buffers)

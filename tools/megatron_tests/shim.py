@@ -52,6 +52,9 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["ALIASES", "install", "alias", "Utils"]
 
+#: The face's data-parallel wrapper, its config and its bucket groups (Megatron's distributed package).
+_DDP = ("optstack.megatron.ddp", "optstack.megatron.ddp_config", "optstack.megatron.bucket_groups")
+
 #: Megatron module -> the optstack modules whose public names it offers (``__all__``, else every name without
 #: a leading underscore, plus the private names listed after a ``:``). Extend it for other test files.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -68,12 +71,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer.grad_scaler": ("optstack.megatron.optimizers",),
     "megatron.core.optimizer.clip_grads": ("optstack.megatron.optimizers",),
     "megatron.core.optimizer_param_scheduler": ("optstack.megatron.scheduler", "optstack.megatron.keys"),
-    "megatron.core.distributed": ("optstack.megatron.ddp", "optstack.megatron.fsdp"),
+    "megatron.core.distributed": (*_DDP, "optstack.megatron.fsdp"),
     "megatron.core.distributed.param_and_grad_buffer": (
-        "optstack.megatron.ddp",
+        *_DDP,
         "optstack.megatron.param_and_grad_buffer:_compute_default_per_buffer_param_layout,group_params_for_buffers"),
-    "megatron.core.distributed.distributed_data_parallel": ("optstack.megatron.ddp",),
-    "megatron.core.distributed.distributed_data_parallel_config": ("optstack.megatron.ddp",),
+    "megatron.core.distributed.distributed_data_parallel": _DDP,
+    "megatron.core.distributed.distributed_data_parallel_config": _DDP,
     "megatron.core.optimizer.param_layout": ("optstack.megatron.param_and_grad_buffer",),
     # Megatron's training module needs its whole training stack to import; the face offers the one function of
     # it that tests call (wrap_model_chunks_with_ddp)

@@ -8,7 +8,8 @@
 """
 
 from optstack.megatron.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig, to_core
-from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig
+from optstack.megatron.ddp import DistributedDataParallel
+from optstack.megatron.ddp_config import DistributedDataParallelConfig
 from optstack.megatron.fsdp import FullyShardedDataParallel
 from optstack.megatron.groups import _get_param_groups, get_param_groups
 from optstack.megatron.keys import (

@@ -52,7 +52,7 @@ from torch import nn
 
 from optstack.distributed.comm import device_mesh, is_initialized
 from optstack.distributed.parallel import ParallelGroups
-from optstack.megatron.ddp import DistributedDataParallelConfig, check_ddp_config
+from optstack.megatron.ddp_config import DistributedDataParallelConfig, check_ddp_config
 from optstack.megatron.process_groups import ProcessGroupCollection, megatron_mpu_collection, to_parallel_groups
 
 __all__ = ["FullyShardedDataParallel", "default_fsdp_units"]

@@ -31,8 +31,9 @@ import torch
 from optstack.clip import norm_pows
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import DataParallel, is_expert_param
+from optstack.megatron.bucket_groups import wrapper_holding
 from optstack.megatron.bucket_state import BucketRanges
-from optstack.megatron.ddp import DistributedDataParallel, wrapper_holding
+from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.layer_wise import (
     BucketSyncedLayerWise,

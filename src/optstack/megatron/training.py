@@ -27,7 +27,8 @@ from torch import nn
 
 from optstack.distributed.comm import Comm, is_initialized, world_size
 from optstack.distributed.parallel import ParallelGroups
-from optstack.megatron.ddp import DistributedDataParallel, DistributedDataParallelConfig, megatron_bucket_size
+from optstack.megatron.ddp import DistributedDataParallel
+from optstack.megatron.ddp_config import DistributedDataParallelConfig, megatron_bucket_size
 from optstack.megatron.layer_wise import tag_params_for_buffer_routing
 from optstack.megatron.param_and_grad_buffer import FullParamLayout, compute_full_param_layout
 from optstack.megatron.process_groups import collection_group, megatron_mpu_collection, to_parallel_groups

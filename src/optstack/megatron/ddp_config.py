@@ -1,0 +1,276 @@
+"""Megatron Core's ``DistributedDataParallelConfig``: its fields, their checks, and how ``DistributedDataParallel``
+translates them into the core ``optstack.distributed.ddp.DataParallel``'s arguments:
+
+- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced), by a
+  reduce-scatter on every backend (emulated on gloo), so ranges a rank does not own hold its own scaled, unreduced
+  gradients, as in Megatron;
+- ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
+  instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), reduced inside it into
+  each rank's shard, then that shard all-reduced across instances (over the ranks holding the same shard, or
+  ``pg_collection.inter_dist_opt``), as Megatron does; each instance keeps optimizer state for its shards only.
+  ``force_all_reduce`` all-reduces over the whole data-parallel group (whole gradients on every rank; Megatron's
+  reduces only the owned shard across instances);
+- ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
+- ``param_name_patterns_for_fp32_local_accumulation`` -> the matching parameters (fnmatch on the wrapped
+  module's names; ``'all'``: every one) accumulate their gradients in an fp32 tensor of their own, rounded into
+  the buffer for the reduction and given the reduced gradient back (the core's ``local_grad_dtypes``);
+- ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
+- ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
+  size), and there is a single bucket per buffer without ``overlap_grad_reduce``, with
+  ``disable_bucketing``, or on a pipeline stage after the first; ``num_buckets`` instead -> the wrapped module's
+  parameter count // ``num_buckets`` elements per bucket (Megatron's training script resolves it so, over all
+  model chunks);
+- ``check_for_nan_in_grad`` -> the non-finite check before each bucket's reduction;
+- ``average_in_collective``: gradients are averaged over data-parallel ranks either way: False divides each
+  bucket by the data-parallel size before the sum, True averages in the collective (after the sum), so, as in
+  Megatron, ranges a rank does not own under a reduce-scatter stay unscaled.
+  ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
+- ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
+  ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
+  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main): the bucket groups
+  gather what each rank stepped (``start_param_sync``, ``next_param_gather_bucket_group``, the forward pre-hooks
+  and ``enable_forward_pre_hook`` / ``disable_forward_pre_hook``), as Megatron's do, into ``grad_data``.
+
+Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
+``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
+``fsdp_double_buffer``, ``outer_dp_sharding_strategy``, ``gradient_reduce_div_fusion``) and
+``disable_symmetric_registration`` (NCCL user buffers) are accepted and change nothing while
+``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. ``use_megatron_fsdp=True`` is for Megatron's
+``FullyShardedDataParallel`` wrapper (``optstack.megatron.fsdp``, on FSDP2, which reads those fields);
+``DistributedDataParallel`` refuses it, naming that wrapper. Every other field set to a value optstack does not
+implement is a ``ValueError`` naming it.
+
+Buckets are cut as Megatron cuts them (``optstack.distributed.buffers.Bucketing``): in backward order, a bucket
+closes once it holds ``bucket_size`` elements or more; with ``use_distributed_optimizer`` parameters start at
+multiples of 64 elements, buckets are padded to a multiple of ``lcm(data-parallel size, 128)`` and a parameter
+with a truthy ``shared_embedding`` attribute gets a bucket of its own; without it nothing is padded.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from optstack.distributed.buffers import Bucketing
+from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
+from optstack.megatron.param_and_grad_buffer import megatron_bucketing_for
+
+__all__ = ["DDPConfigAssertion", "DistributedDataParallelConfig", "check_ddp_config", "megatron_bucket_size",
+           "megatron_bucketing"]
+
+_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Configuration of ``DistributedDataParallel``, with Megatron Core's field names, order and defaults.
+
+    The meaning of each field is Megatron's; the module docstring says how optstack carries out the ones it
+    supports. A mutable dataclass, as in Megatron: it is checked at construction and again when a
+    ``DistributedDataParallel`` is built from it (which keeps its own copy and never modifies it).
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    bucket_size: int | None = None
+    num_buckets: int | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    fp4_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: int | None = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    delay_wgrad_compute: bool = False
+
+    def __post_init__(self) -> None:
+        check_ddp_config(self)
+
+
+class DDPConfigAssertion(ValueError, AssertionError):
+    """An invalid ``DistributedDataParallelConfig`` combination that Megatron asserts against (an
+    ``AssertionError`` too, for its callers)."""
+
+
+# (field, the only supported value, why / what to do instead)
+_FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
+    ("align_param_gather", False,
+     "parameter gathers are launched by the optimizer step, not by a pipeline schedule; set it False"),
+    ("check_for_large_grads", False, "the large-gradient check is not implemented; set it False"),
+    ("pad_buckets_for_high_nccl_busbw", False,
+     "optstack pads buckets only to split evenly across ranks (aligned); set it False"),
+    ("reduce_scatter_with_fp32_accumulation", False,
+     "use grad_reduce_in_fp32=True to accumulate and reduce gradients in fp32"),
+    ("fp8_param_gather", False, "FP8 parameters are not implemented; set it False"),
+    ("fp4_param_gather", False, "FP4 parameters are not implemented; set it False"),
+    ("reuse_grad_buf_for_mxfp8_param_ag", False, "MXFP8 parameters are not implemented; set it False"),
+    ("nccl_ub", False, "NCCL user-buffer registration is not implemented; set it False"),
+    ("delay_wgrad_compute", False, "delayed weight-gradient computation is not implemented; set it False"),
+)
+_BOOL_FIELDS = ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gather",
+                "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective")
+
+
+# With use_megatron_fsdp=True (FSDP2 underneath, optstack.megatron.fsdp): (field, the only supported value, why).
+_FSDP_FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
+    ("outer_dp_sharding_strategy", "no_shard",
+     "HSDP's outer level replicates (set num_distributed_optimizer_instances for the number of replicas)"),
+    ("check_for_nan_in_grad", False, "FSDP2 reduces gradients inside backward, before a check could run; set it "
+     "False and rely on the optimizer's non-finite check"),
+    ("preserve_fp32_weights", True, "optstack's optimizer always keeps fp32 master weights for bf16/fp16 "
+     "parameters; set it True"),
+    ("fsdp_double_buffer", False, "FSDP2 manages its own communication buffers; set it False"),
+    ("keep_fp8_transpose_cache", False, "FP8 parameters are not implemented; set it False"),
+)
+_FSDP_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
+
+
+def _check_fsdp_config(config: DistributedDataParallelConfig) -> None:
+    """The fields ``use_megatron_fsdp=True`` reads, as FSDP2 can carry them out (module docstring of
+    ``optstack.megatron.fsdp``)."""
+    strategy = config.data_parallel_sharding_strategy
+    if strategy not in _FSDP_STRATEGIES:
+        raise ValueError(
+            f"DistributedDataParallelConfig.data_parallel_sharding_strategy={strategy!r} is not supported with "
+            f"use_megatron_fsdp=True (FSDP2 shards gradients with the optimizer state); use 'optim_grads' or "
+            f"'optim_grads_params', or for 'optim' (ZeRO-1) DistributedDataParallel with "
+            f"use_megatron_fsdp=False, use_distributed_optimizer=True")
+    for field, allowed, why in _FSDP_FIXED_FIELDS:
+        value = getattr(config, field)
+        if value != allowed:
+            raise ValueError(f"DistributedDataParallelConfig.{field}={value!r} is not supported with "
+                             f"use_megatron_fsdp=True: {why}")
+
+
+def check_ddp_config(config: DistributedDataParallelConfig) -> None:
+    """Raise a ``ValueError`` naming the first field of ``config`` that is invalid or unsupported."""
+    for field in ("use_megatron_fsdp", "use_custom_fsdp"):
+        if not isinstance(getattr(config, field), bool):
+            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got "
+                             f"{getattr(config, field)!r}")
+    if config.use_custom_fsdp and not config.use_megatron_fsdp:
+        raise ValueError("DistributedDataParallelConfig.use_custom_fsdp=True is not supported alone: it is "
+                         "Megatron's deprecated name; set use_megatron_fsdp=True (Megatron sets both)")
+    for field, allowed, fix in _FIXED_FIELDS:
+        value = getattr(config, field)
+        if value != allowed or type(value) is not type(allowed):
+            raise ValueError(f"DistributedDataParallelConfig.{field}={value!r} is not supported by optstack; "
+                             f"{fix}")
+    for field in _BOOL_FIELDS:
+        value = getattr(config, field)
+        if not isinstance(value, bool):
+            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got {value!r}")
+    size = config.bucket_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(
+            f"DistributedDataParallelConfig.bucket_size must be None (Megatron's default size) or a number of "
+            f"elements >= 1, got {size!r}"
+        )
+    for field in ("data_parallel_sharding_strategy", "outer_dp_sharding_strategy"):
+        value = getattr(config, field)
+        if value not in _SHARDING_STRATEGIES:
+            raise ValueError(f"DistributedDataParallelConfig.{field}={value!r}; allowed: "
+                             f"{list(_SHARDING_STRATEGIES)}")
+    if config.use_megatron_fsdp:
+        _check_fsdp_config(config)
+    instances = config.num_distributed_optimizer_instances
+    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances must be an int >= 1, "
+                         f"got {instances!r}")
+    if instances > 1 and not config.use_distributed_optimizer:
+        raise ValueError("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
+                         "use_distributed_optimizer=True (a partial distributed optimizer)")
+    buckets = config.num_buckets
+    if buckets is not None:  # Megatron's assertions
+        if config.bucket_size is not None:
+            raise DDPConfigAssertion("DistributedDataParallelConfig: cannot specify both num_buckets and "
+                                     "bucket_size; set one of them")
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise DDPConfigAssertion(f"DistributedDataParallelConfig.num_buckets must be an int greater than 0, "
+                                     f"got {buckets!r}")
+    if config.param_name_patterns_for_fp32_local_accumulation and config.grad_reduce_in_fp32:  # Megatron's
+        raise DDPConfigAssertion("DistributedDataParallelConfig.param_name_patterns_for_fp32_local_accumulation "
+                                 "is only needed when grad_reduce_in_fp32 is False")
+
+
+def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool,
+                         num_parameters: int = 0) -> int | None:
+    """Elements per bucket as Megatron chooses them (None: one bucket per buffer).
+
+    ``num_buckets`` set: ``num_parameters // num_buckets`` (Megatron's training script counts every parameter of
+    the model chunks; here of the wrapped module). Megatron's default grows with the data-parallel size so that
+    each rank's part of a bucket stays large enough for the collectives to be bandwidth-bound rather than
+    latency-bound.
+    """
+    if not bucketing or not config.overlap_grad_reduce:
+        return None
+    if config.num_buckets is not None:
+        return max(1, num_parameters // config.num_buckets)  # 0 elements: every parameter closes its bucket
+    if config.bucket_size is None:
+        return max(40_000_000, 1_000_000 * dp_size)
+    return config.bucket_size
+
+
+def _instance_groups(dp: Comm | NullComm, instances: int, intra: Any, inter: Any
+                     ) -> tuple[Comm | NullComm | None, Comm | NullComm | None]:
+    """This rank's distributed-optimizer instance (Megatron's intra partial data-parallel group: ``instances`` runs
+    of consecutive data-parallel ranks) and the ranks holding its shard in the other instances (the inter-instance
+    group), or the given ``intra_dp_cp`` / ``inter_dist_opt`` groups. (None, None) for one instance. Collective
+    over the world when it creates the groups."""
+    if instances == 1:
+        return None, None
+    if dp.size % instances:
+        raise ValueError(f"DistributedDataParallelConfig.num_distributed_optimizer_instances={instances} must divide "
+                         f"the data-parallel size {dp.size}")
+    if (intra is None) != (inter is None):
+        raise ValueError("pg_collection: with num_distributed_optimizer_instances > 1 set both intra_dp_cp (this "
+                         "rank's instance) and inter_dist_opt (the ranks holding its shard in each instance), or "
+                         "neither (optstack then builds them from the data-parallel group)")
+    if intra is not None:
+        return Comm(intra, name="intra_dp"), Comm(inter, name="inter_dist_opt")
+    size = dp.size // instances
+    everyone = sorted({tuple(r) for r in world_comm("intra-dp").all_gather_object(list(dp.global_ranks))})
+    intra_lists = [ranks[i * size:(i + 1) * size] for ranks in everyone for i in range(instances)]
+    inter_lists = [ranks[j::size] for ranks in everyone for j in range(size)]
+    return new_subgroups(intra_lists, name="intra_dp"), new_subgroups(inter_lists, name="inter_dist_opt")
+
+
+def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dict[str, torch.dtype]:
+    """Megatron's ``param_name_patterns_for_fp32_local_accumulation``: {name: float32} for the trainable
+    parameters whose name matches a pattern (fnmatch; ``'all'`` matches every one)."""
+    return {name: torch.float32 for name, p in module.named_parameters()
+            if p.requires_grad and any(pat == "all" or fnmatch.fnmatch(name, pat) for pat in patterns)}
+
+
+def _layer_wise_managed(name: str, param: nn.Parameter) -> bool:
+    """Whether ``param`` goes to a whole-shard buffer: tagged for the layer-wise optimizer by Megatron's
+    ``tag_params_for_buffer_routing`` (``is_managed_by_layer_wise_optimizer``)."""
+    return bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
+
+
+def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
+    """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return megatron_bucketing_for(named, distributed_optimizer=distributed_optimizer)
+
