@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from optstack.megatron import DistributedDataParallelConfig, DistributedOptimizer, LayerWiseDistributedOptimizer
-from optstack.megatron.optimizers import is_managed_by_layer_wise_optimizer, tag_params_for_buffer_routing
+from optstack.megatron.layer_wise import is_managed_by_layer_wise_optimizer, tag_params_for_buffer_routing
 from optstack.megatron.param_and_grad_buffer import (
     BufferKey,
     bucket_end_divisor,

@@ -55,21 +55,26 @@ __all__ = ["ALIASES", "install", "alias", "Utils"]
 #: The face's data-parallel wrapper, its config and its bucket groups (Megatron's distributed package).
 _DDP = ("optstack.megatron.ddp", "optstack.megatron.ddp_config", "optstack.megatron.bucket_groups")
 
+#: The face's optimizer classes (Megatron's optimizer modules), with the layer-wise parameter routing
+#: (``is_managed_by_layer_wise_optimizer``, ``tag_params_for_buffer_routing``).
+_OPTIMIZERS = ("optstack.megatron.optimizers", "optstack.megatron.grad_scaler", "optstack.megatron.chained",
+               "optstack.megatron.layer_wise_optimizer", "optstack.megatron.layer_wise")
+
 #: Megatron module -> the optstack modules whose public names it offers (``__all__``, else every name without
 #: a leading underscore, plus the private names listed after a ``:``). Extend it for other test files.
 ALIASES: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer": ("optstack.megatron",
                                 "optstack.megatron.optimizer:_get_megatron_optimizer_based_on_param_groups"),
-    "megatron.core.optimizer.optimizer": ("optstack.megatron.optimizers:_param_group_override_keys",),
+    "megatron.core.optimizer.optimizer": (*_OPTIMIZERS, "optstack.megatron.optimizers:_param_group_override_keys"),
     "megatron.core.optimizer.optimizer_config": ("optstack.megatron.config", "optstack.megatron.keys"),
-    "megatron.core.optimizer.distrib_optimizer": ("optstack.megatron.optimizers",),
-    "megatron.core.optimizer.layer_wise_optimizer": ("optstack.megatron.optimizers",),
+    "megatron.core.optimizer.distrib_optimizer": _OPTIMIZERS,
+    "megatron.core.optimizer.layer_wise_optimizer": _OPTIMIZERS,
     "megatron.core.optimizer.cpu_offloading": ("optstack.megatron.torch_optimizers",),
     "megatron.core.optimizer.muon": ("optstack.megatron.torch_optimizers", "optstack.megatron.optimizer"),
     "megatron.core.optimizer.emerging_optimizers": ("optstack.megatron.torch_optimizers",
                                                     "optstack.megatron.layer_wise:_is_muon_excluded"),
-    "megatron.core.optimizer.grad_scaler": ("optstack.megatron.optimizers",),
-    "megatron.core.optimizer.clip_grads": ("optstack.megatron.optimizers",),
+    "megatron.core.optimizer.grad_scaler": _OPTIMIZERS,
+    "megatron.core.optimizer.clip_grads": _OPTIMIZERS,
     "megatron.core.optimizer_param_scheduler": ("optstack.megatron.scheduler", "optstack.megatron.keys"),
     "megatron.core.distributed": (*_DDP, "optstack.megatron.fsdp"),
     "megatron.core.distributed.param_and_grad_buffer": (

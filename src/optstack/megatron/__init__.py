@@ -7,10 +7,12 @@
 ``optstack.groups``, ``optstack.schedule``, ``optstack.factory``), which never sees Megatron's names.
 """
 
+from optstack.megatron.chained import ChainedOptimizer, ProxyDict
 from optstack.megatron.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.ddp_config import DistributedDataParallelConfig
 from optstack.megatron.fsdp import FullyShardedDataParallel
+from optstack.megatron.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from optstack.megatron.groups import _get_param_groups, get_param_groups
 from optstack.megatron.keys import (
     ParamGroupOverride,
@@ -24,19 +26,14 @@ from optstack.megatron.keys import (
     param_group_override_to_tuple,
     to_rules,
 )
+from optstack.megatron.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from optstack.megatron.optimizer import get_megatron_muon_optimizer, get_megatron_optimizer
 from optstack.megatron.optimizers import (
-    ChainedOptimizer,
-    ConstantGradScaler,
     DistributedOptimizer,
-    DynamicGradScaler,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
-    LayerWiseDistributedOptimizer,
-    MegatronGradScaler,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
-    ProxyDict,
     param_group_identifier_keys,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection

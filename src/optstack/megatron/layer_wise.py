@@ -1,4 +1,4 @@
-"""The layer-wise optimizer's parts for Megatron's ``LayerWiseDistributedOptimizer`` (``optimizers.py``).
+"""The layer-wise optimizer's parts for Megatron's ``LayerWiseDistributedOptimizer`` (``layer_wise_optimizer.py``).
 
 - Megatron callers hand it plain torch optimizers (it wraps them for bf16 itself): ``torch_layer_wise_stage``
   places such an optimizer's groups layer-wise over the data-parallel group, its gradients read from

@@ -26,6 +26,7 @@ from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
 from optstack.factory import BuiltOptimizer, algorithm_kwargs, build_optimizer
 from optstack.groups import group_map
+from optstack.megatron.chained import ChainedOptimizer
 from optstack.megatron.config import OptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.fsdp import FullyShardedDataParallel
@@ -36,15 +37,13 @@ from optstack.megatron.keys import (
     get_standard_config_overrides,
     to_rules,
 )
+from optstack.megatron.layer_wise_optimizer import LayerWiseDistributedOptimizer, steps_whole
 from optstack.megatron.norm_groups import norm_group_kwargs
 from optstack.megatron.optimizers import (
-    ChainedOptimizer,
     DistributedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
-    LayerWiseDistributedOptimizer,
     MegatronOptimizer,
-    steps_whole,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
 from optstack.optimizer import ChainedOptimizer as CoreChained
