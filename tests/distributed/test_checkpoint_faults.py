@@ -33,6 +33,9 @@ _spec.loader.exec_module(reshard)
 pytestmark = pytest.mark.faults
 CASE = {**reshard.CASES["zero1-adamw-bf16"], "overlap": False}
 FAILING = 1
+# A fault must end the save / load on every rank at once, not when the session world's 30 s timeout fires; the
+# margin below that is for a loaded machine (one such run took 6 s)
+PROMPT_S = 20.0
 
 
 def _numbers(built: Any) -> dict[str, torch.Tensor]:
@@ -119,7 +122,7 @@ def test_a_fault_on_one_rank_during_save(world2, tmp_path: Path, where: str, kin
     outs = world2.run(save_with_fault, str(tmp_path / "ckpt"), where)
     assert outs[0]["message"] == outs[1]["message"]  # one error, everywhere
     for out in outs:
-        assert out["type"] == kind and out["elapsed"] < 5.0, out
+        assert out["type"] == kind and out["elapsed"] < PROMPT_S, out
         assert f"rank {FAILING}" in out["message"] and cause in out["message"], out["message"]
         assert "step_00000002" in out["message"]
         assert out["hidden"] == [] and out["entries"] == ["latest", "step_00000001"]
@@ -135,6 +138,6 @@ def test_a_fault_on_one_rank_during_load(world2, tmp_path: Path, where: str, kin
     outs = world2.run(load_with_fault, str(tmp_path / "ckpt"), where)
     assert outs[0]["message"] == outs[1]["message"]
     for out in outs:
-        assert out["type"] == kind and out["elapsed"] < 5.0, out
+        assert out["type"] == kind and out["elapsed"] < PROMPT_S, out
         assert f"rank {FAILING}" in out["message"] and cause in out["message"], out["message"]
         assert "step_00000001" in out["message"] and out["unchanged"]
