@@ -19,7 +19,7 @@ from torch import nn
 
 from optstack.algorithms import get_algorithm
 from optstack.distributed import param_gather
-from optstack.distributed.comm import NullComm, world_comm
+from optstack.distributed.comm import NullComm, new_subgroups, world_comm
 from optstack.distributed.ddp import DataParallel
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
@@ -115,9 +115,14 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
     world = world_comm()
     model = _mlp(DTYPES[cfg["dtype"]])
     whole = cfg.get("whole", False)  # Muon's matrices in whole-shard buffers: reduce-scattered, ZeRO-1 stepped
+    parts: dict[str, Any] = {}
+    if cfg.get("instances", 1) > 1:  # a partial ZeRO-1: sharded inside runs of ranks, all-reduced across them
+        size = world.size // cfg["instances"]
+        parts["shard_group"] = new_subgroups([range(i, i + size) for i in range(0, world.size, size)], name="part")
+        parts["cross_shard_group"] = new_subgroups([range(r, world.size, size) for r in range(size)], name="across")
     ddp = DataParallel(model, bucket_size=150, grad_dtype=torch.float32, shard_grads=whole, shard_align=4,
                        param_align=4, average=cfg.get("average", True),
-                       whole_shards=(lambda name, p: name in cfg["muon"]) if whole else None)
+                       whole_shards=(lambda name, p: name in cfg["muon"]) if whole else None, **parts)
     muon_groups, adamw_groups = _split(model, cfg["muon"])
     if whole:
         muon = zero1_stage(muon_groups, _muon, ddp=ddp, overlap_param_gather=cfg.get("overlap_param", False))
@@ -223,6 +228,18 @@ def test_zero1_muon_over_a_wrapper_cutting_its_matrices_falls_back_to_whole_grad
         assert _rel(out["params"], ref) < 1e-5
         assert out["muon_placement"] == "layerwise" and out["whole_grads"] and out["shard_grads"]
     assert sorted(n for out in results for n in out["owned"]) == ["experts", "inp.weight", "out.weight"]
+
+
+def test_whole_shard_muon_in_two_instances_of_two_ranks(world4) -> None:
+    # each matrix whole in one rank's shard of its instance, stepped there and on its peer in the other
+    # instance (both hold the all-reduced shard), gathered inside each instance
+    cfg = {"dtype": "bf16", "muon": ALL, "scalars": "zero1", "clip": 0.0, "whole": True, "instances": 2,
+           "average": False}
+    results = world4.run(train_layerwise, cfg)
+    _check(results[:2], cfg)  # the first instance against the reference: each matrix owned once in it
+    for out in results[2:]:  # the second: the same parameters, owned alike
+        assert all(torch.equal(a, b) for a, b in zip(out["params"], results[0]["params"], strict=True))
+    assert [out["owned"] for out in results[:2]] == [out["owned"] for out in results[2:]]
 
 
 def layerwise_state_roundtrip() -> dict[str, Any]:
