@@ -194,3 +194,57 @@ def test_laid_out_layer_wise_matches_one_process(world2):
         assert sorted(first["mine"] + second["mine"]) == ["0.weight", "2.weight", "6.weight"]
         assert first["mine"] and second["mine"]
         torch.testing.assert_close(torch.tensor(first["params"]), reference, rtol=1e-5, atol=1e-6)
+
+
+def _instances(instances: int) -> dict:
+    """One of 4 ranks: the laid-out layer-wise optimizer with ``instances`` distributed-optimizer instances."""
+    import torch
+    import torch.distributed as dist
+
+    from optstack.megatron import DistributedDataParallelConfig, get_megatron_optimizer
+    from optstack.megatron.training import wrap_model_chunks_with_ddp
+
+    rank, inner = dist.get_rank(), _model()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               num_distributed_optimizer_instances=instances)
+    (model,) = wrap_model_chunks_with_ddp([inner], None, ddp_config, use_layer_wise_distributed_optimizer=True)
+    opt = get_megatron_optimizer(_config(False), [model])
+    by_shape = {tuple(p.shape): n for n, p in inner.named_parameters()}
+    mine = sorted(by_shape[tuple(t.shape)] for t in opt.chained_optimizers[0].get_parameters())
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.MSELoss()(model(x), y).backward()
+        model.finish_grad_sync()
+        assert opt.step()[0]
+    return {"params": _flat(model), "mine": mine}
+
+
+def test_laid_out_layer_wise_in_two_instances_matches_one_process(world4):
+    """Two distributed-optimizer instances of 2 ranks (Megatron's layer-wise optimizer refuses them): each matrix
+    whole in one rank's shard of its instance, the shard all-reduced across instances; the 4 ranks' training
+    equals one process on the 4 half batches."""
+    import dataclasses
+
+    import torch
+
+    from optstack.megatron import get_megatron_optimizer
+
+    model = _model()
+    opt = get_megatron_optimizer(dataclasses.replace(_config(False), use_layer_wise_distributed_optimizer=False),
+                                 [model])
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in range(4):
+            x, y = _batch(rank, step)
+            (torch.nn.MSELoss()(model(x), y) / 4).backward()
+        assert opt.step()[0]
+    reference = torch.tensor(_flat(model))
+    outs = world4.run(_instances, 2)
+    for out in outs:
+        torch.testing.assert_close(torch.tensor(out["params"]), reference, rtol=1e-5, atol=1e-6)
+    # inside each instance every Muon matrix has one owner; the instances mirror each other
+    for part in (outs[:2], outs[2:]):
+        assert sorted(part[0]["mine"] + part[1]["mine"]) == ["0.weight", "2.weight", "6.weight"]
+    assert [o["mine"] for o in outs[:2]] == [o["mine"] for o in outs[2:]]

@@ -36,18 +36,19 @@ from optstack.megatron.process_groups import collection_group, megatron_mpu_coll
 __all__ = ["wrap_model_chunks_with_ddp"]
 
 
-def _layout_sizes(pg_collection: Any) -> tuple[int, int, int, int]:
+def _layout_sizes(pg_collection: Any, instances: int) -> tuple[int, int, int, int]:
     """(data-parallel size, ranks a dense bucket is split across, ranks an expert bucket is split across, pipeline
     rank) of the groups the wrappers will use: ``pg_collection``, else ``parallel_state``'s when Megatron
-    initialised it, else torch.distributed's world (every rank data-parallel; one process without it). A bucket
-    is split over the intra-instance group (``intra_dp_cp`` / ``intra_expt_dp``) when set."""
+    initialised it, else torch.distributed's world (every rank data-parallel; one process without it). A dense
+    bucket is split over the intra-instance group (``intra_dp_cp`` when set, else the data-parallel group's
+    ``instances`` runs, as the wrapper builds them); an expert one over ``intra_expt_dp`` when set."""
     collection = pg_collection if pg_collection is not None else megatron_mpu_collection()
     if collection is None:
         size = world_size() if is_initialized() else 1
-        return size, size, size, 0
+        return size, size // instances, size, 0
     groups = collection if isinstance(collection, ParallelGroups) else to_parallel_groups(collection)
     sizes = []
-    for name, fallback in (("intra_dp_cp", groups.dp.size), ("intra_expt_dp", groups.expert_dp.size)):
+    for name, fallback in (("intra_dp_cp", groups.dp.size // instances), ("intra_expt_dp", groups.expert_dp.size)):
         group = collection_group(collection, name)
         sizes.append(fallback if group is None else Comm(group, name=name).size)
     return groups.dp.size, sizes[0], sizes[1], groups.pp.rank
@@ -103,7 +104,7 @@ def wrap_model_chunks_with_ddp(
         if layer_wise:
             ddp_config.use_distributed_optimizer = True  # Megatron's: the layout needs the reduce-scatter
             tag_params_for_buffer_routing(chunks)
-        dp_size, dense, expert, pp_rank = _layout_sizes(pg_collection)
+        dp_size, dense, expert, pp_rank = _layout_sizes(pg_collection, ddp_config.num_distributed_optimizer_instances)
         for i, chunk in enumerate(chunks):
             params = [p for p in chunk.parameters() if p.requires_grad]
             size = bucket_sizes[i] if bucket_sizes is not None else megatron_bucket_size(
