@@ -189,6 +189,28 @@ def test_megatron_buffer_names_and_layout() -> None:
                                 pg_collection=ParallelGroups.single(), full_param_layout=other)
 
 
+@pytest.mark.parametrize("layer_wise", [False, True])
+def test_pad_buckets_for_high_nccl_busbw_pads_to_lcm_with_2_to_16(layer_wise: bool) -> None:
+    from optstack.megatron import DistributedOptimizer, LayerWiseDistributedOptimizer
+    from optstack.megatron.layer_wise import tag_params_for_buffer_routing
+
+    module = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 3))
+    if layer_wise:
+        tag_params_for_buffer_routing([module])
+    compute = (LayerWiseDistributedOptimizer if layer_wise else DistributedOptimizer).compute_full_param_layout
+    sizes = {}
+    for busbw in (False, True):
+        config = DistributedDataParallelConfig(use_distributed_optimizer=True, pad_buckets_for_high_nccl_busbw=busbw)
+        layout = compute(list(module.parameters()), 1000, 1, config)
+        model = DistributedDataParallel(None, config, module, pg_collection=ParallelGroups.single(),
+                                        full_param_layout=layout)  # the wrapper builds the same layout
+        sizes[busbw] = [b.grad_data.numel() for buffer in model.buffers for b in buffer.buckets]
+        for param in module.parameters():
+            del param.main_grad
+    assert all(n % 2**16 == 0 for n in sizes[True]) and not any(n % 2**16 == 0 for n in sizes[False])
+    assert len(sizes[True]) == len(sizes[False])  # the same buckets, padded further
+
+
 def test_free_overlap_buffers_waits_and_clears() -> None:
     class Handle:
         waited = 0

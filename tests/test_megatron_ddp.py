@@ -58,7 +58,7 @@ def test_defaults_and_field_order_are_megatrons() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("align_param_gather", True), ("check_for_large_grads", True),
-     ("pad_buckets_for_high_nccl_busbw", True), ("reduce_scatter_with_fp32_accumulation", True),
+     ("reduce_scatter_with_fp32_accumulation", True),
      ("fp8_param_gather", True), ("fp4_param_gather", True), ("reuse_grad_buf_for_mxfp8_param_ag", True),
      ("use_custom_fsdp", True), ("nccl_ub", True), ("delay_wgrad_compute", True)],
 )

@@ -103,6 +103,7 @@ class Bucketing:
             each aligned); "even": to a multiple of ``lcm(dp_size, shard_align)`` (equal shards; Megatron's
             distributed optimizer); "none": not padded (buckets that are never sharded).
         param_align: each parameter starts at a multiple of this; None: the plan's ``param_align``.
+        shard_align: what "aligned" / "even" padding aligns to; None: the plan's ``shard_align``.
         alone: names of parameters that get a bucket to themselves.
     """
 
@@ -110,15 +111,17 @@ class Bucketing:
     pad: Literal["aligned", "even", "none"] = "aligned"
     param_align: int | None = None
     alone: frozenset[str] = frozenset()
+    shard_align: int | None = None
 
     def __post_init__(self) -> None:
         if self.close not in ("fit", "reach"):
             raise ValueError(f"Bucketing.close must be 'fit' or 'reach', got {self.close!r}")
         if self.pad not in ("aligned", "even", "none"):
             raise ValueError(f"Bucketing.pad must be 'aligned', 'even' or 'none', got {self.pad!r}")
-        value = self.param_align
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"Bucketing.param_align must be None or a positive integer, got {value!r}")
+        for name in ("param_align", "shard_align"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Bucketing.{name} must be None or a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ class BufferLayout:
         rule = bucketing if bucketing is not None else Bucketing()
         if rule.param_align is not None:
             param_align = rule.param_align
+        if rule.shard_align is not None:
+            shard_align = rule.shard_align
         sizes = {"dp_size": dp_size, "shard_align": shard_align, "param_align": param_align,
                  "bucket_size": 1 if bucket_size is None else bucket_size}
         for field_name, value in sizes.items():

@@ -164,7 +164,8 @@ class DistributedDataParallel(DataParallel):
             average=not per_token_loss,
             check_for_nan=ddp_config.check_for_nan_in_grad,
             bucketing=megatron_bucketing(module, dp_size=groups.dp.size,
-                                         distributed_optimizer=ddp_config.use_distributed_optimizer),
+                                         distributed_optimizer=ddp_config.use_distributed_optimizer,
+                                         high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw),
             shard_group=shard_group,
             cross_shard_group=cross_shard_group,
             # Megatron's buffers hold unreduced gradients outside each rank's shard, on every backend (the core's

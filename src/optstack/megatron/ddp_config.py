@@ -118,8 +118,6 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("align_param_gather", False,
      "parameter gathers are launched by the optimizer step, not by a pipeline schedule; set it False"),
     ("check_for_large_grads", False, "the large-gradient check is not implemented; set it False"),
-    ("pad_buckets_for_high_nccl_busbw", False,
-     "optstack pads buckets only to split evenly across ranks (aligned); set it False"),
     ("reduce_scatter_with_fp32_accumulation", False,
      "use grad_reduce_in_fp32=True to accumulate and reduce gradients in fp32"),
     ("fp8_param_gather", False, "FP8 parameters are not implemented; set it False"),
@@ -129,7 +127,8 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("delay_wgrad_compute", False, "delayed weight-gradient computation is not implemented; set it False"),
 )
 _BOOL_FIELDS = ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gather",
-                "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective")
+                "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective",
+                "pad_buckets_for_high_nccl_busbw")
 
 
 # With use_megatron_fsdp=True (FSDP2 underneath, optstack.megatron.fsdp): (field, the only supported value, why).
@@ -269,8 +268,9 @@ def _layer_wise_managed(name: str, param: nn.Parameter) -> bool:
     return bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
 
 
-def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool) -> Bucketing:
+def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool,
+                       high_nccl_busbw: bool = False) -> Bucketing:
     """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    return megatron_bucketing_for(named, distributed_optimizer=distributed_optimizer)
+    return megatron_bucketing_for(named, distributed_optimizer=distributed_optimizer, high_nccl_busbw=high_nccl_busbw)
 

@@ -47,7 +47,7 @@ def pad_param_start(param_start_index: int) -> int:
 
 def bucket_end_divisor(data_parallel_world_size: int, pad_for_high_nccl_busbw: bool) -> int:
     """What a distributed-optimizer bucket's length is a multiple of: ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)``
-    with ``pad_for_high_nccl_busbw``, which the face's wrapper refuses but the helper computes)."""
+    with ``pad_for_high_nccl_busbw``: ``DistributedDataParallelConfig.pad_buckets_for_high_nccl_busbw``)."""
     if pad_for_high_nccl_busbw:
         return math.lcm(data_parallel_world_size, 128, 2**16)
     return math.lcm(data_parallel_world_size, 128)
@@ -105,14 +105,17 @@ def group_params_for_buffers(params: Sequence[nn.Parameter], grad_reduce_in_fp32
     return out
 
 
-def megatron_bucketing_for(params: Sequence[tuple[str, nn.Parameter]], *, distributed_optimizer: bool) -> Bucketing:
+def megatron_bucketing_for(params: Sequence[tuple[str, nn.Parameter]], *, distributed_optimizer: bool,
+                           high_nccl_busbw: bool = False) -> Bucketing:
     """Megatron's bucket rule for (name, param) pairs: closes a bucket once it reaches ``bucket_size``; with the
-    distributed optimizer, parameters 64-aligned, buckets padded to ``lcm(dp, 128)`` and a truthy
-    ``shared_embedding`` parameter in a bucket of its own; without it nothing padded."""
+    distributed optimizer, parameters 64-aligned, buckets padded to ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
+    ``high_nccl_busbw``: ``pad_buckets_for_high_nccl_busbw``) and a truthy ``shared_embedding`` parameter in a
+    bucket of its own; without it nothing padded."""
     if not distributed_optimizer:
         return Bucketing(close="reach", pad="none", param_align=1)
     shared = frozenset(n for n, p in params if getattr(p, "shared_embedding", False))
-    return Bucketing(close="reach", pad="even", param_align=64, alone=shared)
+    return Bucketing(close="reach", pad="even", param_align=64, alone=shared,
+                     shard_align=2**16 if high_nccl_busbw else 128)
 
 
 @dataclass
@@ -149,14 +152,15 @@ def _per_buffer(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards:
 
 
 def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size: int, *, whole: bool,
-                indices: Sequence[int] | None = None) -> PerBufferParamLayout:
+                indices: Sequence[int] | None = None, high_nccl_busbw: bool = False) -> PerBufferParamLayout:
     """The distributed-optimizer layout of one buffer's ``params`` (forward order) as the face's wrapper builds
     it: the core's plan with Megatron's bucket rule, split across ``dp_size`` ranks; ``whole``: each parameter
     whole inside one rank's shard (the layer-wise optimizer's buffers)."""
     backward = list(reversed(params))
     named = [(str(i), p) for i, p in enumerate(backward)]
+    rule = megatron_bucketing_for(named, distributed_optimizer=True, high_nccl_busbw=high_nccl_busbw)
     plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp_size, bucket_size=bucket_size,
-                             bucketing=megatron_bucketing_for(named, distributed_optimizer=True), whole=whole)
+                             bucketing=rule, whole=whole)
     return _per_buffer(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
 
 
@@ -189,7 +193,8 @@ def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int |
         dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert_parallel \
             else data_parallel_world_size
         whole = whole_for_layer_wise and key.is_managed_by_layer_wise_optimizer
-        layouts[key] = plan_buffer(members, bucket_size, dp, whole=whole, indices=indices)
+        layouts[key] = plan_buffer(members, bucket_size, dp, whole=whole, indices=indices,
+                                   high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
     return FullParamLayout(layouts)
 
 
