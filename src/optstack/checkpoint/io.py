@@ -261,7 +261,8 @@ def committed_steps(root: Path) -> list[Path]:
         entries = list(root.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = sorted((int(m.group(1)), p) for p in entries if (m := _NAME.match(p.name)) and (p / MANIFEST).is_file())
+    found = sorted((step, p) for p in entries
+                   if (step := step_of_name(p.name)) is not None and (p / MANIFEST).is_file())
     return [p for _, p in found]
 
 
@@ -299,7 +300,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 def prune(root: Path, keep_last: int, keep: Path) -> None:
     """Delete all but the ``keep_last`` newest checkpoints in ``root`` (never ``keep``)."""
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+    found = sorted((step, p) for p in root.iterdir() if (step := step_of_name(p.name)) is not None and p.is_dir())
     doomed = [p for _, p in found[: max(len(found) - keep_last, 0)] if p.resolve() != keep.resolve()]
     for path in doomed:
         # Rename first: a crash mid-delete then leaves a hidden directory, never a damaged checkpoint.

@@ -196,15 +196,19 @@ class BufferLayout:
         buckets: list[BucketSlot] = []
         start = 0
         members: list[tuple[str, tuple[int, ...], int]] = []  # the open bucket: (name, shape, numel)
+        loads = [0] * dp_size  # its shards, as arriving parameters fill them (close() re-plans them)
+        held = largest = 0  # its elements, its largest parameter's
+
+        def least_loaded(shard_loads: list[int]) -> int:
+            return shard_loads.index(min(shard_loads))  # ties: the lower rank
 
         def close() -> None:
-            nonlocal start, members
-            loads, owner = [0] * dp_size, {}
+            nonlocal start, members, loads, held, largest
+            final, owner = [0] * dp_size, {}
             for i in sorted(range(len(members)), key=lambda i: (-members[i][2], i)):
-                rank = min(range(dp_size), key=lambda r: (loads[r], r))
-                owner[i] = rank
-                loads[rank] += _align_up(members[i][2], param_align)
-            shard = _align_up(max(max(loads), 1) * dp_size, multiple) // dp_size
+                owner[i] = rank = least_loaded(final)
+                final[rank] += _align_up(members[i][2], param_align)
+            shard = _align_up(max(max(final), 1) * dp_size, multiple) // dp_size
             index, order, unpadded = len(buckets), [], 0
             for rank in range(dp_size):
                 at = start + rank * shard
@@ -215,26 +219,21 @@ class BufferLayout:
                         unpadded = at + numel - start
                         at += _align_up(numel, param_align)
             buckets.append(BucketSlot(index, start, shard * dp_size, shard, tuple(order), unpadded))
-            start, members = start + shard * dp_size, []
+            start, members, loads, held, largest = start + shard * dp_size, [], [0] * dp_size, 0, 0
 
-        loads = [0] * dp_size  # the open bucket's shards, as arriving parameters fill them (close() re-plans)
         for name, shape in params:
             numel = math.prod(shape)
             alone = name in rule.alone
-            held = sum(m[2] for m in members)
-            enough = members and bucket_size is not None and held >= max(
-                bucket_size, dp_size * max(m[2] for m in members))
+            enough = bucket_size is not None and held >= max(bucket_size, dp_size * largest)
             # a parameter that fits in the padding the shards already need joins a bucket that is full enough
             absorbed = min(loads) + numel <= _align_up(max(loads), param_align)
             if members and (alone or (enough and not absorbed)):
                 close()
-                loads = [0] * dp_size
             members.append((name, tuple(int(s) for s in shape), numel))
-            rank = loads.index(min(loads))
-            loads[rank] += _align_up(numel, param_align)
+            loads[least_loaded(loads)] += _align_up(numel, param_align)
+            held, largest = held + numel, max(largest, numel)
             if alone:
                 close()
-                loads = [0] * dp_size
         if members:
             close()
         return cls(tuple(slots[name] for name, _ in params), tuple(buckets), start, dp_size)
@@ -242,11 +241,7 @@ class BufferLayout:
     @cached_property
     def holds_whole(self) -> bool:
         """Every parameter lies inside one rank's shard of its bucket (a reduce-scatter gives it whole)."""
-        for p in self.params:
-            b = self.buckets[p.bucket]
-            if p.numel and (p.offset - b.offset) // b.shard_numel != (p.end - 1 - b.offset) // b.shard_numel:
-                return False
-        return True
+        return all(self.owner_of(p.name) is not None for p in self.params)
 
     def owner_of(self, name: str) -> int | None:
         """The rank whose shard holds parameter ``name`` whole, or None when shards cut it."""

@@ -154,8 +154,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                                          param_indices: Sequence[int] | None = None) -> PerBufferParamLayout:
         """Megatron's: one buffer's whole-shard layout (``params`` in forward order), as the face's wrapper lays
         it out (the core's packing: module docstring of ``param_and_grad_buffer``)."""
-        return plan_buffer(params, bucket_size, data_parallel_world_size, whole=True, indices=param_indices,
-                           high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
+        return plan_buffer(params, bucket_size, data_parallel_world_size, ddp_config, whole=True,
+                           indices=param_indices)
 
     @staticmethod
     def compute_full_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,

@@ -391,8 +391,8 @@ class DistributedOptimizer(BucketRanges, MixedPrecisionOptimizer):
                                          data_parallel_world_size: int, ddp_config: Any,
                                          param_indices: Sequence[int] | None = None) -> PerBufferParamLayout:
         """Megatron's: one buffer's distributed-optimizer layout (``params`` in forward order)."""
-        return plan_buffer(params, bucket_size, data_parallel_world_size, whole=False, indices=param_indices,
-                           high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
+        return plan_buffer(params, bucket_size, data_parallel_world_size, ddp_config, whole=False,
+                           indices=param_indices)
 
     @property
     def optimizer_state_keys(self) -> tuple[str, ...]:

@@ -151,14 +151,15 @@ def _per_buffer(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards:
         num_optimizer_shards=shards)
 
 
-def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size: int, *, whole: bool,
-                indices: Sequence[int] | None = None, high_nccl_busbw: bool = False) -> PerBufferParamLayout:
+def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size: int, ddp_config: Any, *,
+                whole: bool, indices: Sequence[int] | None = None) -> PerBufferParamLayout:
     """The distributed-optimizer layout of one buffer's ``params`` (forward order) as the face's wrapper builds
-    it: the core's plan with Megatron's bucket rule, split across ``dp_size`` ranks; ``whole``: each parameter
-    whole inside one rank's shard (the layer-wise optimizer's buffers)."""
+    it from ``ddp_config``: the core's plan with Megatron's bucket rule, split across ``dp_size`` ranks;
+    ``whole``: each parameter whole inside one rank's shard (the layer-wise optimizer's buffers)."""
     backward = list(reversed(params))
     named = [(str(i), p) for i, p in enumerate(backward)]
-    rule = megatron_bucketing_for(named, distributed_optimizer=True, high_nccl_busbw=high_nccl_busbw)
+    rule = megatron_bucketing_for(named, distributed_optimizer=True,
+                                  high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
     plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp_size, bucket_size=bucket_size,
                              bucketing=rule, whole=whole)
     return _per_buffer(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
@@ -193,8 +194,7 @@ def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int |
         dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert_parallel \
             else data_parallel_world_size
         whole = whole_for_layer_wise and key.is_managed_by_layer_wise_optimizer
-        layouts[key] = plan_buffer(members, bucket_size, dp, whole=whole, indices=indices,
-                                   high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
+        layouts[key] = plan_buffer(members, bucket_size, dp, ddp_config, whole=whole, indices=indices)
     return FullParamLayout(layouts)
 
 
