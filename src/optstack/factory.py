@@ -23,12 +23,14 @@ from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
+from optstack.plan import ParamPlan, Topology, specs_of
 from optstack.rules import Resolved, Rule, check_names_available, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
 from optstack.stage import Direct, Masters, Precision, Remainders, Stage, layerwise_stage, replicated_stage, zero1_stage
 from optstack.stage.dtensor import check_dtensor_params, dtensor_stage, is_dtensor
 
-__all__ = ["BuiltOptimizer", "algorithm_kwargs", "build_optimizer", "default_rules", "wrap_data_parallel"]
+__all__ = ["BuiltOptimizer", "algorithm_kwargs", "build_optimizer", "default_rules", "topology_of",
+           "wrap_data_parallel"]
 
 GradOf = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -45,7 +47,7 @@ def default_rules(config: OptimizerConfig) -> list[Rule]:
             config.mup_width_mult, family=family if family in ("adam", "sgd", "muon", "lion") else "adam",
             lr=config.lr, min_lr=config.min_lr, eps=config.adam.eps if family == "adam" else None, **decoupled,
         )
-    if family == "muon":
+    if get_algorithm(config.algorithm).capabilities.whole_matrices:
         rules.append(muon_routing_rule(config.muon.scalar_algorithm))
     return rules
 
@@ -63,32 +65,39 @@ def wrap_data_parallel(
     overlapped reduction; sharded gradients for ZeRO-1). ``groups`` defaults to the whole initialised
     world as data-parallel (a single process without torch.distributed works too).
 
-    Under ZeRO-1 with Muon the matrices ``rules`` (default ``default_rules(config)``, pass the ones
-    ``build_optimizer`` gets) route to Muon are laid out whole in one rank's reduce-scatter shard each
-    (whole-shard buffers): each rank receives the whole reduced gradients of the matrices it owns, steps them
-    and all-gathers, half the gradient traffic of an all-reduce; the rest is sharded as usual."""
+    The buffers are laid out by a ``ParamPlan`` of ``config`` and ``rules`` (default ``default_rules(config)``;
+    pass the ones ``build_optimizer`` gets), kept as ``ddp.plan``. Under ZeRO-1 the matrices an algorithm needing
+    whole matrices (Muon) steps go whole into one rank's reduce-scatter shard each (whole-shard buffers: each
+    rank receives the whole reduced gradients of the matrices it owns, steps them and all-gathers, half the
+    gradient traffic of an all-reduce), unless that pads the buffers by more than 5% or leaves ranks without a
+    matrix: then they stay in ordinary buffers reduced whole, stepped by owners balanced by Newton-Schulz cost
+    (``optstack.plan``; ``optstack plan`` shows the choice and why)."""
     d = config.distributed
     named = named_parameters(model)
     _refuse_dtensor(named, "wrap_data_parallel")
-    whole_shards = None
-    if d.sharding == "zero1" and get_algorithm(config.algorithm).family == "muon":
-        resolved = resolve(named, default_rules(config) if rules is None else rules)
-        muon = {id(p) for n, p in named
-                if get_algorithm(resolved[n].settings.get("algorithm", config.algorithm)).family == "muon"}
-        whole_shards = lambda name, p: id(p) in muon  # noqa: E731
     if groups is None:
         check_launched_world("wrap_data_parallel")
         groups = ParallelGroups.from_world() if is_initialized() else ParallelGroups.single()
+    grad_dtype = dtype_from_name(d.grad_dtype, "distributed.grad_dtype") if d.grad_dtype else None
+    resolved = resolve(named, default_rules(config) if rules is None else rules)
+    plan = ParamPlan.build(config, specs_of(named), resolved, topology_of(groups), grad_dtype=grad_dtype)
     return DataParallel(
         model,
         groups=groups,
-        bucket_size=d.bucket_size if d.bucket_size is not None else 40_000_000,
-        grad_dtype=dtype_from_name(d.grad_dtype, "distributed.grad_dtype") if d.grad_dtype else None,
+        bucket_size=plan.bucket_size,
+        grad_dtype=grad_dtype,
         overlap_grad_reduce=d.overlap_grad_reduce,
         shard_grads=d.sharding == "zero1",
         average=d.average_in_collective,
-        whole_shards=whole_shards,
+        plan=plan,
     )
+
+
+def topology_of(groups: ParallelGroups) -> Topology:
+    """The ``Topology`` (numbers) of live process groups."""
+    dp = groups.dp.size
+    return Topology(dp=dp, rank=groups.dp.rank, ep=max(1, dp // groups.expert_dp.size), tp=groups.tp.size,
+                    pp=groups.pp.size)
 
 
 @dataclass(frozen=True)
@@ -169,8 +178,12 @@ def build_optimizer(
         # parallelism where ranks hold different layers.
         keys = union_group_keys(keys, world_comm("group-keys"))
     groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys)
+    plan = ParamPlan.build(config, specs_of(named), resolved,
+                           topology_of(ddp.groups) if ddp is not None else Topology(), keys=keys,
+                           wrapped=ddp is not None, dtensor=dtensor) if ddp is None or ddp.plan is None \
+        else _reuse_plan(ddp.plan, config, named, resolved, keys)
     optimizer = ChainedOptimizer(
-        _build_stages(groups, config, grad_of, ddp, world_comm("dtensor") if dtensor else None),
+        _build_stages(groups, config, grad_of, ddp, plan, world_comm("dtensor") if dtensor else None),
         scaler=config.loss_scale.build(config.precision),  # dynamic by default for fp16, else none
         clip_grad=config.clip_grad,
         norm_type=config.norm_type,
@@ -248,7 +261,7 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
             "chunk (e.g. nn.ModuleList(chunks)) in one DataParallel"
         )
     ddp = wrapped[0]
-    if sharding == "zero1" and not ddp.shard_grads and get_algorithm(config.algorithm).family != "muon":
+    if sharding == "zero1" and not ddp.shard_grads and not get_algorithm(config.algorithm).capabilities.whole_matrices:
         raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
                          "with wrap_data_parallel(config, model)")
     # stages stepping whole parameters over a wrapper that shards gradients: _build_stages has it all-reduce
@@ -269,25 +282,31 @@ def _stage_precision(config: OptimizerConfig, family: str) -> Precision:
     return Masters(copy_grads=copy_grads, host_fraction=offload.fraction if offload.enabled else 0.0)
 
 
+def _reuse_plan(plan: ParamPlan, config: OptimizerConfig, named: Sequence[tuple[str, torch.Tensor]],
+                resolved: Mapping[str, Resolved], keys: Sequence[Any]) -> ParamPlan:
+    """The wrapper's plan when ``build_optimizer`` plans the same (settings, groups); else a plan of its own over
+    the wrapper's topology (the stages then follow what the wrapper holds, ``_build_stages``)."""
+    mine = ParamPlan.build(config, specs_of(named), resolved, plan.topology, keys=keys)
+    return plan if mine.digest() == plan.digest() else mine
+
+
 def _build_stages(
     groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None,
-    dtensor: Comm | NullComm | None = None,
+    plan: ParamPlan, dtensor: Comm | NullComm | None = None,
 ) -> list[Stage]:
-    """One stage per (algorithm, dense/expert), in first-appearance order of the groups; ``ddp`` (the wrapped
-    model) makes them distributed as ``config.distributed.sharding`` says; ``dtensor`` (the ranks of a DTensor
-    model) makes them DTensor stages."""
-    kinds: dict[tuple[str, bool], list[dict[str, Any]]] = {}
-    for group in groups:
-        name = group.get("algorithm", config.algorithm)
-        get_algorithm(name)  # unknown names fail here, listing the known ones
-        # The inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step.
-        g = dict(group)
-        g.setdefault("lr", g["max_lr"] * g["lr_mult"])
-        g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
-        kinds.setdefault((name, g["is_expert_parallel"]), []).append(g)
+    """One stage per ``plan.stages`` entry (an algorithm over dense or expert groups), placed as the plan says;
+    ``ddp`` (the wrapped model) supplies the buffers, ``dtensor`` (the ranks of a DTensor model) the group."""
     stages: list[Stage] = []
-    masters, sharding = config.precision != "fp32", config.distributed.sharding
-    for (name, expert), kind_groups in kinds.items():
+    masters = config.precision != "fp32"
+    for index_of_stage, planned in enumerate(plan.stages):
+        name, expert = planned.algorithm, planned.expert
+        kind_groups = []
+        for index in planned.groups:
+            # The inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step.
+            g = dict(groups[index])
+            g.setdefault("lr", g["max_lr"] * g["lr_mult"])
+            g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
+            kind_groups.append(g)
         if ddp is None and dtensor is None and not any(g["params"] for g in kind_groups):
             continue
         spec = get_algorithm(name)
@@ -295,35 +314,35 @@ def _build_stages(
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
         # (under fp32 the sharded stages keep Masters, which steps fp32 pieces directly; replicated says Direct)
         precision = _stage_precision(config, spec.family)
-        if dtensor is not None:
+        params = [p for g in kind_groups for p in g["params"]]
+        placement = planned.placement
+        if placement in ("dtensor", "dtensor_owner"):
+            assert dtensor is not None
             stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=precision if masters else Direct(),
-                                  whole_matrices=spec.family == "muon")
+                                  whole_matrices=placement == "dtensor_owner")
         elif ddp is None:
             stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision if masters else Direct())
-        elif sharding == "zero1" and spec.family == "muon":
-            # ZeRO-1 for Muon is whole-matrix ownership: each matrix and its state on one rank. Over whole-shard
-            # buffers (wrap_data_parallel) that is a ZeRO-1 stage whose ranges are whole matrices; else the
-            # layer-wise placement over whole reduced gradients (Newton-Schulz needs whole matrices).
-            params = [p for g in kind_groups for p in g["params"]]
-            if ddp.shard_grads and ddp.holds_whole(params):
-                stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
-                                    overlap_param_gather=config.distributed.overlap_param_gather,
-                                    precision=precision)
-            else:
-                if ddp.shard_grads:
-                    ddp.require_whole_grads()
-                stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
-        elif sharding == "zero1":
+        elif placement == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif sharding == "layerwise" and spec.family == "muon":
-            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision)
+        elif placement in ("zero1_whole", "layerwise") and config.distributed.sharding == "zero1" \
+                and ddp.shard_grads and ddp.holds_whole(params):
+            # whole matrices in their owners' reduce-scatter shards: ZeRO-1 over whole matrices
+            stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
+        elif placement in ("zero1_whole", "layerwise"):
+            # owners step whole matrices over whole reduced gradients; a wrapper built without this plan that
+            # shards these gradients is made to reduce them whole (before any backward)
+            if not ddp.reduces_whole(params):
+                ddp.require_whole_grads()
+            owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage
+                      and p.owner is not None} if placement == "layerwise" else None
+            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
+                                    owners=owners if owners and len(owners) == len(params) else None)
         else:
+            if not ddp.reduces_whole(params):
+                ddp.require_whole_grads()  # a hand-built sharding wrapper under a replicated stage
             stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert,
                                      precision=precision if masters else Direct())
         stages.append(stage)
-    if ddp is not None and ddp.shard_grads and any(s.placement.kind == "whole" for s in stages):
-        # Whole parameters need whole reduced gradients: the wrapper all-reduces instead of reduce-scattering
-        # (ZeRO-1 stages over it still find their owned ranges reduced).
-        ddp.require_whole_grads()
     return stages

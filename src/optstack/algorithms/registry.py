@@ -10,6 +10,7 @@ typed ``Any``: ``optstack.config`` builds on this registry, which must not impor
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,11 +19,50 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["AlgorithmSpec", "Family", "KwargsFromConfig", "algorithm_names", "get_algorithm", "register"]
+__all__ = ["AlgorithmSpec", "Capabilities", "Family", "KwargsFromConfig", "algorithm_names", "get_algorithm",
+           "register"]
 
 Family = Literal["adam", "sgd", "lion", "muon", "other"]
 _FAMILIES: tuple[str, ...] = ("adam", "sgd", "lion", "muon", "other")
 _OFFLOADABLE_FAMILIES: tuple[str, ...] = ("adam", "sgd")  # with a host kernel fast enough for offloaded state
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What an algorithm needs of the parameters it steps; placement follows from it (``optstack.plan``).
+
+    Attributes:
+        elementwise: its state and update are per element, so any range of a flat buffer may be stepped alone
+            (ZeRO-1 range shards, DTensor local shards).
+        whole_matrices: it needs whole matrices (Newton-Schulz, preconditioners): under sharding, owner ranks
+            step whole matrices.
+        matrix_ndims: the parameter ranks it takes as matrices (2-D; 3-D stacks of matrices).
+        host_kernel: it has a host kernel fast enough for offloaded state (CPU offload).
+        state: its per-element state tensors, each shaped like the parameter (memory estimates).
+        reads_loss: its step calls the closure (reads a loss).
+    """
+
+    elementwise: bool = True
+    whole_matrices: bool = False
+    matrix_ndims: tuple[int, ...] = (2, 3)
+    host_kernel: bool = False
+    state: tuple[str, ...] = ()
+    reads_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.elementwise and self.whole_matrices:
+            raise ValueError("Capabilities: an algorithm is either elementwise or needs whole_matrices, not both")
+
+
+# What each built-in family declares (a registration may pass its own).
+_FAMILY_CAPABILITIES: dict[str, Capabilities] = {
+    "adam": Capabilities(host_kernel=True, state=("exp_avg", "exp_avg_sq")),
+    "sgd": Capabilities(host_kernel=True, state=("momentum_buffer",)),
+    "lion": Capabilities(state=("exp_avg",)),
+    "muon": Capabilities(elementwise=False, whole_matrices=True, state=("momentum_buffer",)),
+    "other": Capabilities(),
+}
 
 #: An algorithm's own constructor kwargs from an ``OptimizerConfig`` (read from its section, e.g. ``config.adam``).
 KwargsFromConfig = Callable[[Any], Mapping[str, Any]]
@@ -35,10 +75,11 @@ class AlgorithmSpec:
     Attributes:
         name: the registry name (or the plug-in string it was looked up by).
         cls: the ``torch.optim.Optimizer`` subclass; build with ``cls(params, **defaults, **kwargs)``.
-        family: what kind of update it is (the factory and MuP rules use it).
+        family: what kind of update it is (MuP's rules and the precision of its gradients use it).
         defaults: constructor kwargs fixed by the name (e.g. ``adam`` -> ``{"decoupled": False}``).
         offloadable: it has a host kernel, so its state and step can be offloaded to CPU.
         kwargs_from_config: its own constructor kwargs from an ``OptimizerConfig`` (None: only the base ones).
+        capabilities: what it needs of the parameters it steps (placement follows from it, ``optstack.plan``).
     """
 
     name: str
@@ -47,6 +88,7 @@ class AlgorithmSpec:
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     offloadable: bool = False
     kwargs_from_config: KwargsFromConfig | None = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     def kwargs(self, config: Any) -> dict[str, Any]:
         """Constructor kwargs from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, the algorithm's own
@@ -62,6 +104,7 @@ class _Entry:
     defaults: Mapping[str, Any]
     offloadable: bool
     kwargs: KwargsFromConfig | str | None  # a function, or "module:function" imported on first lookup
+    capabilities: Capabilities
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -69,7 +112,8 @@ _REGISTRY: dict[str, _Entry] = {}
 
 def register(name: str, cls: type[torch.optim.Optimizer] | str, *, family: Family,
              defaults: Mapping[str, Any] | None = None, offloadable: bool | None = None,
-             kwargs: KwargsFromConfig | str | None = None) -> None:
+             kwargs: KwargsFromConfig | str | None = None,
+             capabilities: Capabilities | None = None) -> None:
     """Register an algorithm under ``name``.
 
     Args:
@@ -80,6 +124,8 @@ def register(name: str, cls: type[torch.optim.Optimizer] | str, *, family: Famil
         offloadable: has a host kernel; default: True for the adam and sgd families.
         kwargs: its constructor kwargs from an ``OptimizerConfig`` besides ``lr`` and ``weight_decay`` (usually
             its module's ``kwargs_from_config``), or ``"package.module:function"`` to import on first lookup.
+        capabilities: what it needs of its parameters (placement follows from it); default: its family's
+            (element-wise, or whole matrices for "muon"), with ``host_kernel`` = ``offloadable``.
     """
     if not name or ":" in name or name.startswith("torch.optim."):
         raise ValueError(f"register: name must be plain (no ':', no 'torch.optim.' prefix), got {name!r}")
@@ -95,8 +141,13 @@ def register(name: str, cls: type[torch.optim.Optimizer] | str, *, family: Famil
         raise ValueError(f"register: lazy kwargs must be given as 'package.module:function', got {kwargs!r}")
     if not (kwargs is None or isinstance(kwargs, str) or callable(kwargs)):
         raise ValueError(f"register: kwargs must be a function of the config, a lazy path or None, got {kwargs!r}")
-    _REGISTRY[name] = _Entry(cls, family, MappingProxyType(dict(defaults or {})),
-                             family in _OFFLOADABLE_FAMILIES if offloadable is None else offloadable, kwargs)
+    if capabilities is not None and not isinstance(capabilities, Capabilities):
+        raise ValueError(f"register: capabilities must be a Capabilities, got {capabilities!r}")
+    host = (capabilities.host_kernel if capabilities is not None else family in _OFFLOADABLE_FAMILIES) \
+        if offloadable is None else offloadable
+    caps = capabilities if capabilities is not None else _FAMILY_CAPABILITIES[family]
+    caps = dataclasses.replace(caps, host_kernel=host)
+    _REGISTRY[name] = _Entry(cls, family, MappingProxyType(dict(defaults or {})), host, kwargs, caps)
 
 
 def algorithm_names() -> list[str]:
@@ -117,7 +168,7 @@ def get_algorithm(name: str) -> AlgorithmSpec:
         kwargs = _load(name, entry.kwargs) if isinstance(entry.kwargs, str) else entry.kwargs
         if not (kwargs is None or callable(kwargs)):
             raise ValueError(f"algorithm {name!r}: kwargs {entry.kwargs!r} is not a function of the config")
-        return AlgorithmSpec(name, cls, entry.family, entry.defaults, entry.offloadable, kwargs)
+        return AlgorithmSpec(name, cls, entry.family, entry.defaults, entry.offloadable, kwargs, entry.capabilities)
     if name.startswith("torch.optim.") and ":" not in name:
         return AlgorithmSpec(name, _optimizer_class(name, "torch.optim:" + name.removeprefix("torch.optim.")), "other")
     if name.count(":") == 1:

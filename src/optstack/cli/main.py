@@ -1,5 +1,6 @@
-"""The ``optstack`` command: ``optstack groups`` (who gets which settings), ``optstack train`` (the demo) and
-``optstack compare`` (the demo with several optimizers).
+"""The ``optstack`` command: ``optstack groups`` (who gets which settings), ``optstack train`` (the demo),
+``optstack compare`` (the demo with several optimizers) and ``optstack plan`` (who holds and steps what at a
+given scale, ``cli/plan.py``).
 
 User errors (a bad flag value, an unknown config key, a missing data path, ...) print one message and exit
 with status 2, without a traceback; set ``OPTSTACK_DEBUG=1`` to see the traceback anyway. Ctrl-C during
@@ -327,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizers", default="adamw,muon,lion", help="comma-separated (default adamw,muon,lion)")
     c.add_argument("--out", help="comparison directory (default runs/compare-<date>-<time>)")
     c.set_defaults(func=cmd_compare, command_parser=c)
+
+    from optstack.cli.plan import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -291,6 +291,9 @@ class BufferKey:
     is_expert: bool
     #: every parameter whole inside one rank's shard (``BufferLayout.plan(whole=True)``)
     whole: bool = False
+    #: reduced whole on every rank (all-reduce) even where gradients are sharded: the stage stepping these
+    #: parameters needs whole gradients (``optstack.plan``)
+    all_reduce: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -325,7 +328,8 @@ class ParamAndGradBuffer:
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
                  bucket_size: int | None, grad_dtype: torch.dtype | None = None, is_expert: bool = False,
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
-                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None, whole: bool = False) -> None:
+                 local_grad_dtypes: Mapping[str, torch.dtype] | None = None, whole: bool = False,
+                 all_reduce: bool = False) -> None:
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         first = named_params[0][1]
@@ -333,7 +337,7 @@ class ParamAndGradBuffer:
             if p.dtype != first.dtype or p.device != first.device:
                 raise ValueError(f"a buffer holds one dtype on one device; {name!r} is {p.dtype} on "
                                  f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
-        self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert, whole)
+        self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert, whole, all_reduce)
         self.layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
                                         bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
                                         bucketing=bucketing, whole=whole)
@@ -446,11 +450,13 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
                   shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                   local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
-                  whole: Callable[[str, nn.Parameter], bool] | None = None) -> list[ParamAndGradBuffer]:
+                  whole: Callable[[str, nn.Parameter], bool] | None = None,
+                  all_reduce: Callable[[str, nn.Parameter], bool] | None = None) -> list[ParamAndGradBuffer]:
     """One ``ParamAndGradBuffer`` per ``BufferKey`` of ``named_params`` (backward order), in order of first use;
     ``is_expert`` ones split across ``expert_dp_size`` ranks; buckets cut as ``bucketing`` says; the parameters
     named in ``local_grad_dtypes`` accumulate locally in that dtype (``ParamAndGradBuffer``); those ``whole``
-    chooses in buffers of their own, each whole inside one rank's shard.
+    chooses in buffers of their own, each whole inside one rank's shard; those ``all_reduce`` chooses in buffers
+    of their own, reduced whole (``BufferKey.all_reduce``).
 
     Raises:
         ValueError: a ``local_grad_dtypes`` name that is not in ``named_params``, or a dtype not floating-point.
@@ -465,10 +471,11 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         in_whole = whole is not None and bool(whole(name, p))
-        key = BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p)), in_whole)
+        reduced_whole = all_reduce is not None and bool(all_reduce(name, p))
+        key = BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p)), in_whole, reduced_whole)
         groups.setdefault(key, []).append((name, p))
     return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
                                bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
                                shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-                               local_grad_dtypes=local_grad_dtypes, whole=key.whole)
+                               local_grad_dtypes=local_grad_dtypes, whole=key.whole, all_reduce=key.all_reduce)
             for key, members in groups.items()]

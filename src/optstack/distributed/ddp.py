@@ -21,11 +21,12 @@ import atexit
 import bisect
 import contextlib
 import functools
+import hashlib
 import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -34,6 +35,10 @@ from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer, 
 from optstack.distributed.comm import Comm, Handle, NullComm, is_initialized
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather_via, plan_bucket_gathers
+from optstack.names import named_parameters
+
+if TYPE_CHECKING:
+    from optstack.plan import ParamPlan
 
 __all__ = ["DataParallel", "check_launched_world", "is_expert_param"]
 
@@ -99,6 +104,10 @@ class DataParallel(nn.Module):
         whole_shards: (name, parameter) -> whether it goes to a whole-shard buffer: laid out whole inside one
             rank's shard (``buffers.py``), so with ``shard_grads`` a reduce-scatter gives its owner the whole
             reduced gradient and a stage stepping whole matrices (Muon) is ZeRO-1 over it (``holds_whole``).
+        plan: the ``optstack.plan.ParamPlan`` to lay the buffers out by (``wrap_data_parallel`` passes one):
+            which parameters go whole into their owners' shards and which buffers are reduced whole (all-reduce,
+            for stages stepping whole parameters) are fixed by it here, never changed later. Instead of
+            ``whole_shards``.
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -113,7 +122,8 @@ class DataParallel(nn.Module):
                  shard_group: Comm | NullComm | None = None,
                  cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False,
                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
-                 whole_shards: Callable[[str, nn.Parameter], bool] | None = None) -> None:
+                 whole_shards: Callable[[str, nn.Parameter], bool] | None = None,
+                 plan: ParamPlan | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -144,11 +154,19 @@ class DataParallel(nn.Module):
         self._named = named = _trainable(module)
         _check_same_params(self.groups.dp, [(n, p) for n, p in named if not is_expert_param(p)], "dense")
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
+        #: the plan the buffers were laid out by (None: built from the arguments alone)
+        self.plan = plan
+        all_reduce = None
+        if plan is not None:
+            if whole_shards is not None:
+                raise ValueError("DataParallel: pass plan or whole_shards, not both (the plan says which "
+                                 "parameters are laid out whole)")
+            whole_shards, all_reduce = _plan_choices(plan, module, shard_grads)
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
             list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
             bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
             shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-            local_grad_dtypes=local_grad_dtypes, whole=whole_shards)
+            local_grad_dtypes=local_grad_dtypes, whole=whole_shards, all_reduce=all_reduce)
         self._data_ptrs = [p.data_ptr() for _, p in named]
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
@@ -262,7 +280,7 @@ class DataParallel(nn.Module):
         op = "avg" if self.divide_after_sum else "sum"
         if self.divide_after_sum and comm.size != self.groups.dp.size:  # expert: 1 / dp overall, as dense
             bucket.grad_data.mul_(comm.size / self.groups.dp.size)
-        whole = self._force_all_reduce or self._whole_grads
+        whole = self._force_all_reduce or self._whole_grads or buf.key.all_reduce
         if self._partial(buf) and not whole:
             handle = self._reduce_in_part(buf, bucket, op)
         elif self.shard_grads and not whole and self._sharded_via(comm) == "reduce_scatter":
@@ -292,6 +310,14 @@ class DataParallel(nn.Module):
     def whole_grads(self) -> bool:
         """Every bucket is reduced whole on every rank (no ``shard_grads``, or ``require_whole_grads``)."""
         return self._whole_grads or not self.shard_grads
+
+    def reduces_whole(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether every one of ``params`` gets its whole reduced gradient on every rank: no ``shard_grads``, or
+        its buffer is reduced whole (the plan said so at construction, or ``require_whole_grads``)."""
+        if self.whole_grads:
+            return True
+        entries = [self._slot_of_param.get(id(param)) for param in params]
+        return all(e is not None and e[1].key.all_reduce for e in entries)
 
     def _partial(self, buf: ParamAndGradBuffer) -> bool:
         """Whether ``buf`` is sharded over a part of the group it is reduced over (a partial ZeRO-1)."""
@@ -423,7 +449,7 @@ class DataParallel(nn.Module):
         rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
         optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
         for buf in self.param_and_grad_buffers:
-            whole = self._whole_grads or not (self.shard_grads and (
+            whole = self._whole_grads or buf.key.all_reduce or not (self.shard_grads and (
                 self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter" or self._partial(buf)))
             if whole and buf.key.grad_dtype == buf.key.param_dtype:
                 for p in buf.params:
@@ -626,6 +652,27 @@ def _wait_for(gathers: list[Any], module: nn.Module, args: Any) -> None:
         gather.wait()
 
 
+def _plan_choices(plan: ParamPlan, module: nn.Module, shard_grads: bool) -> tuple[
+        Callable[[str, nn.Parameter], bool], Callable[[str, nn.Parameter], bool] | None]:
+    """The buffer choices ``plan`` fixes, by parameter identity (the plan names parameters as
+    ``optstack.names.named_parameters`` does; the wrapper's own names may carry ``_orig_mod``)."""
+    named = named_parameters(module)
+    mine = [(n, tuple(int(s) for s in p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
+    planned = [spec.key()[:3] for spec in (p.spec for p in plan.params)]
+    if mine != planned:
+        pairs = enumerate(zip(mine, planned, strict=False))
+        i = next((k for k, (a, b) in pairs if a != b), min(len(mine), len(planned)))
+        a, b = (x[i] if i < len(x) else "no parameter" for x in (mine, planned))
+        raise ValueError(f"DataParallel: the plan was built for other parameters: at position {i} the module has "
+                         f"{a} but the plan {b}; build the plan from this module (wrap_data_parallel does)")
+    if plan.sharding == "zero1" and not shard_grads:
+        raise ValueError("DataParallel: the plan shards gradients (sharding='zero1'); pass shard_grads=True")
+    by_name = dict(named)
+    whole = {id(by_name[n]) for n in plan.whole_shard_names()}
+    reduced = {id(by_name[n]) for n in plan.all_reduced_names()} if shard_grads else set()
+    return (lambda name, p: id(p) in whole), ((lambda name, p: id(p) in reduced) if reduced else None)
+
+
 def _device_of(buffers: Sequence[ParamAndGradBuffer]) -> torch.device:
     return buffers[0].param_data.device if buffers else torch.device("cpu")
 
@@ -635,10 +682,17 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
+    """Every rank of ``comm`` wraps the same parameters (names, shapes, dtypes, in order). Ranks exchange a
+    32-byte digest (O(world) bytes, whatever the model); only when digests differ do they exchange the lists, to
+    name the first difference."""
     if comm.size == 1:
         return
     dtype_names = {dtype: str(dtype).removeprefix("torch.") for dtype in {p.dtype for _, p in named}}
-    everyone = comm.all_gather_object([(n, tuple(p.shape), dtype_names[p.dtype]) for n, p in named])
+    mine = [(n, tuple(p.shape), dtype_names[p.dtype]) for n, p in named]
+    digest = hashlib.sha256(repr(mine).encode()).digest()
+    if all(d == digest for d in comm.all_gather_object(digest)):
+        return
+    everyone = comm.all_gather_object(mine)
     ref = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == ref:

@@ -6,7 +6,7 @@ the general form.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from optstack.distributed.comm import Comm, NullComm
@@ -71,11 +71,13 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
                     ddp: DataParallel | None = None, comm: Comm | NullComm | None = None, expert: bool = False,
                     grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (), tp_rank: int = 0,
                     cost: Callable[[Sequence[int]], float] = newton_schulz_cost,
-                    precision: Precision | None = None) -> Stage:
+                    precision: Precision | None = None, owners: Mapping[str, int] | None = None) -> Stage:
     """Whole parameters stepped by owner ranks of ``comm`` (or of ``ddp``'s data-parallel group: gradients
-    from its buffers, which must not be sharded), then broadcast (see ``LayerWise``)."""
+    from its buffers, which must be reduced whole), then broadcast (see ``LayerWise``); ``owners``: parameter
+    name -> owner rank (a plan's), else balanced by ``cost`` here."""
     if ddp is not None:
-        if ddp.shard_grads and not ddp.whole_grads:
+        params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
+        if not ddp.reduces_whole(params):
             raise ValueError("the layer-wise stage needs every rank to hold complete gradients; build the "
                              "DataParallel wrapper with shard_grads=False, or call ddp.require_whole_grads()")
         g = ddp.groups
@@ -84,6 +86,6 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
     if comm is None:
         raise ValueError("layerwise_stage needs comm= (the data-parallel group) or ddp=")
     placement = LayerWise(comm=comm, grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank,
-                          device=ddp.device if ddp is not None else None, cost=cost)
+                          device=ddp.device if ddp is not None else None, cost=cost, owners=owners)
     return Stage(param_groups, make_optimizer, placement=placement,
                  precision=precision if precision is not None else Masters())

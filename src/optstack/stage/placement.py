@@ -239,6 +239,7 @@ class LayerWise(Placement):
     Args:
         comm: the data-parallel group the parameters are spread over.
         cost: a parameter's update cost from its shape (balances the assignment).
+        owners: parameter name -> owner rank, decided beforehand (``optstack.plan``); None: balanced by ``cost``.
         other arguments: as ``Placement``.
     """
 
@@ -247,17 +248,27 @@ class LayerWise(Placement):
 
     def __init__(self, *, comm: Comm | NullComm, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (),
                  tp_rank: int = 0, device: torch.device | None = None,
-                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
+                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost,
+                 owners: Mapping[str, int] | None = None) -> None:
         super().__init__(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
         self.dp = self.shard_comm = comm
         self.cost = cost
+        self._planned = dict(owners) if owners is not None else None
         self.owners: list[int] = []
         self._all: list[torch.Tensor] = []
         self._broadcast: OwnerBroadcast | None = None
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         self._all = [p for group in params for p in group]
-        self.owners = assign_params([self.cost(tuple(p.shape)) for p in self._all], self.dp.size)
+        if self._planned is not None:
+            flat = [n for group in names for n in group]
+            missing = [n for n in flat if n not in self._planned]
+            if missing or any(not 0 <= self._planned[n] < self.dp.size for n in flat):
+                raise ValueError(f"LayerWise: the owners given do not cover these parameters with ranks in "
+                                 f"[0, {self.dp.size}) (e.g. {(missing or flat)[0]!r}); plan them for this group")
+            self.owners = [self._planned[n] for n in flat]
+        else:
+            self.owners = assign_params([self.cost(tuple(p.shape)) for p in self._all], self.dp.size)
         self._broadcast = OwnerBroadcast(self.dp, self._all, self.owners)
         owner = iter(self.owners)
         return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True) if next(owner) == self.dp.rank]

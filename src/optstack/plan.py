@@ -1,0 +1,437 @@
+"""``ParamPlan``: who holds and steps which parameter, decided once, before any wrapper, buffer or stage exists.
+
+A pure, deterministic function of the parameter specs (name, shape, dtype, expert flag: it runs on meta tensors
+or on shapes alone), their resolved settings, the config and a ``Topology`` given as numbers. For every parameter
+it records its group, algorithm, placement, buffer, bucket, offset and owner rank; the data-parallel wrapper lays
+its buffers out from it, the factory builds one stage per ``PlannedStage`` from it, and ``optstack plan`` prints
+what it costs per rank. Every rank computes the same plan; ranks agree on it by exchanging ``digest()``, never the
+lists themselves.
+
+Placement follows from the algorithm's declared capabilities (``algorithms.registry.Capabilities``) and
+``config.distributed.sharding``, in ``placement_of``. Where an algorithm needs whole matrices under ZeRO-1 the plan
+computes both layouts and picks (``choose_whole_matrix_layout``): the matrices whole inside their owners'
+reduce-scatter shards (whole-shard buffers: a reduce-scatter hands each owner whole gradients), unless that pads
+the buffers by more than ``WHOLE_SHARD_MAX_PADDING`` or leaves ranks without a matrix, in which case the matrices
+stay in ordinary (element-cut, unpadded) buffers that are all-reduced, and owners balanced by Newton-Schulz cost
+step them whole (layer-wise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+import torch
+
+from optstack.algorithms.registry import Capabilities, get_algorithm
+from optstack.distributed.buffers import Bucketing, BufferLayout
+from optstack.groups import GroupKey, group_keys
+from optstack.rules import Resolved
+
+__all__ = ["ParamSpec", "Placement", "PlannedBuffer", "PlannedParam", "PlannedStage", "ParamPlan", "Topology",
+           "WHOLE_SHARD_MAX_PADDING", "WHOLE_SHARD_PADDING_FLOOR", "choose_whole_matrix_layout", "pack_owners",
+           "placement_of", "spec_digest", "specs_of"]
+
+#: the whole-shard layout is used while it pads its buffers by at most this fraction ...
+WHOLE_SHARD_MAX_PADDING = 0.05
+#: ... or by at most this many elements in all (padding that small costs nothing worth a layer-wise step)
+WHOLE_SHARD_PADDING_FLOOR = 1 << 20
+
+Placement = Literal["replicated", "zero1", "zero1_whole", "layerwise", "dtensor", "dtensor_owner"]
+Reduction = Literal["all_reduce", "reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the plan knows of one parameter: no tensor, so a 100B model plans on a laptop."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def key(self) -> tuple[str, tuple[int, ...], str, bool]:
+        """A canonical, printable form (digests, error messages)."""
+        return (self.name, self.shape, str(self.dtype).removeprefix("torch."), self.expert)
+
+
+def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    """Specs of ``(name, parameter)`` pairs (meta tensors work); Megatron's ``allreduce = False`` marks experts."""
+    return [ParamSpec(n, tuple(int(s) for s in p.shape), p.dtype, not getattr(p, "allreduce", True))
+            for n, p in named]
+
+
+def spec_digest(specs: Sequence[ParamSpec]) -> bytes:
+    """32 bytes that differ when the specs (names, shapes, dtypes, expert flags, order) differ."""
+    h = hashlib.sha256()
+    for spec in specs:
+        h.update(repr(spec.key()).encode())
+        h.update(b"\0")
+    return h.digest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """The world as numbers (no process groups): data-parallel size, this rank's data-parallel rank,
+    distributed-optimizer instances (dense gradients sharded over ``dp // instances`` ranks), expert parallelism
+    (expert gradients sharded over ``dp // ep``), and the model-parallel sizes."""
+
+    dp: int = 1
+    rank: int = 0
+    instances: int = 1
+    ep: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "instances", "ep", "tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Topology.{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.rank < self.dp:
+            raise ValueError(f"Topology.rank must be in [0, dp={self.dp}), got {self.rank}")
+        for name in ("instances", "ep"):
+            if self.dp % getattr(self, name):
+                raise ValueError(f"Topology.{name}={getattr(self, name)} must divide dp={self.dp}")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a dense bucket is split across (one distributed-optimizer instance)."""
+        return self.dp // self.instances
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks an expert bucket is split across."""
+        return self.dp // self.ep
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def placement_of(capabilities: Capabilities, sharding: str, *, wrapped: bool, dtensor: bool = False) -> Placement:
+    """Where an algorithm's parameters are stepped, from what it declares and ``config.distributed.sharding``.
+
+    ``zero1`` for an algorithm needing whole matrices means owners stepping whole matrices: ``zero1_whole``
+    here, which ``choose_whole_matrix_layout`` may turn into ``layerwise``."""
+    if dtensor:
+        return "dtensor_owner" if capabilities.whole_matrices else "dtensor"
+    if not wrapped:
+        return "replicated"
+    if capabilities.whole_matrices:
+        return {"zero1": "zero1_whole", "layerwise": "layerwise"}.get(sharding, "replicated")  # type: ignore
+    return "zero1" if sharding == "zero1" and capabilities.elementwise else "replicated"
+
+
+def pack_owners(costs: Sequence[float], ranks: int) -> list[int]:
+    """Owner rank of each item: the makespan of largest-first-to-least-loaded (the optimum within the largest
+    cost), then the items packed largest first into as few ranks as that makespan allows (first fit), so that
+    the ranks holding work hold about equal work; where first fit needs more ranks, the greedy assignment."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    for index, cost in enumerate(costs):
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
+            raise ValueError(f"costs[{index}] must be a finite number >= 0, got {cost!r}")
+    from optstack.stage.placement import assign_params  # the greedy rule the layer-wise placement has always used
+
+    greedy = assign_params(list(costs), ranks)
+    loads = [0.0] * ranks
+    for cost, owner in zip(costs, greedy, strict=True):
+        loads[owner] += cost
+    capacity = max(loads, default=0.0)
+    bins: list[float] = []
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        slot = next((b for b, load in enumerate(bins) if load + costs[i] <= capacity * (1 + 1e-9)), None)
+        if slot is None:
+            if len(bins) == ranks:
+                return greedy
+            bins.append(0.0)
+            slot = len(bins) - 1
+        bins[slot] += costs[i]
+        owners[i] = slot
+    return owners
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> float:
+    """One whole-matrix update's cost (``stage.placement.newton_schulz_cost``)."""
+    from optstack.stage.placement import newton_schulz_cost as cost
+
+    return cost(shape)
+
+
+@dataclass(frozen=True)
+class PlannedBuffer:
+    """One contiguous parameter + gradient buffer: its key, layout, the ranks its buckets split across and how its
+    gradients are reduced (``reduce_scatter``: each rank needs only its shard; ``all_reduce``: whole gradients)."""
+
+    index: int
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    expert: bool
+    whole: bool
+    reduction: Reduction
+    layout: BufferLayout
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(slot.name for slot in self.layout.params)
+
+    @property
+    def padding(self) -> int:
+        """Elements of the buffer that hold no parameter."""
+        return self.layout.numel - sum(slot.numel for slot in self.layout.params)
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One optimizer stage: an algorithm over dense or expert groups, its placement, and why."""
+
+    algorithm: str
+    expert: bool
+    placement: Placement
+    groups: tuple[int, ...]
+    why: str
+
+
+@dataclass(frozen=True)
+class PlannedParam:
+    """One parameter's row of the plan. ``owner``: the data-parallel rank stepping it whole (whole-matrix
+    placements), else None; ``buffer`` / ``bucket`` / ``offset``: where it lives in the wrapper (None without one)."""
+
+    spec: ParamSpec
+    group: int
+    stage: int
+    algorithm: str
+    placement: Placement
+    buffer: int | None = None
+    bucket: int | None = None
+    offset: int | None = None
+    owner: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The plan: per parameter, per buffer and per stage (module docstring). Build with ``ParamPlan.build``."""
+
+    topology: Topology
+    sharding: str
+    params: tuple[PlannedParam, ...]
+    buffers: tuple[PlannedBuffer, ...]
+    stages: tuple[PlannedStage, ...]
+    keys: tuple[GroupKey, ...]
+    bucket_size: int | None
+    notes: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def build(cls, config: Any, specs: Sequence[ParamSpec], resolved: Mapping[str, Resolved], topology: Topology,
+              *, keys: Sequence[GroupKey] | None = None, wrapped: bool = True, dtensor: bool = False,
+              bucketing: Bucketing | None = None, shard_align: int = 128, param_align: int = 64,
+              grad_dtype: torch.dtype | None = None) -> ParamPlan:
+        """Plan ``specs`` (model order) with their ``resolved`` settings for ``config`` on ``topology``.
+
+        Args:
+            keys: the groups, in order (default ``group_keys(resolved)``; the cross-rank union under pipelines).
+            wrapped: the model is (to be) wrapped by optstack's data-parallel wrapper: buffers are planned.
+            dtensor: the parameters are DTensors (FSDP2 / tensor parallel): DTensor placements, no buffers.
+            bucketing, shard_align, param_align, grad_dtype: the wrapper's layout settings (``DataParallel``).
+
+        Raises:
+            ValueError: a spec without resolved settings, or an unknown algorithm (listing the known ones).
+        """
+        keys = tuple(group_keys(resolved) if keys is None else keys)
+        group_index = {k: i for i, k in enumerate(keys)}
+        sharding = config.distributed.sharding
+        bucket_size = config.distributed.bucket_size if config.distributed.bucket_size is not None else 40_000_000
+        # stages: one per (algorithm, expert), in first-appearance order of the groups (the factory's order)
+        kinds: dict[tuple[str, bool], list[int]] = {}
+        for i, key in enumerate(keys):
+            algorithm = dict(key.settings).get("algorithm", config.algorithm)
+            kinds.setdefault((algorithm, key.is_expert), []).append(i)
+        stage_of: dict[tuple[str, bool], int] = {kind: s for s, kind in enumerate(kinds)}
+        placements = {kind: placement_of(get_algorithm(kind[0]).capabilities, sharding, wrapped=wrapped,
+                                         dtensor=dtensor) for kind in kinds}
+        rows: list[tuple[ParamSpec, int, tuple[str, bool]]] = []
+        for spec in specs:
+            r = resolved.get(spec.name)
+            if r is None:
+                raise ValueError(f"ParamPlan: parameter {spec.name!r} has no resolved settings; resolve the same "
+                                 "parameters the plan is built for")
+            g = group_index[GroupKey.of(r)]
+            key = keys[g]
+            rows.append((spec, g, (dict(key.settings).get("algorithm", config.algorithm), key.is_expert)))
+        notes: list[str] = []
+        whys = {kind: _why(kind[0], placements[kind], sharding, wrapped, dtensor) for kind in kinds}
+        if wrapped and not dtensor:
+            for kind, placement in placements.items():
+                if placement != "zero1_whole":
+                    continue
+                members = [spec for spec, _, k in rows if k == kind]
+                ranks = topology.expert_dp if kind[1] else topology.shard_size
+                chosen, why = choose_whole_matrix_layout(members, ranks, bucket_size=bucket_size,
+                                                         param_align=param_align, shard_align=shard_align,
+                                                         bucketing=bucketing)
+                placements[kind], whys[kind] = chosen, why
+                notes.append(f"{kind[0]}{' (expert)' if kind[1] else ''}: {why}")
+        buffers = (_plan_buffers(rows, placements, topology, sharding, bucket_size, bucketing, shard_align,
+                                 param_align, grad_dtype) if wrapped and not dtensor else ())
+        where = {name: (b.index, b.layout.slot(name)) for b in buffers for name in b.names}
+        owners = _owners(rows, placements, buffers, where, topology)
+        params = []
+        for spec, g, kind in rows:
+            buffer, slot = where.get(spec.name, (None, None))
+            params.append(PlannedParam(spec, g, stage_of[kind], kind[0], placements[kind], buffer,
+                                       None if slot is None else slot.bucket, None if slot is None else slot.offset,
+                                       owners.get(spec.name)))
+        stages = tuple(PlannedStage(kind[0], kind[1], placements[kind], tuple(gs), whys[kind])
+                       for kind, gs in kinds.items())
+        return cls(topology, sharding, tuple(params), buffers, stages, keys,
+                   bucket_size, tuple(notes))
+
+    # ---- views -------------------------------------------------------------------------------------------------
+    @cached_property
+    def by_name(self) -> dict[str, PlannedParam]:
+        return {p.name: p for p in self.params}
+
+    def param(self, name: str) -> PlannedParam:
+        """The row of parameter ``name``."""
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise ValueError(f"no parameter {name!r} in the plan") from None
+
+    def stage_placement(self, algorithm: str, expert: bool) -> Placement:
+        """The placement of the stage of ``algorithm`` over dense (or ``expert``) groups."""
+        for stage in self.stages:
+            if (stage.algorithm, stage.expert) == (algorithm, expert):
+                return stage.placement
+        raise ValueError(f"the plan has no stage of {algorithm!r} (expert={expert})")
+
+    def whole_shard_names(self) -> frozenset[str]:
+        """Parameters laid out whole inside one rank's shard (whole-shard buffers)."""
+        return frozenset(n for b in self.buffers if b.whole for n in b.names)
+
+    def all_reduced_names(self) -> frozenset[str]:
+        """Parameters whose gradients must be reduced whole on every rank although the buffers are sharded."""
+        return frozenset(n for b in self.buffers if b.reduction == "all_reduce" for n in b.names)
+
+    def digest(self) -> bytes:
+        """32 bytes identifying the plan (specs, groups, placements, layouts, owners): equal on every rank that
+        computed the same plan (the topology's own rank excluded)."""
+        h = hashlib.sha256()
+        t = self.topology
+        h.update(repr((t.dp, t.instances, t.ep, t.tp, t.pp, self.sharding, self.bucket_size)).encode())
+        h.update(repr([(k.settings, k.is_expert) for k in self.keys]).encode())
+        for p in self.params:
+            h.update(repr((p.spec.key(), p.group, p.stage, p.algorithm, p.placement, p.buffer, p.bucket, p.offset,
+                           p.owner)).encode())
+        for b in self.buffers:
+            h.update(repr((b.index, str(b.param_dtype), str(b.grad_dtype), b.expert, b.whole, b.reduction,
+                           b.layout.numel, [(x.offset, x.numel) for x in b.layout.buckets])).encode())
+        return h.digest()
+
+
+def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, bucket_size: int | None,
+                               param_align: int = 64, shard_align: int = 128,
+                               bucketing: Bucketing | None = None) -> tuple[Placement, str]:
+    """Whole matrices under ZeRO-1: ``zero1_whole`` (whole-shard buffers, reduce-scatter, ZeRO-1 over whole
+    matrices) while that pads the buffers by at most ``WHOLE_SHARD_MAX_PADDING`` (or
+    ``WHOLE_SHARD_PADDING_FLOOR`` elements) and every rank gets a matrix; else ``layerwise`` (ordinary buffers,
+    all-reduced, owners balanced by Newton-Schulz cost). Returns the placement and why."""
+    if ranks == 1:
+        return "zero1_whole", "one rank: every matrix whole on it"
+    by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
+    for spec in members:
+        by_dtype.setdefault(spec.dtype, []).append(spec)
+    numel = padding = 0
+    for group in by_dtype.values():
+        layout = BufferLayout.plan([(s.name, s.shape) for s in reversed(group)], dp_size=ranks,
+                                   bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
+                                   bucketing=bucketing, whole=True)
+        numel += layout.numel
+        padding += layout.numel - sum(s.numel for s in group)
+    fraction = padding / numel if numel else 0.0
+    if len(members) < ranks:
+        return "layerwise", (f"{len(members)} matrices for {ranks} ranks: whole-shard buffers would leave ranks "
+                             f"without a matrix and pad {fraction:.0%}; layer-wise owners over all-reduced "
+                             "gradients, balanced by Newton-Schulz cost")
+    if fraction > WHOLE_SHARD_MAX_PADDING and padding > WHOLE_SHARD_PADDING_FLOOR:
+        return "layerwise", (f"whole-shard buffers would pad {fraction:.1%} (> {WHOLE_SHARD_MAX_PADDING:.0%}) at "
+                             f"{ranks} ranks; layer-wise owners over all-reduced gradients, balanced by "
+                             "Newton-Schulz cost")
+    return "zero1_whole", (f"matrices whole in their owners' reduce-scatter shards ({fraction:.1%} padding at "
+                           f"{ranks} ranks)")
+
+
+def _why(algorithm: str, placement: Placement, sharding: str, wrapped: bool, dtensor: bool) -> str:
+    caps = get_algorithm(algorithm).capabilities
+    if dtensor:
+        return ("DTensor parameters: " + ("whole matrices stepped on owner ranks" if caps.whole_matrices
+                                          else "each rank steps its local shards"))
+    if not wrapped:
+        return "no data-parallel wrapper: every rank steps every parameter"
+    if placement == "replicated" and sharding != "replicated":
+        return (f"sharding={sharding!r} applies to " + ("whole-matrix algorithms" if sharding == "layerwise"
+                                                          else "element-wise algorithms") + f"; {algorithm!r} "
+                "is stepped replicated")
+    return {"replicated": "sharding='replicated'", "zero1": "element-wise: ZeRO-1 ranges of every bucket",
+            "layerwise": "whole matrices stepped by owner ranks, then broadcast",
+            "zero1_whole": "whole matrices in their owners' reduce-scatter shards"}.get(placement, placement)
+
+
+def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
+                  placements: Mapping[tuple[str, bool], Placement], topology: Topology, sharding: str,
+                  bucket_size: int | None, bucketing: Bucketing | None, shard_align: int, param_align: int,
+                  grad_dtype: torch.dtype | None) -> tuple[PlannedBuffer, ...]:
+    """One buffer per (param dtype, grad dtype, expert, whole, reduction), parameters in backward order, in order
+    of first use (``distributed.buffers.build_buffers``)."""
+    members: dict[tuple[torch.dtype, torch.dtype, bool, bool, Reduction], list[ParamSpec]] = {}
+    for spec, _, kind in reversed(rows):
+        placement = placements[kind]
+        whole = placement == "zero1_whole"
+        sharded = sharding == "zero1" and placement in ("zero1", "zero1_whole")
+        # shards of layer-wise owners' or replicated stages' gradients would be no use to them: all-reduce
+        reduction: Reduction = "reduce_scatter" if sharded or sharding != "zero1" else "all_reduce"
+        key = (spec.dtype, grad_dtype or spec.dtype, spec.expert, whole, reduction)
+        members.setdefault(key, []).append(spec)
+    out = []
+    for index, ((param_dtype, gdtype, expert, whole, reduction), specs) in enumerate(members.items()):
+        ranks = topology.expert_dp if expert else topology.shard_size
+        layout = BufferLayout.plan([(s.name, s.shape) for s in specs], dp_size=ranks, bucket_size=bucket_size,
+                                   shard_align=shard_align, param_align=param_align, bucketing=bucketing,
+                                   whole=whole)
+        out.append(PlannedBuffer(index, param_dtype, gdtype, expert, whole,
+                                 reduction if sharding == "zero1" else "all_reduce", layout))
+    return tuple(out)
+
+
+def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
+            placements: Mapping[tuple[str, bool], Placement], buffers: Sequence[PlannedBuffer],
+            where: Mapping[str, tuple[int, Any]], topology: Topology) -> dict[str, int]:
+    owners: dict[str, int] = {}
+    for kind, placement in placements.items():
+        if placement == "zero1_whole":
+            for spec, _, k in rows:
+                if k == kind:
+                    owner = buffers[where[spec.name][0]].layout.owner_of(spec.name)
+                    if owner is not None:
+                        owners[spec.name] = owner
+        elif placement == "layerwise":
+            members = [spec for spec, _, k in rows if k == kind]
+            ranks = topology.expert_dp if kind[1] else topology.dp
+            for spec, owner in zip(members, pack_owners([newton_schulz_cost(s.shape) for s in members], ranks),
+                                   strict=True):
+                owners[spec.name] = owner
+    return owners
