@@ -44,6 +44,7 @@ def _child(args: argparse.Namespace) -> None:
 
     spec = importlib.util.spec_from_file_location("_presets", ROOT / "src" / "optstack" / "cli" / "plan.py")
     presets = importlib.util.module_from_spec(spec)
+    sys.modules["_presets"] = presets  # dataclasses look their module up
     spec.loader.exec_module(presets)
     PRESETS, llama_like = presets.PRESETS, presets.llama_like
 

@@ -159,3 +159,32 @@ def test_wrapper_is_laid_out_by_the_plan_and_refuses_another_models():
     other = nn.Sequential(nn.Linear(16, 32))
     with pytest.raises(ValueError, match="the plan was built for other parameters: at position"):
         DataParallel(other, plan=ddp.plan, shard_grads=True)
+
+
+_FSDP2_AT_SCALE = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("fake", store=FakeStore(), rank={rank}, world_size=256)
+from optstack import OptimizerConfig, build_optimizer
+from optstack.cli.plan import LlamaShape, llama_like
+model = llama_like(LlamaShape(hidden=1024, layers=4, ffn=2816, kv=256, vocab=32000))
+for block in model.layers:
+    fully_shard(block)
+fully_shard(model)
+built = build_optimizer(OptimizerConfig(algorithm="muon", precision="bf16"), model)
+print(sorted(type(s.placement).__name__ for s in built.optimizer.stages))
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 255])
+def test_muon_over_fsdp2_builds_on_meta_parameters_at_256_ranks(rank):
+    # every rank's routes and norm counts come from the mesh: no table of every rank's shards, and no copy of
+    # meta tensors (a simulated rank of a fake process group over a meta-device model)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FSDP2_AT_SCALE.format(rank=rank)], capture_output=True, text=True,
+                          timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['DTensorLocal', 'DTensorOwners']"

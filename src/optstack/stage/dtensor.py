@@ -27,6 +27,8 @@ makes over tensor-parallel dims), is refused at construction, naming the paramet
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -81,16 +83,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
-def _shard_key(name: str, param: torch.Tensor) -> tuple[Any, ...] | None:
-    """Which shard of which parameter this rank holds: equal keys are replicas. None: no part of it here."""
-    if not is_dtensor(param):
-        return (name,)
-    coordinate = param.device_mesh.get_coordinate()
-    if coordinate is None:
-        return None
-    return (name, tuple(-1 if p.is_replicate() else c for c, p in zip(coordinate, param.placements, strict=True)))
-
-
 def _is_block(param: torch.Tensor) -> bool:
     """Whether the parameter's shards are blocks, not ranges of its flattened elements (a shard of a dim other
     than 0, or a strided shard, over a mesh dim of more than one rank); the same answer on every rank."""
@@ -130,14 +122,49 @@ def _tiles(ranges: Sequence[tuple[int, int]], numel: int) -> bool:
     return end >= numel
 
 
-def _counted_once(keys: Sequence[tuple[Any, ...] | None], comm: Comm | NullComm) -> list[bool]:
-    """For each of this rank's shard keys, whether this rank is the lowest one holding that shard. Collective."""
-    tables = comm.all_gather_object([k for k in keys if k is not None])
-    first: dict[tuple[Any, ...], int] = {}
-    for rank, table in enumerate(tables):
-        for key in table:
-            first.setdefault(key, rank)
-    return [key is not None and first[key] == comm.rank for key in keys]
+def _on_root(param: torch.Tensor) -> tuple[torch.Tensor, list[Any], list[int], list[int] | None]:
+    """The parameter's placement over the root of its mesh: the root's global ranks, one placement per root dim
+    (``Replicate()`` for a dim the parameter's submesh leaves out: its ranks hold replicas, e.g. FSDP2 over the
+    "dp" half of a dp x tp mesh), the root's dim sizes and this rank's root coordinate. A mesh that is its own
+    root, or whose dims cannot be matched to its root's by name, is taken as it is."""
+    mesh = param.device_mesh
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, root_names = list(mesh.mesh_dim_names or ()), list(root.mesh_dim_names or ())
+    if root is mesh or not names or any(n not in root_names for n in names) \
+            or [root_names.index(n) for n in names] != sorted(root_names.index(n) for n in names):
+        return torch.as_tensor(mesh.mesh), list(param.placements), list(mesh.shape), mesh.get_coordinate()
+    placements = [param.placements[names.index(n)] if n in names else Replicate() for n in root_names]
+    return torch.as_tensor(root.mesh), placements, list(root.shape), root.get_coordinate()
+
+
+def _counted_once(flat: Sequence[tuple[str, torch.Tensor]], comm: Comm | NullComm) -> list[bool]:
+    """For each parameter, whether this rank counts its shard in the norm, so that every element counts once.
+
+    A DTensor's shard is counted by its holder at coordinate 0 of every dim of its root mesh it is not sharded
+    over (``_on_root``; decided here, from the mesh: no exchange); an empty shard, or none, is not counted.
+    Plain parameters (replicated) are counted by the lowest rank holding them: ranks exchange a digest of their
+    names (O(world) bytes) and only when those differ (pipeline stages holding different layers) the names
+    themselves. Collective."""
+    counted: list[bool] = []
+    plain = []
+    for name, p in flat:
+        if not is_dtensor(p):
+            plain.append(name)
+            counted.append(False)
+            continue
+        _, placements, _, coordinate = _on_root(p)
+        counted.append(coordinate is not None and bool(_local(p).numel()) and all(
+            c == 0 for c, placement in zip(coordinate, placements, strict=True)
+            if not isinstance(placement, (Shard, _StridedShard))))
+    digest = hashlib.sha256(repr(plain).encode()).digest()
+    if all(d == digest for d in comm.all_gather_object(digest)):
+        first = dict.fromkeys(plain, 0)
+    else:
+        first = {}
+        for rank, names in enumerate(comm.all_gather_object(plain)):
+            for name in names:
+                first.setdefault(name, rank)
+    return [c if is_dtensor(p) else first[name] == comm.rank for c, (name, p) in zip(counted, flat, strict=True)]
 
 
 class _DTensorPlacement(Placement):
@@ -177,9 +204,7 @@ class DTensorLocal(_DTensorPlacement):
         flat = [(n, p) for gn, gp in zip(names, params, strict=True) for n, p in zip(gn, gp, strict=True)]
         check_dtensor_params(flat)
         self.blocks += [(n, p) for n, p in flat if is_dtensor(p) and _is_block(p)]
-        keys = [_shard_key(n, p) for n, p in flat]
-        keys = [k if k is not None and _local(p).numel() else None for k, (_, p) in zip(keys, flat, strict=True)]
-        self._counted.update({id(p): c for (_, p), c in zip(flat, _counted_once(keys, self.dp), strict=True)})
+        self._counted.update({id(p): c for (_, p), c in zip(flat, _counted_once(flat, self.dp), strict=True)})
         out = []
         for gn, gp in zip(names, params, strict=True):
             group = []
@@ -293,44 +318,67 @@ class DTensorLocal(_DTensorPlacement):
 
 
 class _Route:
-    """Who sends which part of one DTensor parameter to its owner, and who gets which part back: per rank,
-    the per-dim global indices of its local shard (``_dim_indices``). The same on every rank; the index
-    tensors are kept on the owner only."""
+    """Who sends which part of one DTensor parameter to its owner, and who gets which part back, decided from the
+    mesh on every rank without an exchange: a shard is fixed by its coordinates on the mesh dims the parameter is
+    sharded over (its replicas differ only on the others); the owner sends itself what it holds, else the lowest
+    rank holding a shard sends it. Only the owner computes every rank's indices (``_indices_at``)."""
 
-    def __init__(self, owner: int, me: int, shards: Sequence[Any]) -> None:
-        holders: dict[Any, list[int]] = {}  # one shard's description -> the ranks holding it (replicas)
-        for rank, shard in enumerate(shards):
-            if shard is not None:
-                holders.setdefault(shard, []).append(rank)
-        senders = {(owner if owner in ranks else ranks[0]): shard for shard, ranks in holders.items()}
-        self.sends_mine = me in senders and me != owner
-        self.gets_mine = shards[me] is not None and me != owner
+    def __init__(self, param: torch.Tensor, owner: int, comm: Comm | NullComm) -> None:
+        me = comm.rank
+        ranks, placements, sizes, mine = _on_root(param)
+        sharded = [i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
+        rank_of = {g: r for r, g in enumerate(comm.global_ranks)}
+
+        def holders(coordinate: Sequence[int]) -> list[int]:
+            select = tuple(coordinate[i] if i in sharded else slice(None) for i in range(ranks.dim()))
+            return sorted(rank_of[g] for g in ranks[select].flatten().tolist() if g in rank_of)
+
+        def sender(group: list[int]) -> int:
+            return owner if owner in group else group[0]
+
+        has_mine = mine is not None and bool(_local(param).numel())
+        self.sends_mine = has_mine and me != owner and sender(holders(mine)) == me
+        self.gets_mine = has_mine and me != owner
         self.sends: list[tuple[int, list[torch.Tensor | None]]] = []
         self.gets: list[tuple[int, list[torch.Tensor | None]]] = []
-        if me == owner:
-            self.sends = [(rank, _decode(shard)) for rank, shard in sorted(senders.items())]
-            self.gets = [(rank, _decode(shard)) for rank, shard in enumerate(shards) if shard is not None]
+        if me != owner:
+            return
+        per_dim = [_split_indices(int(n), [(i, p, sizes[i]) for i, p in enumerate(placements)
+                                           if isinstance(p, (Shard, _StridedShard)) and p.dim == dim])
+                   for dim, n in enumerate(param.shape)]
+        for key in itertools.product(*(range(sizes[i]) for i in sharded)):
+            coordinate = [0] * len(sizes)
+            for i, c in zip(sharded, key, strict=True):
+                coordinate[i] = c
+            indices = [table(coordinate) for table in per_dim]
+            group = holders(coordinate)
+            if any(x is not None and not x.numel() for x in indices) or not group:
+                continue
+            self.sends.append((sender(group), indices))
+            self.gets += [(rank, indices) for rank in group]
+        self.sends.sort(key=lambda item: item[0])
+        self.gets.sort(key=lambda item: item[0])
 
 
-def _dim_indices(param: torch.Tensor) -> list[torch.Tensor | None] | None:
-    """Per dim, the global indices of this rank's local shard along it in local order (None: the whole dim),
-    or None when this rank holds none of it. Found by placing ``arange`` of each sharded dim as the parameter
-    is placed over that dim (no exchange): a shard is the product of its dims' indices, strided shards too."""
-    mesh = param.device_mesh
-    local = _local(param)
-    if mesh.get_coordinate() is None or not local.numel():
-        return None
-    out: list[torch.Tensor | None] = []
-    for dim in range(param.dim()):
-        placements = [(_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0))
-                      if isinstance(p, (Shard, _StridedShard)) and p.dim == dim else Replicate()
-                      for p in param.placements]
-        if all(p.is_replicate() for p in placements):
-            out.append(None)
-            continue
-        index = torch.arange(param.shape[dim], device=local.device)
-        out.append(distribute_tensor(index, mesh, placements, src_data_rank=None).to_local().cpu())
-    return out
+def _split_indices(numel: int, splits: Sequence[tuple[int, Any, int]]) -> Callable[[Sequence[int]], Any]:
+    """For one dim of ``numel`` elements split by ``splits`` ((mesh dim, placement, mesh dim size), in mesh-dim
+    order): a function of a mesh coordinate giving the global indices (in local order) of that rank's part of the
+    dim, None when the dim is whole. DTensor's own split (each mesh dim splits what the previous left, strided
+    shards too), computed once for every coordinate as views of one ``arange``, so nothing is exchanged."""
+    if not splits:
+        return lambda coordinate: None
+    tree: dict[tuple[int, ...], torch.Tensor] = {(): torch.arange(numel)}
+    for _, placement, size in splits:
+        split = (_StridedShard(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard)
+                 else Shard(0))
+        nxt = {}
+        for path, index in tree.items():
+            chunks = split._split_tensor(index, size, with_padding=False, contiguous=False)[0]
+            for c in range(size):
+                nxt[(*path, c)] = chunks[c] if c < len(chunks) else index[:0]
+        tree = nxt
+    dims = [i for i, _, _ in splits]
+    return lambda coordinate: tree[tuple(coordinate[i] for i in dims)]
 
 
 #: mesh dims with these names are tensor-parallel: a matrix split over them is what Muon's ``tp_mode`` is about
@@ -353,25 +401,6 @@ def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None | bool:
     if rest or isinstance(first, _StridedShard) or param.dim() != 2:
         return True
     return first.dim, param.device_mesh.shape[param.placements.index(first)]
-
-
-def _encode(indices: list[torch.Tensor | None] | None) -> tuple[Any, ...] | None:
-    """``_dim_indices`` as runs ``((start, stop), ...)`` per dim: small, hashable, exchanged between ranks."""
-    if indices is None:
-        return None
-    out: list[Any] = []
-    for index in indices:
-        if index is None:
-            out.append(None)
-            continue
-        values = index.tolist()
-        cuts = [0] + [k for k in range(1, len(values)) if values[k] != values[k - 1] + 1] + [len(values)]
-        out.append(tuple((values[a], values[b - 1] + 1) for a, b in zip(cuts, cuts[1:], strict=False)))
-    return tuple(out)
-
-
-def _decode(runs: tuple[Any, ...]) -> list[torch.Tensor | None]:
-    return [None if r is None else torch.cat([torch.arange(a, b) for a, b in r]) for r in runs]
 
 
 def _region(indices: Sequence[torch.Tensor | None], shape: torch.Size, device: torch.device
@@ -418,11 +447,8 @@ class DTensorOwners(_DTensorPlacement):
         self.owners = assign_params([self.cost(tuple(p.shape)) for _, p in self._all], self.dp.size)
         mine = {id(p) for (_, p), owner in zip(self._all, self.owners, strict=True) if owner == self.dp.rank}
         self._counted.update({id(p): id(p) in mine for _, p in self._all})
-        shards = [_encode(_dim_indices(p)) if is_dtensor(p) else None for _, p in self._all]
-        tables = self.dp.all_gather_object(shards)
-        me = self.dp.rank
-        self._routes = [_Route(owner, me, [t[i] for t in tables]) if is_dtensor(p) else None
-                        for i, ((_, p), owner) in enumerate(zip(self._all, self.owners, strict=True))]
+        self._routes = [_Route(p, owner, self.dp) if is_dtensor(p) else None
+                        for (_, p), owner in zip(self._all, self.owners, strict=True)]
         for _, param in self._all:
             if id(param) in mine:
                 self._whole[id(param)] = (torch.empty(param.shape, dtype=param.dtype, device=_local(param).device)
