@@ -91,14 +91,33 @@ def test_plan_is_identical_on_every_rank_and_digest_tracks_changes():
 
 def test_whole_shard_layout_is_chosen_only_while_padding_is_small():
     big = [ParamSpec(f"m{i}", (4096, 4096 + 512 * (i % 3)), torch.bfloat16) for i in range(12)]
-    placement, why = choose_whole_matrix_layout(big, 1024, bucket_size=40_000_000)
+    placement, why, _ = choose_whole_matrix_layout(big, 1024, bucket_size=40_000_000)
     assert placement == "layerwise" and "12 matrices for 1024 ranks" in why
-    placement, why = choose_whole_matrix_layout(big, 8, bucket_size=40_000_000)
-    padding = float(why.split("pad ")[1].split("%")[0]) if "pad " in why else None
-    assert placement == "layerwise" and padding is not None and padding > 5  # three shapes into 8 shards
+    placement, why, _ = choose_whole_matrix_layout(big, 8, bucket_size=40_000_000)
+    assert placement == "layerwise" and "would pad" in why  # three shapes into 8 shards, too few for big buckets
+    padding = float(why.split("pad ")[1].split("%")[0])
+    assert padding > 5
     even = [ParamSpec(f"m{i}", (4096, 4096), torch.bfloat16) for i in range(64)]
-    placement, why = choose_whole_matrix_layout(even, 8, bucket_size=40_000_000)
-    assert placement == "zero1_whole" and "0.0% padding" in why
+    placement, why, size = choose_whole_matrix_layout(even, 8, bucket_size=40_000_000)
+    assert placement == "zero1_whole" and "0.0% padding" in why and size == 40_000_000
+
+
+def test_whole_shard_buckets_grow_where_that_keeps_padding_small():
+    # a Llama-like mix of three matrix sizes: at the configured bucket size 8 shards pad > 5%; buckets of a few
+    # times 8 x the largest matrix pad < 5% and still leave >= 4 buckets to overlap with backward
+    mats = []
+    for i in range(32):
+        mats += [ParamSpec(f"{i}.q", (1024, 1024), torch.bfloat16), ParamSpec(f"{i}.k", (128, 1024), torch.bfloat16),
+                 ParamSpec(f"{i}.v", (128, 1024), torch.bfloat16), ParamSpec(f"{i}.o", (1024, 1024), torch.bfloat16),
+                 ParamSpec(f"{i}.g", (3584, 1024), torch.bfloat16), ParamSpec(f"{i}.u", (3584, 1024), torch.bfloat16),
+                 ParamSpec(f"{i}.d", (1024, 3584), torch.bfloat16)]
+    placement, why, size = choose_whole_matrix_layout(mats, 8, bucket_size=4_000_000)
+    assert placement == "zero1_whole" and "buckets of >=" in why, why
+    assert size > 4_000_000
+    config = _muon(bucket_size=4_000_000)
+    plan = ParamPlan.build(config, mats, _resolved(config, mats), Topology(dp=8))
+    [whole] = [b for b in plan.buffers if b.whole]
+    assert whole.padding <= 0.05 * whole.layout.numel and len(whole.layout.buckets) >= 4
 
 
 def test_large_plan_pads_at_most_five_percent_and_balances_owners():

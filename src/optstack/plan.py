@@ -40,6 +40,8 @@ __all__ = ["ParamSpec", "Placement", "PlannedBuffer", "PlannedParam", "PlannedSt
 WHOLE_SHARD_MAX_PADDING = 0.05
 #: ... or by at most this many elements in all (padding that small costs nothing worth a layer-wise step)
 WHOLE_SHARD_PADDING_FLOOR = 1 << 20
+#: whole-shard buckets made larger to pad less must still number this many (their reductions overlap backward)
+WHOLE_SHARD_MIN_BUCKETS = 4
 
 Placement = Literal["replicated", "zero1", "zero1_whole", "layerwise", "dtensor", "dtensor_owner"]
 Reduction = Literal["all_reduce", "reduce_scatter"]
@@ -273,6 +275,7 @@ class ParamPlan:
             key = keys[g]
             rows.append((spec, g, (dict(key.settings).get("algorithm", config.algorithm), key.is_expert)))
         notes: list[str] = []
+        whole_bucket_sizes: dict[bool, int | None] = {}  # expert -> the bucket size of its whole-shard buffers
         whys = {kind: _why(kind[0], placements[kind], sharding, wrapped, dtensor) for kind in kinds}
         if wrapped and not dtensor:
             for kind, placement in placements.items():
@@ -280,13 +283,15 @@ class ParamPlan:
                     continue
                 members = [spec for spec, _, k in rows if k == kind]
                 ranks = topology.expert_dp if kind[1] else topology.shard_size
-                chosen, why = choose_whole_matrix_layout(members, ranks, bucket_size=bucket_size,
-                                                         param_align=param_align, shard_align=shard_align,
-                                                         bucketing=bucketing)
+                chosen, why, size = choose_whole_matrix_layout(members, ranks, bucket_size=bucket_size,
+                                                               param_align=param_align, shard_align=shard_align,
+                                                               bucketing=bucketing)
                 placements[kind], whys[kind] = chosen, why
+                if chosen == "zero1_whole":
+                    whole_bucket_sizes[kind[1]] = max(whole_bucket_sizes.get(kind[1]) or 0, size or 0) or None
                 notes.append(f"{kind[0]}{' (expert)' if kind[1] else ''}: {why}")
         buffers = (_plan_buffers(rows, placements, topology, sharding, bucket_size, bucketing, shard_align,
-                                 param_align, grad_dtype) if wrapped and not dtensor else ())
+                                 param_align, grad_dtype, whole_bucket_sizes) if wrapped and not dtensor else ())
         where = {name: (b.index, b.layout.slot(name)) for b in buffers for name in b.names}
         owners = _owners(rows, placements, buffers, where, topology)
         params = []
@@ -345,34 +350,56 @@ class ParamPlan:
 
 def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, bucket_size: int | None,
                                param_align: int = 64, shard_align: int = 128,
-                               bucketing: Bucketing | None = None) -> tuple[Placement, str]:
+                               bucketing: Bucketing | None = None) -> tuple[Placement, str, int | None]:
     """Whole matrices under ZeRO-1: ``zero1_whole`` (whole-shard buffers, reduce-scatter, ZeRO-1 over whole
     matrices) while that pads the buffers by at most ``WHOLE_SHARD_MAX_PADDING`` (or
     ``WHOLE_SHARD_PADDING_FLOOR`` elements) and every rank gets a matrix; else ``layerwise`` (ordinary buffers,
-    all-reduced, owners balanced by Newton-Schulz cost). Returns the placement and why."""
+    all-reduced, owners balanced by Newton-Schulz cost). Buckets of whole matrices may be made larger than
+    ``bucket_size`` (2, 4 or 8 times ranks x the largest matrix) where that brings the padding under the bound and
+    still leaves ``WHOLE_SHARD_MIN_BUCKETS`` buckets to overlap with backward. Returns the placement, why, and the
+    bucket size of the whole-shard buffers."""
     if ranks == 1:
-        return "zero1_whole", "one rank: every matrix whole on it"
+        return "zero1_whole", "one rank: every matrix whole on it", bucket_size
     by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
     for spec in members:
         by_dtype.setdefault(spec.dtype, []).append(spec)
-    numel = padding = 0
-    for group in by_dtype.values():
-        layout = BufferLayout.plan([(s.name, s.shape) for s in reversed(group)], dp_size=ranks,
-                                   bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
-                                   bucketing=bucketing, whole=True)
-        numel += layout.numel
-        padding += layout.numel - sum(s.numel for s in group)
+
+    def padding_of(size: int | None) -> tuple[int, int, int]:
+        numel = padding = buckets = 0
+        for group in by_dtype.values():
+            layout = BufferLayout.plan([(s.name, s.shape) for s in reversed(group)], dp_size=ranks,
+                                       bucket_size=size, shard_align=shard_align, param_align=param_align,
+                                       bucketing=bucketing, whole=True)
+            numel += layout.numel
+            padding += layout.numel - sum(s.numel for s in group)
+            buckets += len(layout.buckets)
+        return numel, padding, buckets
+
+    def small(numel: int, padding: int) -> bool:
+        return padding <= WHOLE_SHARD_MAX_PADDING * numel or padding <= WHOLE_SHARD_PADDING_FLOOR
+
+    numel, padding, _ = padding_of(bucket_size)
     fraction = padding / numel if numel else 0.0
     if len(members) < ranks:
         return "layerwise", (f"{len(members)} matrices for {ranks} ranks: whole-shard buffers would leave ranks "
                              f"without a matrix and pad {fraction:.0%}; layer-wise owners over all-reduced "
-                             "gradients, balanced by Newton-Schulz cost")
-    if fraction > WHOLE_SHARD_MAX_PADDING and padding > WHOLE_SHARD_PADDING_FLOOR:
-        return "layerwise", (f"whole-shard buffers would pad {fraction:.1%} (> {WHOLE_SHARD_MAX_PADDING:.0%}) at "
-                             f"{ranks} ranks; layer-wise owners over all-reduced gradients, balanced by "
-                             "Newton-Schulz cost")
-    return "zero1_whole", (f"matrices whole in their owners' reduce-scatter shards ({fraction:.1%} padding at "
-                           f"{ranks} ranks)")
+                             "gradients, balanced by Newton-Schulz cost"), bucket_size
+    if small(numel, padding):
+        return "zero1_whole", (f"matrices whole in their owners' reduce-scatter shards ({fraction:.1%} padding at "
+                               f"{ranks} ranks)"), bucket_size
+    largest = max(s.numel for s in members)
+    for factor in (2, 4, 8):
+        size = factor * ranks * largest
+        if bucket_size is not None and size <= bucket_size:
+            continue
+        big_numel, big_padding, buckets = padding_of(size)
+        if buckets >= WHOLE_SHARD_MIN_BUCKETS and small(big_numel, big_padding):
+            return "zero1_whole", (f"matrices whole in their owners' reduce-scatter shards, in {buckets} buckets "
+                                   f"of >= {size:,} elements ({big_padding / big_numel:.1%} padding at {ranks} "
+                                   f"ranks; {fraction:.1%} at bucket_size)"), size
+    return "layerwise", (f"whole-shard buffers would pad {fraction:.1%} (> {WHOLE_SHARD_MAX_PADDING:.0%}) at "
+                         f"{ranks} ranks, or leave fewer than {WHOLE_SHARD_MIN_BUCKETS} buckets with larger ones; "
+                         "layer-wise owners over all-reduced gradients, balanced by Newton-Schulz cost"), bucket_size
 
 
 def _why(algorithm: str, placement: Placement, sharding: str, wrapped: bool, dtensor: bool) -> str:
@@ -394,7 +421,8 @@ def _why(algorithm: str, placement: Placement, sharding: str, wrapped: bool, dte
 def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
                   placements: Mapping[tuple[str, bool], Placement], topology: Topology, sharding: str,
                   bucket_size: int | None, bucketing: Bucketing | None, shard_align: int, param_align: int,
-                  grad_dtype: torch.dtype | None) -> tuple[PlannedBuffer, ...]:
+                  grad_dtype: torch.dtype | None,
+                  whole_bucket_sizes: Mapping[bool, int | None]) -> tuple[PlannedBuffer, ...]:
     """One buffer per (param dtype, grad dtype, expert, whole, reduction), parameters in backward order, in order
     of first use (``distributed.buffers.build_buffers``)."""
     members: dict[tuple[torch.dtype, torch.dtype, bool, bool, Reduction], list[ParamSpec]] = {}
@@ -409,7 +437,8 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
     out = []
     for index, ((param_dtype, gdtype, expert, whole, reduction), specs) in enumerate(members.items()):
         ranks = topology.expert_dp if expert else topology.shard_size
-        layout = BufferLayout.plan([(s.name, s.shape) for s in specs], dp_size=ranks, bucket_size=bucket_size,
+        size = whole_bucket_sizes.get(expert, bucket_size) if whole else bucket_size
+        layout = BufferLayout.plan([(s.name, s.shape) for s in specs], dp_size=ranks, bucket_size=size,
                                    shard_align=shard_align, param_align=param_align, bucketing=bucketing,
                                    whole=whole)
         out.append(PlannedBuffer(index, param_dtype, gdtype, expert, whole,

@@ -323,13 +323,16 @@ class ParamAndGradBuffer:
         local_grad_dtypes: parameter name -> the dtype its gradient accumulates in locally, in a tensor of its
             own (``local_grads``; module docstring); names not in this buffer are ignored.
         whole: each parameter whole inside one rank's shard (``BufferLayout.plan``).
+        all_reduce: reduced whole on every rank even where gradients are sharded (``BufferKey.all_reduce``).
+        layout: the layout, planned beforehand (``optstack.plan``) for exactly these parameters in this order, of
+            ``dp_size`` shards; None: planned here from the arguments above.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: int,
                  bucket_size: int | None, grad_dtype: torch.dtype | None = None, is_expert: bool = False,
                  shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None, whole: bool = False,
-                 all_reduce: bool = False) -> None:
+                 all_reduce: bool = False, layout: BufferLayout | None = None) -> None:
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         first = named_params[0][1]
@@ -338,9 +341,15 @@ class ParamAndGradBuffer:
                 raise ValueError(f"a buffer holds one dtype on one device; {name!r} is {p.dtype} on "
                                  f"{p.device}, {named_params[0][0]!r} is {first.dtype} on {first.device}")
         self.key = BufferKey(first.dtype, grad_dtype or first.dtype, is_expert, whole, all_reduce)
-        self.layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
-                                        bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
-                                        bucketing=bucketing, whole=whole)
+        if layout is None:
+            layout = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named_params], dp_size=dp_size,
+                                       bucket_size=bucket_size, shard_align=shard_align, param_align=param_align,
+                                       bucketing=bucketing, whole=whole)
+        elif [(s.name, s.shape) for s in layout.params] != [(n, tuple(p.shape)) for n, p in named_params] \
+                or layout.dp_size != dp_size:
+            raise ValueError(f"ParamAndGradBuffer: the layout given is for other parameters or another number of "
+                             f"shards ({layout.dp_size}, here {dp_size}); plan it for these parameters")
+        self.layout = layout
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         self.param_data = torch.zeros(self.layout.numel, dtype=self.key.param_dtype, device=first.device)

@@ -156,17 +156,17 @@ class DataParallel(nn.Module):
         _check_same_params(self.groups.expert_dp, [(n, p) for n, p in named if is_expert_param(p)], "expert")
         #: the plan the buffers were laid out by (None: built from the arguments alone)
         self.plan = plan
-        all_reduce = None
-        if plan is not None:
-            if whole_shards is not None:
-                raise ValueError("DataParallel: pass plan or whole_shards, not both (the plan says which "
-                                 "parameters are laid out whole)")
-            whole_shards, all_reduce = _plan_choices(plan, module, shard_grads)
-        self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
-            list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
-            bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
-            shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-            local_grad_dtypes=local_grad_dtypes, whole=whole_shards, all_reduce=all_reduce)
+        if plan is None:
+            self.param_and_grad_buffers: list[ParamAndGradBuffer] = build_buffers(
+                list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
+                bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
+                shard_align=shard_align, param_align=param_align, bucketing=bucketing,
+                local_grad_dtypes=local_grad_dtypes, whole=whole_shards)
+        else:
+            if whole_shards is not None or bucketing is not None:
+                raise ValueError("DataParallel: pass a plan or whole_shards / bucketing, not both (the plan's "
+                                 "layouts say which parameters go whole and how buckets are cut)")
+            self.param_and_grad_buffers = _buffers_of(plan, module, self, local_grad_dtypes)
         self._data_ptrs = [p.data_ptr() for _, p in named]
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
@@ -652,25 +652,36 @@ def _wait_for(gathers: list[Any], module: nn.Module, args: Any) -> None:
         gather.wait()
 
 
-def _plan_choices(plan: ParamPlan, module: nn.Module, shard_grads: bool) -> tuple[
-        Callable[[str, nn.Parameter], bool], Callable[[str, nn.Parameter], bool] | None]:
-    """The buffer choices ``plan`` fixes, by parameter identity (the plan names parameters as
-    ``optstack.names.named_parameters`` does; the wrapper's own names may carry ``_orig_mod``)."""
+def _buffers_of(plan: ParamPlan, module: nn.Module, ddp: DataParallel,
+                local_grad_dtypes: Mapping[str, torch.dtype] | None) -> list[ParamAndGradBuffer]:
+    """The buffers ``plan`` lays out, in its order, over ``module``'s parameters (named as
+    ``optstack.names.named_parameters`` names them: the wrapper's own names may carry ``_orig_mod``)."""
     named = named_parameters(module)
     mine = [(n, tuple(int(s) for s in p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
-    planned = [spec.key()[:3] for spec in (p.spec for p in plan.params)]
+    planned = [p.spec.key()[:3] for p in plan.params]
     if mine != planned:
         pairs = enumerate(zip(mine, planned, strict=False))
         i = next((k for k, (a, b) in pairs if a != b), min(len(mine), len(planned)))
         a, b = (x[i] if i < len(x) else "no parameter" for x in (mine, planned))
         raise ValueError(f"DataParallel: the plan was built for other parameters: at position {i} the module has "
                          f"{a} but the plan {b}; build the plan from this module (wrap_data_parallel does)")
-    if plan.sharding == "zero1" and not shard_grads:
+    if plan.sharding == "zero1" and not ddp.shard_grads:
         raise ValueError("DataParallel: the plan shards gradients (sharding='zero1'); pass shard_grads=True")
+    t = plan.topology
+    if (t.shard_size, t.expert_dp) != (ddp._dense_shard.size, ddp.groups.expert_dp.size):
+        raise ValueError(f"DataParallel: the plan shards over {t.shard_size} (expert {t.expert_dp}) ranks but "
+                         f"these groups over {ddp._dense_shard.size} (expert {ddp.groups.expert_dp.size}); plan "
+                         "for these groups (optstack.factory.topology_of)")
+    wanted = dict(local_grad_dtypes or {})
+    unknown = sorted(set(wanted) - {n for n, _ in named})
+    if unknown:
+        raise ValueError(f"local_grad_dtypes names {unknown[0]!r}, which is not a trainable parameter here")
     by_name = dict(named)
-    whole = {id(by_name[n]) for n in plan.whole_shard_names()}
-    reduced = {id(by_name[n]) for n in plan.all_reduced_names()} if shard_grads else set()
-    return (lambda name, p: id(p) in whole), ((lambda name, p: id(p) in reduced) if reduced else None)
+    return [ParamAndGradBuffer([(n, by_name[n]) for n in b.names], dp_size=b.layout.dp_size, bucket_size=None,
+                               grad_dtype=b.grad_dtype, is_expert=b.expert, whole=b.whole,
+                               all_reduce=ddp.shard_grads and b.reduction == "all_reduce", layout=b.layout,
+                               local_grad_dtypes=wanted)
+            for b in plan.buffers]
 
 
 def _device_of(buffers: Sequence[ParamAndGradBuffer]) -> torch.device:
