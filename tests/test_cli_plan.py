@@ -14,7 +14,7 @@ def test_plan_70b_muon_at_1024_ranks_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["dp"] == 1024 and 70e9 < out["parameters"] < 71e9
     assert all(b["padding_fraction"] <= 0.05 for b in out["buffers"])
-    assert {s["algorithm"]: s["placement"] for s in out["stages"]} == {"muon": "layerwise", "adamw": "zero1"}
+    assert {s["algorithm"]: s["placement"] for s in out["stages"]} == {"muon": "zero1_owners", "adamw": "zero1"}
     assert out["owner_balance"] <= 1.25
     assert [r["rank"] for r in out["ranks"]] == sorted({0, 1023, out["most"]["rank"]})
 

@@ -92,9 +92,9 @@ def test_plan_is_identical_on_every_rank_and_digest_tracks_changes():
 def test_whole_shard_layout_is_chosen_only_while_padding_is_small():
     big = [ParamSpec(f"m{i}", (4096, 4096 + 512 * (i % 3)), torch.bfloat16) for i in range(12)]
     placement, why, _ = choose_whole_matrix_layout(big, 1024, bucket_size=40_000_000)
-    assert placement == "layerwise" and "12 matrices for 1024 ranks" in why
+    assert placement == "zero1_owners" and "12 matrices for 1024 ranks" in why
     placement, why, _ = choose_whole_matrix_layout(big, 8, bucket_size=40_000_000)
-    assert placement == "layerwise" and "would pad" in why  # three shapes into 8 shards, too few for big buckets
+    assert placement == "zero1_owners" and "would pad" in why  # three shapes into 8 shards, too few for big buckets
     padding = float(why.split("pad ")[1].split("%")[0])
     assert padding > 5
     even = [ParamSpec(f"m{i}", (4096, 4096), torch.bfloat16) for i in range(64)]

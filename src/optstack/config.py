@@ -264,7 +264,12 @@ class MuonConfig:
 class DistributedConfig:
     """How optimizer state is spread across data-parallel ranks: ``sharding`` ``replicated`` (every rank holds
     everything), ``zero1`` (each rank owns an equal slice of every bucket; ``overlap_param_gather`` needs it) or
-    ``layerwise`` (whole parameters assigned to ranks; what Muon needs, and only for Muon)."""
+    ``layerwise`` (whole parameters assigned to ranks; what Muon needs, and only for Muon).
+
+    ``whole_matrices``: how ``zero1`` lays out the parameters of an algorithm needing whole matrices (Muon):
+    ``whole_shards`` (each matrix whole inside its owner's reduce-scatter shard: padding), ``gather`` (ordinary
+    buffers; each owner gathers its matrices' pieces from the reduce-scattered shards) or ``auto`` (whole shards
+    unless they pad more than 5% or there are fewer matrices than ranks; ``optstack plan`` says which and why)."""
 
     sharding: Literal["replicated", "zero1", "layerwise"] = "replicated"
     overlap_grad_reduce: bool = True
@@ -272,9 +277,11 @@ class DistributedConfig:
     bucket_size: int | None = None
     grad_dtype: Precision | None = None
     average_in_collective: bool = True
+    whole_matrices: Literal["auto", "whole_shards", "gather"] = "auto"
 
     def __post_init__(self) -> None:
         _validate("distributed.", self, sharding=_one_of("replicated", "zero1", "layerwise"),
+                  whole_matrices=_one_of("auto", "whole_shards", "gather"),
                   overlap_grad_reduce=_flag, overlap_param_gather=_flag, average_in_collective=_flag,
                   bucket_size=_int(1, optional=True), grad_dtype=_or_none(_precision))
 

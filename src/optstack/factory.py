@@ -26,7 +26,17 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.plan import ParamPlan, Topology, specs_of
 from optstack.rules import Resolved, Rule, check_names_available, muon_routing_rule, mup_rules, resolve, standard_rules
 from optstack.schedule import LRSchedule, Scheduler, WDSchedule
-from optstack.stage import Direct, Masters, Precision, Remainders, Stage, layerwise_stage, replicated_stage, zero1_stage
+from optstack.stage import (
+    Direct,
+    Masters,
+    Precision,
+    Remainders,
+    Stage,
+    layerwise_stage,
+    owners_stage,
+    replicated_stage,
+    zero1_stage,
+)
 from optstack.stage.dtensor import check_dtensor_params, dtensor_stage, is_dtensor
 
 __all__ = ["BuiltOptimizer", "algorithm_kwargs", "build_optimizer", "default_rules", "topology_of",
@@ -325,18 +335,23 @@ def _build_stages(
         elif placement == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif placement in ("zero1_whole", "layerwise") and config.distributed.sharding == "zero1" \
-                and ddp.shard_grads and ddp.holds_whole(params):
+        elif placement in ("zero1_whole", "zero1_owners", "layerwise") \
+                and config.distributed.sharding == "zero1" and ddp.shard_grads and ddp.holds_whole(params):
             # whole matrices in their owners' reduce-scatter shards: ZeRO-1 over whole matrices
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif placement in ("zero1_whole", "layerwise"):
+        elif placement == "zero1_owners" and ddp.shard_grads and not ddp.reduces_whole(params):
+            # owners gather their matrices' pieces from the reduce-scattered shards
+            owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage and p.owner is not None}
+            stage = owners_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
+                                 owners=owners if len(owners) == len(params) else None)
+        elif placement in ("zero1_whole", "zero1_owners", "layerwise"):
             # owners step whole matrices over whole reduced gradients; a wrapper built without this plan that
             # shards these gradients is made to reduce them whole (before any backward)
             if not ddp.reduces_whole(params):
                 ddp.require_whole_grads()
             owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage
-                      and p.owner is not None} if placement == "layerwise" else None
+                      and p.owner is not None} if placement == "layerwise" or plan.topology.instances == 1 else None
             stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
                                     owners=owners if owners and len(owners) == len(params) else None)
         else:

@@ -12,8 +12,8 @@ Placement follows from the algorithm's declared capabilities (``algorithms.regis
 computes both layouts and picks (``choose_whole_matrix_layout``): the matrices whole inside their owners'
 reduce-scatter shards (whole-shard buffers: a reduce-scatter hands each owner whole gradients), unless that pads
 the buffers by more than ``WHOLE_SHARD_MAX_PADDING`` or leaves ranks without a matrix, in which case the matrices
-stay in ordinary (element-cut, unpadded) buffers that are all-reduced, and owners balanced by Newton-Schulz cost
-step them whole (layer-wise).
+stay in ordinary (element-cut, unpadded) reduce-scattered buffers and owners balanced by Newton-Schulz cost gather
+their pieces, step them whole and broadcast them (``zero1_owners``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ WHOLE_SHARD_PADDING_FLOOR = 1 << 20
 #: whole-shard buckets made larger to pad less must still number this many (their reductions overlap backward)
 WHOLE_SHARD_MIN_BUCKETS = 4
 
-Placement = Literal["replicated", "zero1", "zero1_whole", "layerwise", "dtensor", "dtensor_owner"]
+Placement = Literal["replicated", "zero1", "zero1_whole", "zero1_owners", "layerwise", "dtensor", "dtensor_owner"]
 Reduction = Literal["all_reduce", "reduce_scatter"]
 
 
@@ -285,7 +285,8 @@ class ParamPlan:
                 ranks = topology.expert_dp if kind[1] else topology.shard_size
                 chosen, why, size = choose_whole_matrix_layout(members, ranks, bucket_size=bucket_size,
                                                                param_align=param_align, shard_align=shard_align,
-                                                               bucketing=bucketing)
+                                                               bucketing=bucketing,
+                                                               prefer=config.distributed.whole_matrices)
                 placements[kind], whys[kind] = chosen, why
                 if chosen == "zero1_whole":
                     whole_bucket_sizes[kind[1]] = max(whole_bucket_sizes.get(kind[1]) or 0, size or 0) or None
@@ -350,14 +351,22 @@ class ParamPlan:
 
 def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, bucket_size: int | None,
                                param_align: int = 64, shard_align: int = 128,
-                               bucketing: Bucketing | None = None) -> tuple[Placement, str, int | None]:
+                               bucketing: Bucketing | None = None,
+                               prefer: str = "auto") -> tuple[Placement, str, int | None]:
     """Whole matrices under ZeRO-1: ``zero1_whole`` (whole-shard buffers, reduce-scatter, ZeRO-1 over whole
     matrices) while that pads the buffers by at most ``WHOLE_SHARD_MAX_PADDING`` (or
-    ``WHOLE_SHARD_PADDING_FLOOR`` elements) and every rank gets a matrix; else ``layerwise`` (ordinary buffers,
-    all-reduced, owners balanced by Newton-Schulz cost). Buckets of whole matrices may be made larger than
-    ``bucket_size`` (2, 4 or 8 times ranks x the largest matrix) where that brings the padding under the bound and
-    still leaves ``WHOLE_SHARD_MIN_BUCKETS`` buckets to overlap with backward. Returns the placement, why, and the
-    bucket size of the whole-shard buffers."""
+    ``WHOLE_SHARD_PADDING_FLOOR`` elements) and every rank gets a matrix; else ``zero1_owners`` (ordinary
+    reduce-scattered buffers; owners balanced by Newton-Schulz cost gather their matrices' pieces). Buckets of
+    whole matrices may be made larger than ``bucket_size`` (2, 4 or 8 times ranks x the largest matrix) where that
+    brings the padding under the bound and still leaves ``WHOLE_SHARD_MIN_BUCKETS`` buckets to overlap with
+    backward. ``prefer`` (``config.distributed.whole_matrices``) other than "auto" takes that layout whatever it
+    costs. Returns the placement, why, and the bucket size of the whole-shard buffers."""
+    if prefer == "gather":
+        return "zero1_owners", ("distributed.whole_matrices='gather': owners balanced by Newton-Schulz cost gather "
+                                "their matrices from the reduce-scattered shards"), bucket_size
+    if prefer == "whole_shards":
+        return "zero1_whole", "distributed.whole_matrices='whole_shards': matrices whole in their owners' shards", \
+            bucket_size
     if ranks == 1:
         return "zero1_whole", "one rank: every matrix whole on it", bucket_size
     by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
@@ -381,9 +390,9 @@ def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, buck
     numel, padding, _ = padding_of(bucket_size)
     fraction = padding / numel if numel else 0.0
     if len(members) < ranks:
-        return "layerwise", (f"{len(members)} matrices for {ranks} ranks: whole-shard buffers would leave ranks "
-                             f"without a matrix and pad {fraction:.0%}; layer-wise owners over all-reduced "
-                             "gradients, balanced by Newton-Schulz cost"), bucket_size
+        return "zero1_owners", (f"{len(members)} matrices for {ranks} ranks: whole-shard buffers would leave "
+                                f"ranks without a matrix and pad {fraction:.0%}; owners balanced by Newton-Schulz "
+                                "cost gather their matrices from the reduce-scattered shards"), bucket_size
     if small(numel, padding):
         return "zero1_whole", (f"matrices whole in their owners' reduce-scatter shards ({fraction:.1%} padding at "
                                f"{ranks} ranks)"), bucket_size
@@ -397,9 +406,10 @@ def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, buck
             return "zero1_whole", (f"matrices whole in their owners' reduce-scatter shards, in {buckets} buckets "
                                    f"of >= {size:,} elements ({big_padding / big_numel:.1%} padding at {ranks} "
                                    f"ranks; {fraction:.1%} at bucket_size)"), size
-    return "layerwise", (f"whole-shard buffers would pad {fraction:.1%} (> {WHOLE_SHARD_MAX_PADDING:.0%}) at "
-                         f"{ranks} ranks, or leave fewer than {WHOLE_SHARD_MIN_BUCKETS} buckets with larger ones; "
-                         "layer-wise owners over all-reduced gradients, balanced by Newton-Schulz cost"), bucket_size
+    return "zero1_owners", (f"whole-shard buffers would pad {fraction:.1%} (> {WHOLE_SHARD_MAX_PADDING:.0%}) at "
+                            f"{ranks} ranks, or leave fewer than {WHOLE_SHARD_MIN_BUCKETS} buckets with larger "
+                            "ones; owners balanced by Newton-Schulz cost gather their matrices from the "
+                            "reduce-scattered shards"), bucket_size
 
 
 def _why(algorithm: str, placement: Placement, sharding: str, wrapped: bool, dtensor: bool) -> str:
@@ -415,6 +425,7 @@ def _why(algorithm: str, placement: Placement, sharding: str, wrapped: bool, dte
                 "is stepped replicated")
     return {"replicated": "sharding='replicated'", "zero1": "element-wise: ZeRO-1 ranges of every bucket",
             "layerwise": "whole matrices stepped by owner ranks, then broadcast",
+            "zero1_owners": "whole matrices gathered from reduce-scattered shards to owner ranks",
             "zero1_whole": "whole matrices in their owners' reduce-scatter shards"}.get(placement, placement)
 
 
@@ -429,7 +440,7 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
     for spec, _, kind in reversed(rows):
         placement = placements[kind]
         whole = placement == "zero1_whole"
-        sharded = sharding == "zero1" and placement in ("zero1", "zero1_whole")
+        sharded = sharding == "zero1" and placement in ("zero1", "zero1_whole", "zero1_owners")
         # shards of layer-wise owners' or replicated stages' gradients would be no use to them: all-reduce
         reduction: Reduction = "reduce_scatter" if sharded or sharding != "zero1" else "all_reduce"
         key = (spec.dtype, grad_dtype or spec.dtype, spec.expert, whole, reduction)
@@ -457,9 +468,10 @@ def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
                     owner = buffers[where[spec.name][0]].layout.owner_of(spec.name)
                     if owner is not None:
                         owners[spec.name] = owner
-        elif placement == "layerwise":
+        elif placement in ("layerwise", "zero1_owners"):
             members = [spec for spec, _, k in rows if k == kind]
-            ranks = topology.expert_dp if kind[1] else topology.dp
+            ranks = topology.expert_dp if kind[1] else (topology.dp if placement == "layerwise"
+                                                        else topology.shard_size)
             for spec, owner in zip(members, pack_owners([newton_schulz_cost(s.shape) for s in members], ranks),
                                    strict=True):
                 owners[spec.name] = owner

@@ -2,9 +2,9 @@
 padding, communication per step and the owner balance of whole-matrix algorithms. Pure (numbers from the plan,
 no tensors): ``optstack plan`` prints it, and a test checks it against the live tensors of a small real run.
 
-Communication figures are what one rank sends per step with ring collectives (all-reduce ``2 (n-1)/n`` of the
-buffer, reduce-scatter and all-gather ``(n-1)/n`` each; an owner's broadcast sends its matrices to ``n - 1``
-peers through a tree, counted as once here), the usual first-order model (DeepSpeed's and Megatron's estimates).
+Communication figures are the bytes one rank moves per step with ring collectives (all-reduce ``2 (n-1)/n`` of the
+buffer, reduce-scatter and all-gather ``(n-1)/n`` each; a broadcast from owners: what the rank does not own, once;
+an owner's gather: its own matrices, once), the usual first-order model (DeepSpeed's and Megatron's estimates).
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ class PlanReport:
         return out
 
 
-def _covered(buffer: PlannedBuffer) -> list[tuple[list[int], list[int], list[int]]]:
-    """Per bucket: sorted parameter starts, ends and prefix sums of their sizes (relative to the bucket)."""
+def _covered(buffer: PlannedBuffer, names: set[str]) -> list[tuple[list[int], list[int], list[int]]]:
+    """Per bucket: sorted starts, ends and prefix sums of the sizes of the parameters ``names`` (relative to the
+    bucket)."""
     out: list[tuple[list[int], list[int], list[int]]] = [([], [], [0]) for _ in buffer.layout.buckets]
-    for slot in sorted(buffer.layout.params, key=lambda s: s.offset):
+    for slot in sorted((s for s in buffer.layout.params if s.name in names), key=lambda s: s.offset):
         starts, ends, prefix = out[slot.bucket]
         base = buffer.layout.buckets[slot.bucket].offset
         starts.append(slot.offset - base)
@@ -106,47 +107,56 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
     for p in plan.params:
         if p.buffer is not None:
             by_buffer.setdefault(p.buffer, []).append(p)
+    owned_placements = ("zero1_whole", "zero1_owners", "layerwise")
     for b in plan.buffers:
         n = plan.topology.expert_dp if b.expert else plan.topology.shard_size
         nbytes_g, nbytes_p = b.layout.numel * _size(b.grad_dtype), b.layout.numel * _size(b.param_dtype)
         ring = (n - 1) / n if n > 1 else 0.0
-        stage = plan.stages[by_buffer[b.index][0].stage]
-        per_element = state_per_element[by_buffer[b.index][0].stage]
         half = masters and b.param_dtype in (torch.bfloat16, torch.float16)
-        if b.reduction == "reduce_scatter" and stage.placement == "zero1":
-            covered = _covered(b)
+        for r in range(dp):  # the buffer's reduction
+            comm[r] += int((ring if b.reduction == "reduce_scatter" else 2 * ring) * nbytes_g)
+        by_stage: dict[int, list[Any]] = {}
+        for p in by_buffer[b.index]:
+            by_stage.setdefault(p.stage, []).append(p)
+        for index, members in by_stage.items():
+            placement, per_element = plan.stages[index].placement, state_per_element[index]
+            member_bytes = sum(p.spec.numel for p in members) * _size(b.param_dtype)
+            if placement == "zero1":
+                covered = _covered(b, {p.name for p in members})
+                gathered = nbytes_p if len(members) == len(by_buffer[b.index]) else member_bytes
+                for r in range(dp):
+                    rr = r // plan.topology.ep if b.expert else r % n
+                    own = 0
+                    for bucket, (starts, ends, prefix) in zip(b.layout.buckets, covered, strict=True):
+                        lo, hi = rr * bucket.shard_numel, (rr + 1) * bucket.shard_numel
+                        own += _elements_below(hi, starts, ends, prefix) - _elements_below(lo, starts, ends, prefix)
+                    stepped[r] += own
+                    state[r] += own * per_element
+                    master[r] += own * 4 if half else 0
+                    comm[r] += int(ring * gathered)  # the all-gather of the updated ranges
+                continue
+            owned: dict[int, list[Any]] = {}
+            for p in members:
+                if p.owner is not None:
+                    owned.setdefault(p.owner, []).append(p)
             for r in range(dp):
-                rr = r // plan.topology.ep if b.expert else r % n
-                own = 0
-                for bucket, (starts, ends, prefix) in zip(b.layout.buckets, covered, strict=True):
-                    lo, hi = rr * bucket.shard_numel, (rr + 1) * bucket.shard_numel
-                    own += _elements_below(hi, starts, ends, prefix) - _elements_below(lo, starts, ends, prefix)
+                if placement in owned_placements:
+                    mine = owned.get(r if placement == "layerwise" else r % n, [])
+                    owner_cost[r] += sum(newton_schulz_cost(p.spec.shape) for p in mine)
+                else:
+                    mine = members
+                own = sum(p.spec.numel for p in mine)
                 stepped[r] += own
                 state[r] += own * per_element
                 master[r] += own * 4 if half else 0
-                comm[r] += int(ring * (nbytes_g + nbytes_p))
-            continue
-        owned = {}
-        for p in by_buffer[b.index]:
-            if p.owner is not None:
-                owned.setdefault(p.owner, []).append(p)
-        for r in range(dp):
-            if stage.placement in ("zero1_whole", "layerwise"):
-                mine = owned.get(r % n if stage.placement == "zero1_whole" else r, [])
-            else:
-                mine = by_buffer[b.index]
-            own = sum(p.spec.numel for p in mine)
-            stepped[r] += own
-            state[r] += own * per_element
-            master[r] += own * 4 if half else 0
-            owner_cost[r] += sum(newton_schulz_cost(p.spec.shape) for p in mine) \
-                if stage.placement in ("zero1_whole", "layerwise") else 0.0
-            if stage.placement == "zero1_whole":
-                comm[r] += int(ring * (nbytes_g + nbytes_p))
-            elif stage.placement == "layerwise":
-                comm[r] += int(2 * ring * nbytes_g) + own * _size(b.param_dtype)
-            else:
-                comm[r] += int(2 * ring * nbytes_g)
+                # a broadcast from owners: every rank receives (and, pipelined, forwards) what it does not own
+                broadcast = member_bytes - own * _size(b.param_dtype)
+                if placement == "zero1_whole":
+                    comm[r] += int(ring * nbytes_p)
+                elif placement == "zero1_owners":  # the own matrices gathered from the shards, then broadcast
+                    comm[r] += own * _size(b.grad_dtype) + broadcast
+                elif placement == "layerwise":
+                    comm[r] += broadcast
     if not plan.buffers:  # no wrapper: every rank steps everything
         for r in range(dp):
             for p in plan.params:
@@ -157,7 +167,7 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
     ranks = [RankCost(r, param_bytes, grad_bytes, master[r], state[r], stepped[r], comm[r], owner_cost[r])
              for r in range(dp)]
     working = [c for c in owner_cost if c > 0]
-    whole = any(s.placement in ("zero1_whole", "layerwise") for s in plan.stages)
+    whole = any(s.placement in ("zero1_whole", "zero1_owners", "layerwise") for s in plan.stages)
     balance = max(working) / (sum(working) / len(working)) if working else None
     buffers = [{"index": b.index, "param_dtype": str(b.param_dtype).removeprefix("torch."),
                 "grad_dtype": str(b.grad_dtype).removeprefix("torch."), "expert": b.expert, "whole": b.whole,

@@ -39,3 +39,89 @@ def _live(algorithm: str) -> dict:
 def test_plan_report_bytes_equal_the_live_tensors(world2, algorithm):
     for out in world2.run(_live, algorithm):
         assert out["planned"] == out["live"], out
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def _batches(world: int):
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(4 * world, 24, generator=g), torch.randn(4 * world, 8, generator=g)) for _ in range(4)]
+
+
+def _config(layout: str, sharding: str = "zero1"):
+    from optstack import DistributedConfig, OptimizerConfig
+
+    return OptimizerConfig(algorithm="muon", lr=0.05, clip_grad=0.5,
+                           distributed=DistributedConfig(sharding=sharding, bucket_size=700, whole_matrices=layout))
+
+
+def _owners_over_shards(layout: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from optstack import build_optimizer
+    from optstack.distributed.ddp import DataParallel
+    from optstack.distributed.parallel import ParallelGroups
+    from optstack.factory import default_rules, topology_of
+    from optstack.names import named_parameters
+    from optstack.plan import ParamPlan, specs_of
+    from optstack.rules import resolve
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, config, groups = _mlp(), _config(layout), ParallelGroups.from_world()
+    named = named_parameters(model)
+    plan = ParamPlan.build(config, specs_of(named), resolve(named, default_rules(config)), topology_of(groups))
+    # a real reduce-scatter (on gloo the wrapper would otherwise all-reduce, its faster collective there)
+    ddp = DataParallel(model, groups=groups, shard_grads=True, sharded_reduction="reduce_scatter", plan=plan)
+    opt = build_optimizer(config, ddp).optimizer
+    norms = []
+    for x, y in _batches(world):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+        norms.append(opt.last_result.grad_norm)
+    muon = opt.stages[0]
+    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), "norms": norms,
+            "kind": muon.placement.kind, "owned": sorted(muon.param_shards()),
+            "whole_grads": ddp.reduces_whole([p for g in muon.param_groups for p in g["params"]])}
+
+
+def _one_process() -> tuple[list[float], list[float]]:
+    import torch
+
+    from optstack import build_optimizer
+
+    model = _mlp()
+    opt = build_optimizer(_config("auto", "replicated"), model).optimizer
+    norms = []
+    for x, y in _batches(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        norms.append(opt.last_result.grad_norm)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), norms
+
+
+@pytest.mark.parametrize("layout", ["gather", "whole_shards"])
+def test_zero1_muon_owners_over_reduce_scattered_shards_equal_one_process(world2, layout):
+    import torch
+
+    want, want_norms = _one_process()
+    ranks = world2.run(_owners_over_shards, layout)
+    assert sorted(n for out in ranks for n in out["owned"]) == ["0.weight", "2.weight", "4.weight"]
+    for out in ranks:
+        assert out["kind"] == ("owners" if layout == "gather" else "zero1")
+        assert not out["whole_grads"]  # reduce-scattered: no rank holds gradients it does not step
+        # the norm sums the owners' terms in another order than one process (1 ulp), which Newton-Schulz
+        # amplifies a little: the relative difference of the whole parameter vector, as the layer-wise tests
+        got, ref = torch.tensor(out["params"]), torch.tensor(want)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+        torch.testing.assert_close(torch.tensor(out["norms"]), torch.tensor(want_norms), rtol=1e-5, atol=0)

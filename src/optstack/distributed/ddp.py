@@ -34,7 +34,13 @@ from torch import nn
 from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer, build_buffers
 from optstack.distributed.comm import Comm, Handle, NullComm, is_initialized
 from optstack.distributed.parallel import ParallelGroups
-from optstack.distributed.param_gather import ParamGather, ShardedLayout, gather_via, plan_bucket_gathers
+from optstack.distributed.param_gather import (
+    GradShards,
+    ParamGather,
+    ShardedLayout,
+    gather_via,
+    plan_bucket_gathers,
+)
 from optstack.names import named_parameters
 
 if TYPE_CHECKING:
@@ -585,6 +591,38 @@ class DataParallel(nn.Module):
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather,
                              whole)
+
+    def grad_shards(self, params: Sequence[torch.Tensor], *, expert: bool = False) -> GradShards:
+        """Where ``params``' reduced gradients lie across the ranks their buffers are sharded over (each rank
+        its range of every bucket, cutting across parameters): for a stage whose owners gather whole
+        gradients from the shards (``stage.placement.OwnersOverShards``).
+
+        Raises:
+            ValueError: a parameter not trainable in the wrapped module, or of the other kind (dense vs expert).
+        """
+        comm = self.groups.expert_dp if expert else self._dense_shard
+        mine: dict[int, tuple[int, int, torch.Tensor] | None] = {}
+        where: dict[int, tuple[Any, str]] = {}
+        dtypes: dict[int, torch.dtype] = {}
+        for param in params:
+            entry = self._slot_of_param.get(id(param))
+            if entry is None:
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                                 "DataParallel-wrapped module")
+            buffer = entry[1]
+            slot = buffer.slot_of(param)
+            if buffer.key.is_expert != expert:
+                raise ValueError(f"{slot.name!r} is {'an expert' if buffer.key.is_expert else 'a dense'} parameter; "
+                                 "put dense and expert (allreduce=False) parameters in separate stages")
+            part = buffer.layout.owned_slice(slot.name, comm.rank)
+            mine[id(param)] = None if part is None else (
+                part.param_start, part.param_end, buffer.grad_data[part.buffer_start:part.buffer_start + part.numel])
+            where[id(param)] = (buffer.layout, slot.name)
+            dtypes[id(param)] = buffer.key.grad_dtype
+        g = self.groups
+        device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
+        return GradShards(comm, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, mine, where,
+                          dtypes)
 
     def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""

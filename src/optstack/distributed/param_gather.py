@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -18,8 +18,8 @@ from torch import nn
 from optstack.distributed.buffers import ParamAndGradBuffer
 from optstack.distributed.comm import Comm, Handle, NullComm
 
-__all__ = ["BucketGather", "GatherVia", "OwnerBroadcast", "ParamGather", "ShardedLayout", "gather_via",
-           "plan_bucket_gathers"]
+__all__ = ["BucketGather", "GatherVia", "GradShards", "OwnerBroadcast", "ParamGather", "ShardedLayout",
+           "gather_via", "plan_bucket_gathers"]
 
 GatherVia = Literal["all_gather", "broadcast"]
 
@@ -158,6 +158,27 @@ class ShardedLayout:
 
     def owned(self, param: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
         return self.slices.get(id(param))
+
+
+@dataclass(frozen=True)
+class GradShards:
+    """Where reduce-scattered gradients lie (``DataParallel.grad_shards``): per parameter, this rank's reduced
+    part (``[start, end)`` of the flattened parameter and a 1-D view of the gradient buffer, or None) and, for
+    any rank, which part of it that rank's shard holds (``part_on``, pure: from the buffer layout)."""
+
+    comm: Comm | NullComm
+    reduce_over: Sequence[Comm | NullComm]
+    tp_rank: int
+    device: torch.device
+    mine: Mapping[int, tuple[int, int, torch.Tensor] | None]  # id(param) -> this rank's part
+    where: Mapping[int, tuple[Any, str]]  # id(param) -> (its buffer's layout, its name there)
+    grad_dtype: Mapping[int, torch.dtype]
+
+    def part_on(self, param: torch.Tensor, rank: int) -> tuple[int, int] | None:
+        """``[start, end)`` of the flattened ``param`` held reduced by ``rank`` (None: nothing)."""
+        layout, name = self.where[id(param)]
+        part = layout.owned_slice(name, rank)
+        return None if part is None else (part.param_start, part.param_end)
 
 
 # Parameters of at least this many elements are broadcast in place, smaller ones packed per owner and dtype.

@@ -15,6 +15,7 @@ from optstack.protocol import MakeOptimizer
 from optstack.stage.placement import (
     GradOf,
     LayerWise,
+    OwnersOverShards,
     Piece,
     Placement,
     Whole,
@@ -26,9 +27,9 @@ from optstack.stage.precision import Direct, Masters, Precision, Remainders
 from optstack.stage.stage import Stage
 
 __all__ = [
-    "Direct", "GradOf", "LayerWise", "Masters", "Piece", "Placement", "Precision", "Remainders", "Stage", "Whole",
-    "Zero1",
-    "assign_params", "layerwise_stage", "newton_schulz_cost", "replicated_stage", "zero1_stage",
+    "Direct", "GradOf", "LayerWise", "Masters", "OwnersOverShards", "Piece", "Placement", "Precision", "Remainders",
+    "Stage", "Whole", "Zero1",
+    "assign_params", "layerwise_stage", "newton_schulz_cost", "owners_stage", "replicated_stage", "zero1_stage",
 ]
 
 
@@ -87,5 +88,16 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
         raise ValueError("layerwise_stage needs comm= (the data-parallel group) or ddp=")
     placement = LayerWise(comm=comm, grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank,
                           device=ddp.device if ddp is not None else None, cost=cost, owners=owners)
+    return Stage(param_groups, make_optimizer, placement=placement,
+                 precision=precision if precision is not None else Masters())
+
+
+def owners_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, ddp: DataParallel,
+                 expert: bool = False, owners: Mapping[str, int] | None = None,
+                 precision: Precision | None = None) -> Stage:
+    """Whole parameters stepped by owner ranks over ``ddp``'s reduce-scattered gradients (``OwnersOverShards``):
+    each owner gathers its matrices' reduced pieces from the shards, steps them, and broadcasts them."""
+    params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
+    placement = OwnersOverShards(shards=ddp.grad_shards(params, expert=expert), owners=owners)
     return Stage(param_groups, make_optimizer, placement=placement,
                  precision=precision if precision is not None else Masters())

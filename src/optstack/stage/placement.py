@@ -9,6 +9,8 @@ parameter": elements ``[start, end)`` of the flattened parameter, as a tensor of
   buffers, never the wrapper); the ranges cut across parameters, except in whole-shard buffers, where each is
   a whole parameter (so Muon steps reduce-scattered matrices); the wrapper's gather publishes them.
 - ``LayerWise``: whole parameters, each stepped by one owner rank (balanced by cost), then broadcast.
+- ``OwnersOverShards``: as ``LayerWise``, over reduce-scattered gradients: each owner gathers its matrices'
+  reduced pieces from the ranks' shards (point to point), so no rank needs whole gradients it does not step.
 
 A DTensor placement (local shards of ``fully_shard`` / tensor-parallel parameters) is one more of these.
 """
@@ -26,11 +28,12 @@ import torch
 from optstack.clip import counts_toward_norm
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.parallel import ComposedComm
-from optstack.distributed.param_gather import OwnerBroadcast, ParamGather, ShardedLayout
+from optstack.distributed.param_gather import GradShards, OwnerBroadcast, ParamGather, ShardedLayout
 from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
 
-__all__ = ["GradOf", "LayerWise", "Piece", "Placement", "Whole", "Zero1", "assign_params", "newton_schulz_cost"]
+__all__ = ["GradOf", "LayerWise", "OwnersOverShards", "Piece", "Placement", "Whole", "Zero1", "assign_params",
+           "newton_schulz_cost"]
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -289,3 +292,72 @@ class LayerWise(Placement):
         if self._broadcast is not None:
             with phase("param_gather"):
                 self._broadcast.run()
+
+
+class OwnersOverShards(LayerWise):
+    """Whole parameters stepped by owner ranks over reduce-scattered gradients (ZeRO-1 for Muon where whole-shard
+    buffers would pad too much): after the reduce-scatter each rank holds the reduced gradient of its range of
+    every bucket; each owner gathers its matrices' pieces from the ranks holding them (point to point, into one
+    whole gradient per owned matrix kept between steps), steps them whole, then broadcasts them as ``LayerWise``.
+    Per rank that moves the gradient once in the reduce-scatter and its own matrices' once more, where an
+    all-reduce + broadcast moves every gradient twice.
+
+    The norm is each owner's over its matrices, summed over the shard group (as ZeRO-1's), so every element counts
+    once.
+
+    Args:
+        shards: the wrapper's ``GradShards`` for these parameters.
+        owners: parameter name -> owner rank of ``shards.comm`` (a plan's); None: balanced by ``cost`` here.
+        cost: as ``LayerWise``.
+    """
+
+    kind = "owners"
+
+    def __init__(self, *, shards: GradShards, owners: Mapping[str, int] | None = None,
+                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
+        super().__init__(comm=shards.comm, reduce_over=shards.reduce_over, tp_rank=shards.tp_rank,
+                         device=shards.device, cost=cost, owners=owners)
+        self.shards = shards
+        self._parts: list[list[tuple[int, int, int]]] = []  # per parameter (on its owner): (rank, start, end)
+        self._whole: dict[int, torch.Tensor] = {}  # id(param) -> its gathered gradient, flat (owner only)
+
+    def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
+        out = super().pieces(names, params)
+        me = self.dp.rank
+        self._parts = []
+        for param, owner in zip(self._all, self.owners, strict=True):
+            parts = []
+            if owner == me:
+                for rank in range(self.dp.size):
+                    part = self.shards.part_on(param, rank)
+                    if part is not None:
+                        parts.append((rank, *part))
+                self._whole[id(param)] = torch.zeros(param.numel(), dtype=self.shards.grad_dtype[id(param)],
+                                                     device=self.device)
+            self._parts.append(parts)
+        return out
+
+    def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
+        comm, me = self.dp, self.dp.rank
+        handles = []
+        with phase("gather_grads"), torch.no_grad():
+            for i, (param, owner) in enumerate(zip(self._all, self.owners, strict=True)):
+                mine = self.shards.mine[id(param)]
+                local = None if mine is None else mine[2]
+                if owner != me:
+                    handles.append(comm.gather_async(local, owner, (), tag=i))
+                    continue
+                whole = self._whole[id(param)]
+                parts: list[torch.Tensor | None] = [None] * comm.size
+                for rank, start, end in self._parts[i]:
+                    parts[rank] = whole[start:end]
+                handles.append(comm.gather_async(local, owner, parts, tag=i))
+            for handle in handles:
+                handle.wait()
+        return [self._whole[id(p.param)].view(p.param.shape) for p in pieces]
+
+    def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+        return [p.param for p in pieces]
+
+    def norm_grads(self, ready: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return list(ready)
