@@ -17,7 +17,7 @@ from torch import nn
 from optstack.algorithms import get_algorithm
 from optstack.config import OptimizerConfig, check_combination, dtype_from_name
 from optstack.distributed.comm import Comm, NullComm, is_initialized, world_comm
-from optstack.distributed.ddp import DataParallel, check_launched_world
+from optstack.distributed.ddp import DataParallel, check_launched_world, unwrapped_use_error, wrapper_holding
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
@@ -178,6 +178,8 @@ def build_optimizer(
     if dtensor:
         _check_dtensor_model(named, config, source)
     ddp = None if dtensor else _data_parallel_of(source, config)
+    if ddp is None and not dtensor and wrapper_holding(named[0][1]) is not None:
+        raise ValueError(unwrapped_use_error(named[0][0], "build_optimizer, given the module inside the wrapper,"))
     if resolved is None:
         if rules is not None:
             check_names_available(source, rules, exempt=default_rules(config))

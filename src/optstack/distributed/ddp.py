@@ -46,7 +46,7 @@ from optstack.names import named_parameters
 if TYPE_CHECKING:
     from optstack.plan import ParamPlan
 
-__all__ = ["DataParallel", "check_launched_world", "is_expert_param"]
+__all__ = ["DataParallel", "check_launched_world", "is_expert_param", "wrapper_holding"]
 
 # gloo (loopback, 2 ranks): a reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py).
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
@@ -658,6 +658,22 @@ class DataParallel(nn.Module):
 # worker thread still holding their tensors during finalisation can abort the process (SIGABRT, "terminate
 # called without an active exception").
 _LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
+
+
+def wrapper_holding(param: torch.Tensor) -> DataParallel | None:
+    """The live wrapper whose buffers hold ``param`` (its gradients go there, not to ``param.grad``), or None."""
+    for ddp in list(_LIVE):
+        if id(param) in ddp._slot_of_param:
+            return ddp
+    return None
+
+
+def unwrapped_use_error(name: str, what: str) -> str:
+    """Why an optimizer reading ``.grad`` of a wrapped parameter would step nothing, and what to do."""
+    return (f"parameter {name!r} is held by a DataParallel wrapper (its gradients go to the wrapper's buffers, "
+            f"never to .grad) but {what} reads its .grad, so steps would change nothing. Build the optimizer on "
+            "the wrapper, after wrapping: model = wrap_data_parallel(config, model), then "
+            "build_optimizer(config, model)")
 
 
 @atexit.register

@@ -27,6 +27,7 @@ import torch
 
 from optstack.clip import counts_toward_norm
 from optstack.distributed.comm import Comm, NullComm
+from optstack.distributed.ddp import unwrapped_use_error, wrapper_holding
 from optstack.distributed.parallel import ComposedComm
 from optstack.distributed.param_gather import GradShards, OwnerBroadcast, ParamGather, ShardedLayout
 from optstack.protocol import ParamShard, phase
@@ -86,6 +87,7 @@ class Placement:
         self.shard_comm: Comm | NullComm | None = None
         self.tp_rank = tp_rank
         self.device = device
+        self._first_read = True
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         """Per group, the pieces this rank steps (groups are kept, possibly empty)."""
@@ -93,8 +95,18 @@ class Placement:
                 for gn, gp in zip(names, params, strict=True)]
 
     def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
-        """The current model gradient of each piece (shaped like ``piece.value``), None where absent."""
-        return [p.grad if p.grad is not None else self.grad_of(p.param) for p in pieces]
+        """The current model gradient of each piece (shaped like ``piece.value``), None where absent.
+
+        Raises:
+            RuntimeError: at the first read, no gradient at all and the parameters held by a data-parallel
+                wrapper (an optimizer built before wrapping: its steps would change nothing).
+        """
+        grads = [p.grad if p.grad is not None else self.grad_of(p.param) for p in pieces]
+        if self._first_read and self.grad_of is _grad_attr:
+            self._first_read = False
+            if pieces and all(g is None for g in grads) and wrapper_holding(pieces[0].param) is not None:
+                raise RuntimeError(unwrapped_use_error(pieces[0].name, "this optimizer (built before wrapping?)"))
+        return grads
 
     def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
         """The parameters whose gradients make this rank's part of the global norm (fixed at construction)."""
