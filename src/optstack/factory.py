@@ -342,20 +342,21 @@ def _build_stages(
             # whole matrices in their owners' reduce-scatter shards: ZeRO-1 over whole matrices
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif placement == "zero1_owners" and ddp.shard_grads and not ddp.reduces_whole(params):
-            # owners gather their matrices' pieces from the reduce-scattered shards
+        elif placement in ("zero1_whole", "zero1_owners", "layerwise") and ddp.shard_grads \
+                and not ddp.reduces_whole(params):
+            # the wrapper reduce-scatters these matrices' gradients (the plan's choice, or a wrapper built by
+            # hand that cuts them): owners gather their matrices' pieces from the shards; the wrapper is left
+            # as it was built
             owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage and p.owner is not None}
+            usable = placement != "zero1_whole" and plan.topology.instances == 1 and len(owners) == len(params)
             stage = owners_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
-                                 owners=owners if len(owners) == len(params) else None)
+                                 owners=owners if usable else None)
         elif placement in ("zero1_whole", "zero1_owners", "layerwise"):
-            # owners step whole matrices over whole reduced gradients; a wrapper built without this plan that
-            # shards these gradients is made to reduce them whole (before any backward)
-            if not ddp.reduces_whole(params):
-                ddp.require_whole_grads()
-            owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage
-                      and p.owner is not None} if placement == "layerwise" or plan.topology.instances == 1 else None
+            # whole reduced gradients on every rank: owners step whole matrices, then broadcast
+            owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage and p.owner is not None}
+            usable = placement != "zero1_whole" and (placement == "layerwise" or plan.topology.instances == 1)
             stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
-                                    owners=owners if owners and len(owners) == len(params) else None)
+                                    owners=owners if usable and len(owners) == len(params) else None)
         else:
             if not ddp.reduces_whole(params):
                 ddp.require_whole_grads()  # a hand-built sharding wrapper under a replicated stage

@@ -221,12 +221,13 @@ def test_layerwise_at_three_ranks_one_matrix_each(world3) -> None:
     assert all(len(out["owned"]) == 1 for out in results)
 
 
-def test_zero1_muon_over_a_wrapper_cutting_its_matrices_falls_back_to_whole_gradients(world2) -> None:
+def test_zero1_muon_over_a_wrapper_cutting_its_matrices_gathers_them_to_owners(world2) -> None:
+    # the wrapper is left as it was built (reduce-scattering): owners gather their matrices from the shards
     results = world2.run(train_experts_from_config, "zero1", True)
     ref = _experts_reference(2)
     for out in results:
         assert _rel(out["params"], ref) < 1e-5
-        assert out["muon_placement"] == "layerwise" and out["whole_grads"] and out["shard_grads"]
+        assert out["muon_placement"] == "owners" and not out["whole_grads"] and out["shard_grads"]
     assert sorted(n for out in results for n in out["owned"]) == ["experts", "inp.weight", "out.weight"]
 
 

@@ -582,11 +582,12 @@ class DataParallel(nn.Module):
                 if whole:
                     views = tuple(v.view(param.shape) for v in views)
                 slices[id(param)] = (part.param_start, part.param_end, *views)
+        # with overlap, each module's forward pre-hook waits for its buckets (installed at the first launch)
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
-                             overlap=overlap_param_gather)
+                             overlap=overlap_param_gather,
+                             attach=(lambda: self._gather_hooks.extend(_register_wait_hooks(self.module, gather)))
+                             if overlap_param_gather else None)
         self._param_gathers.append(gather)
-        if overlap_param_gather:
-            gather.attach = lambda: self._gather_hooks.extend(_register_wait_hooks(self.module, gather))
         g = self.groups
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather,
