@@ -147,6 +147,8 @@ def build_optimizer(
     """
     check_combination(config)
     check_launched_world("build_optimizer")
+    if lr_schedule is not None:
+        _check_schedule_agrees(config, lr_schedule)
     if rules is not None and resolved is not None:
         raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
     source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
@@ -183,6 +185,27 @@ def build_optimizer(
     scheduler = None if lr_schedule is None else Scheduler(
         optimizer, lr_schedule, wd_schedule or WDSchedule.constant(config.weight_decay))
     return BuiltOptimizer(optimizer=optimizer, scheduler=scheduler, param_groups=groups)
+
+
+def _check_schedule_agrees(config: OptimizerConfig, schedule: LRSchedule) -> None:
+    """The schedule's ``max_lr`` / ``min_lr`` equal ``config.lr`` / ``config.min_lr``.
+
+    The groups' peak and floor come from the config (rules scale or replace them per group: ``lr_mult``,
+    ``decoupled_lr``, MuP) and the scheduler reads each group's own values, as Megatron's does, so a schedule
+    that disagrees with the config would silently run the config's values. Neither can win without surprising
+    someone (torch's ``OneCycleLR(max_lr=)`` overrides the optimizer's lr, Megatron's scheduler does not), so a
+    disagreement is an error naming both values."""
+    differ = [(field, theirs, ours) for field, theirs, ours in (("max_lr", schedule.max_lr, config.lr),
+                                                                 ("min_lr", schedule.min_lr, config.min_lr))
+              if theirs != ours]
+    if differ:
+        said = "; ".join(f"LRSchedule.{field}={theirs!r} but OptimizerConfig.{'lr' if field == 'max_lr' else field}="
+                         f"{ours!r}" for field, theirs, ours in differ)
+        raise ValueError(
+            f"the LR schedule disagrees with the config: {said}. The param groups take their peak and floor from "
+            "the config (rules scale them per group), so the config's values would run. Give both the same values: "
+            f"OptimizerConfig(lr={schedule.max_lr!r}, min_lr={schedule.min_lr!r}, ...) for the schedule's, or "
+            f"LRSchedule(max_lr={config.lr!r}, min_lr={config.min_lr!r}, ...) for the config's")
 
 
 def _check_dtypes(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
