@@ -22,7 +22,8 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 @pytest.mark.parametrize(("config", "schedule", "named"), [
-    (OptimizerConfig(), LRSchedule(max_lr=3e-4, decay_steps=10), ["LRSchedule.max_lr=0.0003", "OptimizerConfig.lr=0.001"]),
+    (OptimizerConfig(), LRSchedule(max_lr=3e-4, decay_steps=10),
+     ["LRSchedule.max_lr=0.0003", "OptimizerConfig.lr=0.001"]),
     (OptimizerConfig(lr=3e-4), LRSchedule(max_lr=3e-4, min_lr=3e-5, decay_steps=10),
      ["LRSchedule.min_lr=3e-05", "OptimizerConfig.min_lr=0.0"]),
 ])
