@@ -43,3 +43,34 @@ def test_schedule_agreeing_with_config_runs_as_written():
         built.scheduler.step()
         lrs.append(built.scheduler.get_last_lr()[0])
     assert lrs[1] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(3e-5)
+
+
+# -- 4: torch.compile of the step or of a train step --------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+@pytest.mark.parametrize("what", ["opt.step", "train step"])
+def test_compiled_step_equals_eager(algorithm, what):
+    torch._dynamo.reset()
+    config = OptimizerConfig(algorithm=algorithm, lr=1e-2, clip_grad=1.0)
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def run(compiled: bool) -> nn.Module:
+        model = _model()
+        opt = build_optimizer(config, model).optimizer
+        step = torch.compile(opt.step, backend="aot_eager") if compiled and what == "opt.step" else opt.step
+
+        def train(x: torch.Tensor) -> None:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            step()
+
+        train_step = torch.compile(train, backend="aot_eager") if compiled and what == "train step" else train
+        for x in batches:
+            train_step(x)
+            assert opt.last_result.applied
+        return model
+
+    eager, compiled = run(False), run(True)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)

@@ -202,6 +202,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
             self._piece_labels.append(pieces if any(pieces) else None)
 
     # -- the step ------------------------------------------------------------------------------------
+    # torch.compile of a train step (or of opt.step) runs the step eagerly, as one graph break: it decides on
+    # the host (finite check, skip, clip factor, step counts) and its kernels are fused / foreach already, so
+    # tracing it gains nothing, and dynamo's fake tensors lack what it reads (views' _base, data pointers).
+    @torch.compiler.disable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One step of every stage, or of none; returns the closure's loss (None without one), as torch.
 
