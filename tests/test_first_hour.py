@@ -74,3 +74,60 @@ def test_compiled_step_equals_eager(algorithm, what):
     eager, compiled = run(False), run(True)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# -- 6: the demo: Ctrl-C before the first checkpoint; --resume of a finished run ------------------------------
+
+
+_TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.max_bytes=60000",
+         "train.batch_size=8", "train.eval_batches=1", "schedule.warmup_steps=2", "train.sample_bytes=20",
+         "train.steps=5", "train.eval_every=1", "train.checkpoint_every=100", "schedule.decay_steps=5"]
+
+
+def _demo_config():
+    from optstack.demo.config import load_config, parse_override
+
+    return load_config(None, [parse_override(s) for s in _TINY])
+
+
+def _metrics(out) -> list[tuple]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["val_loss"], r["grad_norm"], r["lr"]) for r in rows]
+
+
+def test_demo_ctrl_c_saves_a_checkpoint_that_resume_continues(tmp_path):
+    import signal
+
+    from optstack.demo.train import train
+
+    cfg = _demo_config()
+    straight = tmp_path / "straight"
+    train(cfg, straight, progress=False, echo=lambda _: None)
+
+    def press_ctrl_c_at_step_2(line: str) -> None:
+        if line.startswith("step 2/"):
+            signal.raise_signal(signal.SIGINT)  # as the terminal delivers it, mid-loop
+
+    out = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt, match=r"after step 2, saved as checkpoint step_0+2; continue with: "
+                                                r"optstack train --out .* --resume"):
+        train(cfg, out, progress=False, echo=press_ctrl_c_at_step_2)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert (out / "checkpoints" / "latest").read_text().strip().endswith("2")
+    train(cfg, out, resume=True, progress=False, echo=lambda _: None)
+    assert _metrics(out) == _metrics(straight)  # the resumed run repeats the uninterrupted one
+
+
+def test_demo_resume_of_a_finished_run_changes_nothing(tmp_path):
+    from optstack.demo.train import train
+
+    cfg, out = _demo_config(), tmp_path / "run"
+    first = train(cfg, out, progress=False, echo=lambda _: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    said: list[str] = []
+    again = train(cfg, out, resume=True, progress=False, echo=said.append)
+    assert again == first
+    assert "finished" in said[0] and "nothing to do" in said[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,6 +183,41 @@ def _evaluate(model: nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.
 def _silent(_: str) -> None: ...
 
 
+class _GracefulStop:
+    """While active (in the main thread), the first Ctrl-C (SIGINT) asks the loop to stop at the end of the
+    current step, where it saves a checkpoint so that ``--resume`` always has one; a second Ctrl-C interrupts at
+    once, as Python's default does. Nothing is printed from the handler (it may run in the middle of a print)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def agreed(self, comm: Comm | NullComm, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (every rank must stop at the same step: saving is collective)."""
+        if comm.size == 1:
+            return self.requested
+        flag = torch.tensor(float(self.requested), device=device)
+        return bool(comm.all_reduce(flag, "max").item())
+
+
+def _resume_hint(run: RunDir, comm: Comm | NullComm) -> str:
+    return f"optstack train --out {run.path} --resume" + (f" --nproc {comm.size}" if comm.size > 1 else "")
+
+
 def check_start(cfg: TrainConfig, out: str | Path, *, resume: bool, world_size: int
                 ) -> tuple[Path | None, TrainState | None]:
     """What a run can check before building anything: the run directory against ``resume``, the saved
@@ -233,6 +271,12 @@ def train(
     echo = echo if lead else _silent
     run = RunDir(out)
     latest, saved = check_start(cfg, run.path, resume=resume, world_size=comm.size)
+    if saved is not None and saved.step >= cfg.train.steps and (run.path / "summary.json").is_file():
+        # A finished run: nothing to train, and nothing is rewritten (the summary stays the finished run's).
+        echo(f"{run.path} is finished: its latest checkpoint is of step {saved.step} and train.steps is "
+             f"{cfg.train.steps}; nothing to do. To train further, pass a larger --steps (with "
+             "schedule.decay_steps set from the start, the schedule continues as planned)")
+        return TrainSummary(**json.loads((run.path / "summary.json").read_text()))
     device = pick_device(cfg.train.device)
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
     for split in ("train", "val"):
@@ -282,7 +326,12 @@ def train(
     bar = progress_bar(steps, start, show_bar)
     say = bar.write if show_bar else echo
     last_loss, val_loss, step = math.nan, None, start
+    if saved is not None and (last_row := next(reversed(run.read_metrics()), None)) is not None:
+        last_loss, val_loss = last_row["loss"], last_row["val_loss"]  # what a resume that takes no step reports
+    stop = _GracefulStop()
+    stopped = False
     try:
+        stop.__enter__()
         for step in range(start + 1, steps + 1):
             t0 = time.perf_counter()
             optimizer.zero_grad()
@@ -325,19 +374,32 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
                             gnorm=f"{result.grad_norm or math.nan:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-            if step % cfg.train.checkpoint_every == 0 or step == steps:
+            stopped = stop.agreed(comm, device)
+            if step % cfg.train.checkpoint_every == 0 or step == steps or stopped:
+                if stopped:
+                    say(f"interrupted: saving a checkpoint of step {step} (Ctrl-C again to quit without it)")
                 state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
                                    torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
                                    train_seconds=train_time, world_size=comm.size)
                 _save(run, state, cfg, model, optimizer, scheduler, comm)
-    except KeyboardInterrupt:
+            if stopped:
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: no checkpoint of this step
         bar.close()
         ckpt = run.latest_checkpoint()
         raise KeyboardInterrupt(
-            f"interrupted at step {step}; the latest checkpoint is {ckpt.name if ckpt else 'none'}; "
-            f"continue with: optstack train --out {run.path} --resume"
+            f"interrupted at step {step}; the latest checkpoint is {ckpt.name}; continue with: "
+            f"{_resume_hint(run, comm)}" if ckpt is not None else
+            f"interrupted at step {step}, before any checkpoint was saved: nothing to resume; start the run "
+            "again (without --resume)"
         ) from None
+    finally:
+        stop.__exit__()
     bar.close()
+    if stopped:
+        board.close()
+        raise KeyboardInterrupt(f"interrupted after step {step}, saved as checkpoint {checkpoint_name(step)}; "
+                                f"continue with: {_resume_hint(run, comm)}")
     board.close()
     optimizer.finish_param_sync()  # the sample is generated from the final parameters
     labels = [group_label(i, g, cfg.optimizer.algorithm) for i, g in enumerate(optimizer.param_groups)]
