@@ -165,6 +165,8 @@ def build_optimizer(
         if rules is not None:
             check_names_available(source, rules, exempt=default_rules(config))
         resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
+    if dtensor:
+        _check_flags_survived(source, named, resolved, config)
     keys = group_keys(resolved)
     if ddp is not None or dtensor:
         # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
@@ -251,6 +253,27 @@ def _check_dtensor_model(named: Sequence[tuple[str, torch.Tensor]], config: Opti
             f"distributed.sharding='zero1' does not apply to DTensor parameters ({name!r} has placements "
             f"{tuple(p.placements)}): FSDP2 already shards them and optstack steps each rank's shard; leave "
             "distributed.sharding='replicated' (Muon steps whole matrices on owner ranks by itself)")
+
+
+def _check_flags_survived(source: nn.Module | list[Any], named: Sequence[tuple[str, torch.Tensor]],
+                          resolved: Mapping[str, Resolved], config: OptimizerConfig) -> None:
+    """On a DTensor model, an ``nn.Embedding``'s weight routed to Muon while no parameter carries
+    ``is_embedding_or_output_parameter`` is an error: FSDP2's ``fully_shard`` replaces every parameter, so flags
+    set before it are gone, and the embedding and output layer would go to Muon instead of AdamW, silently."""
+    if any(getattr(p, "is_embedding_or_output_parameter", False) for _, p in named):
+        return
+    modules = [source] if isinstance(source, nn.Module) else [c for c in source if isinstance(c, nn.Module)]
+    embeddings = {id(m.weight) for chunk in modules for m in chunk.modules() if isinstance(m, nn.Embedding)}
+    to_muon = [name for name, p in named if id(p) in embeddings and get_algorithm(
+        resolved[name].settings.get("algorithm", config.algorithm)).family == "muon"]
+    if to_muon:
+        raise ValueError(
+            f"parameter {to_muon[0]!r} is an nn.Embedding's weight, and it would go to Muon: no parameter of this "
+            "FSDP2 / DTensor model carries is_embedding_or_output_parameter, the flag that routes embeddings and "
+            "the output layer to AdamW. fully_shard replaces every parameter, so flags set before it are gone. Set "
+            f"them after fully_shard (e.g. model.{to_muon[0]}.is_embedding_or_output_parameter = True, and on the "
+            "output layer's weight), or route by name: rules=default_rules(config) + "
+            f"[Rule(Name({to_muon[0]!r}, '<output layer>.weight'), algorithm='adamw')]")
 
 
 def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:

@@ -66,3 +66,72 @@ def _save_with_rank_0_late(root: str) -> list[str]:
 
 def test_a_late_rank_0_is_waited_for(world2, tmp_path: Path) -> None:
     assert world2.run(_save_with_rank_0_late, str(tmp_path)) == [["latest", "step_00000001"]] * 2
+
+
+# -- 9: flags set before fully_shard ---------------------------------------------------------------------------
+
+
+class _LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.emb(x))))
+
+
+def _sharded_lm(flag_before: bool) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _LM()
+    if flag_before:  # the Megatron habit
+        model.emb.weight.is_embedding_or_output_parameter = True
+        model.head.weight.is_embedding_or_output_parameter = True
+    mesh = init_device_mesh("cpu", (world_comm().size,))
+    for layer in (model.emb, model.hidden, model.head):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _algorithms(built) -> dict[str, str]:
+    return {n: g.get("algorithm", "muon") for g in built.param_groups for n in g["param_names"]}
+
+
+def _flags_and_fully_shard() -> dict[str, object]:
+    from optstack import default_rules
+    from optstack.rules import Name, Rule
+
+    config = OptimizerConfig(algorithm="muon", lr=1e-2)
+    out: dict[str, object] = {}
+    try:
+        build_optimizer(config, _sharded_lm(flag_before=True))
+    except ValueError as error:
+        out["error"] = str(error)
+    model = _sharded_lm(flag_before=False)  # flags set on the sharded parameters are kept
+    model.emb.weight.is_embedding_or_output_parameter = True
+    model.head.weight.is_embedding_or_output_parameter = True
+    out["flagged after"] = _algorithms(build_optimizer(config, model))
+    rules = default_rules(config) + [Rule(Name("emb.weight", "head.weight"), algorithm="adamw")]
+    by_name = build_optimizer(config, _sharded_lm(flag_before=True), rules=rules)
+    out["by name"] = _algorithms(by_name)
+    model = _sharded_lm(flag_before=False)
+    opt = build_optimizer(config, model, rules=rules).optimizer  # and it trains
+    model(torch.randint(0, 32, (4, 5))).sum().backward()
+    opt.step()
+    out["applied"] = opt.last_result.applied
+    return out
+
+
+def test_flags_set_before_fully_shard_are_not_silently_lost(world2) -> None:
+    for out in world2.run(_flags_and_fully_shard):
+        assert "'emb.weight' is an nn.Embedding's weight, and it would go to Muon" in out["error"]
+        assert "fully_shard replaces every parameter" in out["error"]
+        assert "model.emb.weight.is_embedding_or_output_parameter = True" in out["error"]
+        expected = {"emb.weight": "adamw", "head.weight": "adamw", "head.bias": "adamw", "hidden.weight": "muon",
+                    "hidden.bias": "adamw"}
+        assert out["flagged after"] == expected and out["by name"] == expected
+        assert out["applied"]
