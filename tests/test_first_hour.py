@@ -131,3 +131,64 @@ def test_demo_resume_of_a_finished_run_changes_nothing(tmp_path):
     assert again == first
     assert "finished" in said[0] and "nothing to do" in said[0]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+# -- 10: migration errors say what to do instead ----------------------------------------------------------------
+
+
+def test_torch_style_param_groups_point_to_rules_and_optstack_optim():
+    model = _model()
+    groups = [{"params": list(model[0].parameters()), "weight_decay": 0.0}, {"params": list(model[2].parameters())}]
+    with pytest.raises(ValueError, match=r"torch-style param groups .*settings 'weight_decay'.*rules=default_rules"
+                                         r"\(config\) \+ \[Rule\(Name.*use optstack\.optim"):
+        build_optimizer(OptimizerConfig(), groups)
+
+
+def test_deepcopy_of_the_optimizer_says_what_to_copy_instead():
+    import copy
+
+    opt = build_optimizer(OptimizerConfig(), _model()).optimizer
+    with pytest.raises(TypeError, match=r"copy\.deepcopy\(optimizer\.state_dict\(\)\).*deepcopy the model, then "
+                                        r"build_optimizer"):
+        copy.deepcopy(opt)
+
+
+def test_an_optimizer_class_or_object_as_algorithm_names_the_string_to_pass():
+    from optstack.rules import Name, Rule
+
+    with pytest.raises(ValueError, match=r"got an optimizer class \(AdamW\).*algorithm='adamw' .* or "
+                                         r"algorithm='torch\.optim\.AdamW'"):
+        OptimizerConfig(algorithm=torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"got an optimizer class \(RMSprop\).*Pass algorithm='torch\.optim\.RMSprop'"):
+        OptimizerConfig(algorithm=torch.optim.RMSprop)
+    with pytest.raises(ValueError, match=r"got an optimizer object \(SGD\).*algorithm='sgd'"):
+        OptimizerConfig(algorithm=torch.optim.SGD(_model().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"Rule\(Name\('0\.\*'\)\): algorithm must be a non-empty optimizer name, got "
+                                         r"an optimizer class \(Adam\).*Pass algorithm='adam'"):
+        Rule(Name("0.*"), algorithm=torch.optim.Adam)
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"learning_rate": 3e-4}, "no field 'learning_rate': use lr=..."),
+    ({"betas": (0.9, 0.95)}, "no field 'betas': use adam=AdamConfig(beta1=..., beta2=...)"),
+    ({"max_grad_norm": 1.0}, "no field 'max_grad_norm': use clip_grad=..."),
+    ({"weight_decy": 0.1}, "no field 'weight_decy' (did you mean 'weight_decay'?)"),
+])
+def test_foreign_config_names_say_which_field_to_use(kwargs, says):
+    with pytest.raises(TypeError) as raised:
+        OptimizerConfig(**kwargs)
+    assert says in str(raised.value) and "Its fields are algorithm, lr, " in str(raised.value)
+
+
+def test_another_models_state_dict_says_so_without_jargon():
+    ours = build_optimizer(OptimizerConfig(), _model()).optimizer
+    other_model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 5))  # same names, other head
+    other = build_optimizer(OptimizerConfig(), other_model).optimizer
+    other_model(torch.randn(2, 8)).sum().backward()
+    other.step()
+    with pytest.raises(ValueError) as raised:
+        ours.load_state_dict(other.state_dict())
+    message = str(raised.value)
+    assert "'exp_avg' of parameter '2.weight' has 80 elements, but '2.weight' has 64 (shape (4, 16))" in message
+    assert "saved with another model" in message and "model.load_state_dict" in message
+    assert "stage" not in message and "DCP" not in message and "layout" not in message

@@ -21,6 +21,7 @@ from optstack.distributed.ddp import DataParallel, check_launched_world
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
+from optstack.hf_trainer import warn_if_trainer_clips_too
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
 from optstack.rules import Resolved, Rule, check_names_available, muon_routing_rule, mup_rules, resolve, standard_rules
@@ -182,6 +183,7 @@ def build_optimizer(
         log_num_zeros_in_grad=config.log_num_zeros_in_grad,
         grad_syncs=[ddp] if ddp is not None else [],
     )
+    warn_if_trainer_clips_too(optimizer, config.clip_grad)
     if lr_schedule is None and wd_schedule is not None:
         raise ValueError("wd_schedule was given without lr_schedule; pass both (the scheduler sets lr and wd)")
     scheduler = None if lr_schedule is None else Scheduler(

@@ -128,7 +128,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("an optstack optimizer cannot be pickled or deep-copied (it holds views of the model and "
-                        "process groups); save optimizer.state_dict() instead")
+                        "process groups). For a snapshot of its state: copy.deepcopy(optimizer.state_dict()), or "
+                        "optstack.checkpoint.save_checkpoint; for a second model (EMA, a copy to experiment on): "
+                        "deepcopy the model, then build_optimizer(config, copy) for it")
 
     # -- views ---------------------------------------------------------------------------------------
     @property
