@@ -192,3 +192,45 @@ def test_another_models_state_dict_says_so_without_jargon():
     assert "'exp_avg' of parameter '2.weight' has 80 elements, but '2.weight' has 64 (shape (4, 16))" in message
     assert "saved with another model" in message and "model.load_state_dict" in message
     assert "stage" not in message and "DCP" not in message and "layout" not in message
+
+
+# -- 11: the demo's plots -----------------------------------------------------------------------------------------
+
+
+def test_demo_groups_have_distinct_labels_and_lr_lines_stay_visible():
+    pytest.importorskip("matplotlib", reason="needs the demo extra")
+    from optstack.demo.gpt import GPT
+    from optstack.demo.plots import lr_figure
+    from optstack.demo.train import group_label, make_optimizer
+
+    cfg = _demo_config()
+    groups = make_optimizer(cfg, GPT(cfg.model)).optimizer.param_groups
+    labels = [group_label(i, g, "adamw") for i, g in enumerate(groups)]
+    assert [label.split(" (")[0] for label in labels] == ["0: default", "1: wd_mult=0"]  # was "default" twice
+    rows = [{"step": s, "group_lr": [0.1 * s, 0.1 * s]} for s in (1, 2, 3)]  # one schedule: the lines coincide
+    lines = lr_figure(rows, labels).axes[0].get_lines()
+    assert [line.get_label() for line in lines] == labels
+    assert len({(line.get_linestyle(), line.get_linewidth()) for line in lines}) == 2
+
+
+def test_grad_norm_plot_marks_the_clip_value():
+    pytest.importorskip("matplotlib", reason="needs the demo extra")
+    from optstack.demo.plots import grad_norm_figure
+
+    rows = [{"step": s, "grad_norm": 3.0 / s} for s in (1, 2, 3)]
+    lines = grad_norm_figure(rows, clip_grad=1.0).axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in lines if "clipped" in line.get_label()] == [[1.0, 1.0]]
+    assert len(grad_norm_figure(rows, clip_grad=0.0).axes[0].get_lines()) == 1  # no clipping, no line
+
+
+def test_demo_without_matplotlib_says_the_plots_were_skipped(tmp_path, monkeypatch):
+    import sys
+
+    from optstack.demo.train import train
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the core install: no demo extra
+    said: list[str] = []
+    train(_demo_config(), tmp_path / "run", progress=False, echo=said.append)
+    assert any(line.startswith("plots skipped: matplotlib is not installed") and "optstack[demo]" in line
+               for line in said)
+    assert not list((tmp_path / "run").glob("*.png")) and (tmp_path / "run" / "summary.json").is_file()

@@ -42,7 +42,7 @@ from optstack.checkpoint.io import checkpoint_name
 from optstack.demo.config import TrainConfig, config_to_dict, to_toml
 from optstack.demo.data import Corpus, load_corpus, unigram_entropy
 from optstack.demo.gpt import GPT, generate
-from optstack.demo.plots import write_plots
+from optstack.demo.plots import MISSING_NOTE, plots_available, write_plots
 from optstack.demo.progress import progress_bar, tensorboard
 from optstack.demo.rundir import RunDir, TrainState
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -119,11 +119,12 @@ def group_kind(group: dict[str, Any], base_algorithm: str) -> str:
 
 
 def group_label(index: int, group: dict[str, Any], base_algorithm: str) -> str:
-    """A param group's name in plots: its index, what sets it apart and its first parameter, e.g.
-    ``'1: lr_mult=0.5 (blocks.0.ln1.weight +33)'``."""
+    """A param group's name in plots: its index, what sets it apart (lr, algorithm, weight decay) and its first
+    parameter, e.g. ``'1: wd_mult=0 (blocks.0.ln1.weight +33)'``."""
     kind = group_kind(group, base_algorithm)
     parts = ([f"lr_mult={group['lr_mult']:g}"] if group.get("lr_mult", 1.0) != 1.0 else []) + \
-        ([kind] if kind != "default" else [])
+        ([kind] if kind != "default" else []) + \
+        ([f"wd_mult={group['wd_mult']:g}"] if group.get("wd_mult", 1.0) != 1.0 else [])
     names = group.get("param_names") or []
     first = f"{names[0]}{f' +{len(names) - 1}' if len(names) > 1 else ''}" if names else "empty"
     return f"{index}: {', '.join(parts) or 'default'} ({first})"
@@ -456,7 +457,11 @@ def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, sta
             echo: Callable[[str], None], group_labels: list[str]) -> TrainSummary:
     sample = ""
     if comm.rank == 0:
-        write_plots(run.read_metrics(), run.path, baseline=baseline, group_labels=group_labels)
+        if plots_available():
+            write_plots(run.read_metrics(), run.path, baseline=baseline, group_labels=group_labels,
+                        clip_grad=cfg.optimizer.clip_grad)
+        else:
+            echo(MISSING_NOTE)
         if cfg.train.sample_bytes:
             prompt = torch.tensor(list(cfg.train.sample_prompt.encode()), dtype=torch.long, device=device)
             ids = generate(model, prompt[-cfg.model.seq_len:], cfg.train.sample_bytes,
