@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 # Appended to each block: what the test reads back (the block's own text is run unchanged before it).
-_REPORT = "\nimport json as _json\nprint(_json.dumps({'applied': bool(result.applied) if 'result' in globals() else None}))\n"
+_REPORT = ("\nimport json as _json\n"
+           "print(_json.dumps({'applied': bool(result.applied) if 'result' in globals() else None}))\n")
 
 
 def _run_alone(block: str, tmp_path: Path) -> dict:
