@@ -166,8 +166,8 @@ def build_optimizer(
         if rules is not None:
             check_names_available(source, rules, exempt=default_rules(config))
         resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
-    if dtensor:
-        _check_flags_survived(source, named, resolved, config)
+        if dtensor:  # (a face passing `resolved` has its own flags and names)
+            _check_flags_survived(source, named, resolved, config)
     keys = group_keys(resolved)
     if ddp is not None or dtensor:
         # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
@@ -259,11 +259,20 @@ def _check_dtensor_model(named: Sequence[tuple[str, torch.Tensor]], config: Opti
 
 def _check_flags_survived(source: nn.Module | list[Any], named: Sequence[tuple[str, torch.Tensor]],
                           resolved: Mapping[str, Resolved], config: OptimizerConfig) -> None:
-    """On a DTensor model, an ``nn.Embedding``'s weight routed to Muon while no parameter carries
-    ``is_embedding_or_output_parameter`` is an error: FSDP2's ``fully_shard`` replaces every parameter, so flags
-    set before it are gone, and the embedding and output layer would go to Muon instead of AdamW, silently."""
+    """On a DTensor model where no parameter carries ``is_embedding_or_output_parameter``, ``decoupled_lr`` or an
+    ``nn.Embedding``'s weight routed to Muon is an error: FSDP2's ``fully_shard`` replaces every parameter, so flags
+    set before it are gone, and the decoupled LR would apply to nothing, the embedding and output layer would go to
+    Muon instead of AdamW, silently."""
     if any(getattr(p, "is_embedding_or_output_parameter", False) for _, p in named):
         return
+    lost = ("fully_shard replaces every parameter, so flags set before it are gone. Set them after fully_shard (e.g. "
+            "model.{name}.is_embedding_or_output_parameter = True, and on the output layer's weight), or route by "
+            "name: rules=default_rules(config) + [Rule(Name({name!r}, '<output layer>.weight'), {setting})]")
+    if config.decoupled_lr is not None:
+        raise ValueError(
+            f"decoupled_lr={config.decoupled_lr} applies to the parameters flagged is_embedding_or_output_parameter, "
+            "and no parameter of this FSDP2 / DTensor model carries the flag: it would apply to none. "
+            + lost.format(name="<embedding>.weight", setting=f"max_lr={config.decoupled_lr}"))
     modules = [source] if isinstance(source, nn.Module) else [c for c in source if isinstance(c, nn.Module)]
     embeddings = {id(m.weight) for chunk in modules for m in chunk.modules() if isinstance(m, nn.Embedding)}
     to_muon = [name for name, p in named if id(p) in embeddings and get_algorithm(
@@ -272,10 +281,7 @@ def _check_flags_survived(source: nn.Module | list[Any], named: Sequence[tuple[s
         raise ValueError(
             f"parameter {to_muon[0]!r} is an nn.Embedding's weight, and it would go to Muon: no parameter of this "
             "FSDP2 / DTensor model carries is_embedding_or_output_parameter, the flag that routes embeddings and "
-            "the output layer to AdamW. fully_shard replaces every parameter, so flags set before it are gone. Set "
-            f"them after fully_shard (e.g. model.{to_muon[0]}.is_embedding_or_output_parameter = True, and on the "
-            "output layer's weight), or route by name: rules=default_rules(config) + "
-            f"[Rule(Name({to_muon[0]!r}, '<output layer>.weight'), algorithm='adamw')]")
+            "the output layer to AdamW. " + lost.format(name=to_muon[0], setting="algorithm='adamw'"))
 
 
 def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:

@@ -123,6 +123,10 @@ def _flags_and_fully_shard() -> dict[str, object]:
     model(torch.randint(0, 32, (4, 5))).sum().backward()
     opt.step()
     out["applied"] = opt.last_result.applied
+    try:
+        build_optimizer(OptimizerConfig(lr=1e-2, decoupled_lr=1e-3), _sharded_lm(flag_before=True))
+    except ValueError as error:
+        out["decoupled error"] = str(error)
     return out
 
 
@@ -135,3 +139,5 @@ def test_flags_set_before_fully_shard_are_not_silently_lost(world2) -> None:
                     "hidden.bias": "adamw"}
         assert out["flagged after"] == expected and out["by name"] == expected
         assert out["applied"]
+        assert "decoupled_lr=0.001 applies to the parameters flagged is_embedding_or_output_parameter" in \
+            out["decoupled error"] and "fully_shard replaces every parameter" in out["decoupled error"]
