@@ -234,3 +234,21 @@ def test_demo_without_matplotlib_says_the_plots_were_skipped(tmp_path, monkeypat
     assert any(line.startswith("plots skipped: matplotlib is not installed") and "optstack[demo]" in line
                for line in said)
     assert not list((tmp_path / "run").glob("*.png")) and (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_demo_second_ctrl_c_quits_at_once_and_says_there_is_nothing_to_resume(tmp_path):
+    import signal
+
+    from optstack.demo.train import train
+
+    def press_ctrl_c_twice_at_step_2(line: str) -> None:
+        if line.startswith("step 2/"):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted at step 2, before any checkpoint was saved: nothing to "
+                                                r"resume; start the run again \(without --resume\)"):
+        train(_demo_config(), out, progress=False, echo=press_ctrl_c_twice_at_step_2)
+    assert not (out / "checkpoints" / "latest").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -329,73 +329,70 @@ def train(
     last_loss, val_loss, step = math.nan, None, start
     if saved is not None and (last_row := next(reversed(run.read_metrics()), None)) is not None:
         last_loss, val_loss = last_row["loss"], last_row["val_loss"]  # what a resume that takes no step reports
-    stop = _GracefulStop()
     stopped = False
-    try:
-        stop.__enter__()
-        for step in range(start + 1, steps + 1):
-            t0 = time.perf_counter()
-            optimizer.zero_grad()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for micro in range(accum):
-                x, y = corpus.get_batch("train", bs, seq, data_gen)  # the global batch, on every rank
-                x, y = _my_rows(x, comm).to(device), _my_rows(y, comm).to(device)
-                # Gradients are reduced once per step: the last micro-batch's backward starts the reduction.
-                with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                    loss = _loss(model, x, y) / accum
-                    optimizer.scale_loss(loss).backward()
-                loss_sum += loss.detach().double()
-            lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
-            group_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-            optimizer.step()  # with overlap_param_gather, the next forward waits for the params
-            result = optimizer.last_result
-            if result.applied:
-                scheduler.step()
-            else:
-                skipped += 1
-            last_loss = comm.all_reduce(loss_sum, "avg").item()
-            dt = time.perf_counter() - t0
-            train_time += dt
-            val_loss = None
-            if step % cfg.train.eval_every == 0 or step == steps:
-                optimizer.finish_param_sync()  # every parameter current before evaluation reads them
-                val_loss = _evaluate(gpt, corpus, cfg, device, comm)
-                best_val = min(best_val, val_loss)
-                say(f"step {step}/{steps}: loss {last_loss:.4f}, val loss {val_loss:.4f}, "
-                    f"{tokens_per_step / dt:,.0f} tokens/s")
-            if lead:
-                row = {
-                    "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs, "group_lr": group_lrs,
-                    "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
-                    "skipped": not result.applied, "tokens_per_s": tokens_per_step / dt,
-                    "peak_mem_mb": _peak_memory_mb(device), "time_s": train_time,
-                }
-                run.append_metrics(row)
-                board.log(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
-                            gnorm=f"{result.grad_norm or math.nan:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-            stopped = stop.agreed(comm, device)
-            if step % cfg.train.checkpoint_every == 0 or step == steps or stopped:
+    with _GracefulStop() as stop:
+        try:
+            for step in range(start + 1, steps + 1):
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                for micro in range(accum):
+                    x, y = corpus.get_batch("train", bs, seq, data_gen)  # the global batch, on every rank
+                    x, y = _my_rows(x, comm).to(device), _my_rows(y, comm).to(device)
+                    # Gradients are reduced once per step: the last micro-batch's backward starts the reduction.
+                    with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                        loss = _loss(model, x, y) / accum
+                        optimizer.scale_loss(loss).backward()
+                    loss_sum += loss.detach().double()
+                lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
+                group_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+                optimizer.step()  # with overlap_param_gather, the next forward waits for the params
+                result = optimizer.last_result
+                if result.applied:
+                    scheduler.step()
+                else:
+                    skipped += 1
+                last_loss = comm.all_reduce(loss_sum, "avg").item()
+                dt = time.perf_counter() - t0
+                train_time += dt
+                val_loss = None
+                if step % cfg.train.eval_every == 0 or step == steps:
+                    optimizer.finish_param_sync()  # every parameter current before evaluation reads them
+                    val_loss = _evaluate(gpt, corpus, cfg, device, comm)
+                    best_val = min(best_val, val_loss)
+                    say(f"step {step}/{steps}: loss {last_loss:.4f}, val loss {val_loss:.4f}, "
+                        f"{tokens_per_step / dt:,.0f} tokens/s")
+                if lead:
+                    row = {
+                        "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs, "group_lr": group_lrs,
+                        "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                        "skipped": not result.applied, "tokens_per_s": tokens_per_step / dt,
+                        "peak_mem_mb": _peak_memory_mb(device), "time_s": train_time,
+                    }
+                    run.append_metrics(row)
+                    board.log(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
+                                gnorm=f"{result.grad_norm or math.nan:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                stopped = stop.agreed(comm, device) and step < steps  # at the last step: finish as usual
+                if step % cfg.train.checkpoint_every == 0 or step == steps or stopped:
+                    if stopped:
+                        say(f"interrupted: saving a checkpoint of step {step} (Ctrl-C again to quit without it)")
+                    state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
+                                       torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
+                                       train_seconds=train_time, world_size=comm.size)
+                    _save(run, state, cfg, model, optimizer, scheduler, comm)
                 if stopped:
-                    say(f"interrupted: saving a checkpoint of step {step} (Ctrl-C again to quit without it)")
-                state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
-                                   torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
-                                   train_seconds=train_time, world_size=comm.size)
-                _save(run, state, cfg, model, optimizer, scheduler, comm)
-            if stopped:
-                break
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: no checkpoint of this step
-        bar.close()
-        ckpt = run.latest_checkpoint()
-        raise KeyboardInterrupt(
-            f"interrupted at step {step}; the latest checkpoint is {ckpt.name}; continue with: "
-            f"{_resume_hint(run, comm)}" if ckpt is not None else
-            f"interrupted at step {step}, before any checkpoint was saved: nothing to resume; start the run "
-            "again (without --resume)"
-        ) from None
-    finally:
-        stop.__exit__()
+                    break
+        except KeyboardInterrupt:  # a second Ctrl-C: the step in progress is not saved
+            bar.close()
+            ckpt = run.latest_checkpoint()
+            raise KeyboardInterrupt(
+                f"interrupted at step {step}; the latest checkpoint is {ckpt.name}; continue with: "
+                f"{_resume_hint(run, comm)}" if ckpt is not None else
+                f"interrupted at step {step}, before any checkpoint was saved: nothing to resume; start the run "
+                "again (without --resume)"
+            ) from None
     bar.close()
     if stopped:
         board.close()
