@@ -67,6 +67,7 @@ def _every_rank_arrives(comm: Comm | NullComm, target: Path) -> None:
     """Rank 0 raises within ``ARRIVAL_TIMEOUT_S`` when another rank of ``comm`` does not call the save."""
     if comm.size == 1:
         return
+    # on the device the Comm exchanges objects on (host memory for gloo, the current accelerator for NCCL)
     handle = comm.all_reduce_async(torch.ones(1, device=comm._object_device()))
     if comm.rank == 0:
         deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
