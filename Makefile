@@ -1,5 +1,6 @@
 # Both targets set themselves up on a fresh machine: a virtual environment with the CPU build of PyTorch,
-# then optstack and its extras. Only Python 3.11+ is needed beforehand.
+# then optstack and its extras. Needed beforehand: Python 3.11+ with its venv module, and make (Debian / Ubuntu:
+# apt install make python3-venv).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

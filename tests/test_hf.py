@@ -276,3 +276,18 @@ def test_accelerate_save_state_and_load_state_resume(accelerate: ModuleType, tmp
     assert rest == losses[half:]
     assert steps == [(i + 1) // ACCUM for i in range(half, MICRO_BATCHES)]
     _assert_same_params(model, prepared[0])
+
+
+def test_trainer_clipping_on_top_of_optstacks_is_a_warning(tmp_path: Path) -> None:
+    import warnings
+
+    model = _tiny_lm("gpt2")
+    trainer = _trainer(model, _build(model), tmp_path, max_steps=2, max_grad_norm=1.0)  # Trainer's default
+    with pytest.warns(UserWarning, match=r"max_grad_norm=1.0; its default is 1.0\) .* clips them again "
+                                         r"\(OptimizerConfig.clip_grad=1.0\).*TrainingArguments\(max_grad_norm=0\)"):
+        trainer.train()
+    model = _tiny_lm("gpt2")
+    with warnings.catch_warnings(record=True) as caught:  # Trainer's clipping off: no word
+        warnings.simplefilter("always")
+        _trainer(model, _build(model), tmp_path, max_steps=2).train()
+    assert not [w for w in caught if "max_grad_norm" in str(w.message)]

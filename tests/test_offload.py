@@ -40,7 +40,7 @@ def _batches(n: int, dtype: torch.dtype, seed: int = 1) -> list[torch.Tensor]:
 
 
 def _config(algorithm: str, precision: str, offload: OffloadConfig | None, **extra) -> OptimizerConfig:
-    return OptimizerConfig(algorithm=algorithm, lr=1e-2, precision=precision,
+    return OptimizerConfig(algorithm=algorithm, lr=1e-2, min_lr=1e-3, precision=precision,
                            offload=offload or OffloadConfig(), **extra)
 
 

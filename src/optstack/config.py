@@ -7,6 +7,7 @@ naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from optstack.algorithms.registry import AlgorithmSpec, algorithm_names, get_algorithm
+from optstack.algorithms.registry import AlgorithmSpec, algorithm_names, check_name, get_algorithm
 from optstack.clip import check_norm_type
 from optstack.offload import offloaded
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
@@ -100,8 +101,7 @@ def _precision(name: str, value: Any) -> None:
 
 
 def _registry_name(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty registry name, got {value!r}")
+    check_name(name, value)
 
 
 _BETA, _POSITIVE, _NON_NEGATIVE = _number(0.0, 1.0, hi_open=True), _number(0.0, lo_open=True), _number(0.0)
@@ -320,6 +320,25 @@ class OffloadConfig:
         return offloaded(make_optimizer, fraction=self.fraction, overlap_transfers=self.overlap_transfers)
 
 
+#: Argument names that torch, Hugging Face and Megatron users pass by habit, and what optstack takes instead.
+_FOREIGN_NAMES = {
+    "learning_rate": "lr=...", "max_lr": "lr=... (the peak; the schedule is build_optimizer(lr_schedule=...))",
+    "min_learning_rate": "min_lr=...", "betas": "adam=AdamConfig(beta1=..., beta2=...)",
+    "beta1": "adam=AdamConfig(beta1=...)", "beta2": "adam=AdamConfig(beta2=...)", "eps": "adam=AdamConfig(eps=...)",
+    "adam_beta1": "adam=AdamConfig(beta1=...)", "adam_beta2": "adam=AdamConfig(beta2=...)",
+    "adam_eps": "adam=AdamConfig(eps=...)", "adam_epsilon": "adam=AdamConfig(eps=...)",
+    "momentum": "sgd=SGDConfig(momentum=...) (or muon=MuonConfig(momentum=...))",
+    "nesterov": "sgd=SGDConfig(nesterov=...)", "max_grad_norm": "clip_grad=...", "grad_clip": "clip_grad=...",
+    "optimizer": "algorithm=... (a name: 'adamw', 'muon', 'torch.optim.RMSprop')", "optim": "algorithm=...",
+    "bf16": "precision='bf16'", "fp16": "precision='fp16'", "dtype": "precision='bf16' | 'fp16' | 'fp32'",
+    "warmup_steps": "build_optimizer(..., lr_schedule=LRSchedule(warmup_steps=..., ...))",
+    "lr_warmup_steps": "build_optimizer(..., lr_schedule=LRSchedule(warmup_steps=..., ...))",
+    "lr_scheduler_type": "build_optimizer(..., lr_schedule=LRSchedule(style=..., ...))",
+    "lr_decay_style": "build_optimizer(..., lr_schedule=LRSchedule(style=..., ...))",
+    "use_distributed_optimizer": "distributed=DistributedConfig(sharding='zero1')",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Everything ``build_optimizer`` needs besides the model and the rules.
@@ -358,6 +377,20 @@ class OptimizerConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     masters: MastersConfig = field(default_factory=MastersConfig)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OptimizerConfig:
+        # Before the dataclass __init__, whose TypeError for a name of torch's or Megatron's says only "unexpected".
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, names, n=1)
+                hints.append(f"no field {k!r}: use {_FOREIGN_NAMES[k]}" if k in _FOREIGN_NAMES else
+                             f"no field {k!r} (did you mean {close[0]!r}?)" if close else f"no field {k!r}")
+            raise TypeError(f"OptimizerConfig has {'; '.join(hints)}. Its fields are {', '.join(names)} "
+                            "(optstack.megatron.OptimizerConfig takes Megatron's names)")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the sections: the fields whose default their class builds

@@ -21,6 +21,7 @@ from optstack.distributed.ddp import DataParallel, check_launched_world, unwrapp
 from optstack.distributed.group_keys import union_group_keys
 from optstack.distributed.parallel import ParallelGroups
 from optstack.groups import build_param_groups, group_keys, group_map
+from optstack.hf_trainer import warn_if_trainer_clips_too
 from optstack.names import NamedParams, named_parameters
 from optstack.optimizer import ChainedOptimizer
 from optstack.plan import ParamPlan, Topology, specs_of
@@ -166,6 +167,8 @@ def build_optimizer(
     """
     check_combination(config)
     check_launched_world("build_optimizer")
+    if lr_schedule is not None:
+        _check_schedule_agrees(config, lr_schedule)
     if rules is not None and resolved is not None:
         raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
     source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
@@ -184,6 +187,8 @@ def build_optimizer(
         if rules is not None:
             check_names_available(source, rules, exempt=default_rules(config))
         resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
+        if dtensor:  # (a face passing `resolved` has its own flags and names)
+            _check_flags_survived(source, named, resolved, config)
     keys = group_keys(resolved)
     if ddp is not None or dtensor:
         # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
@@ -203,11 +208,33 @@ def build_optimizer(
         log_num_zeros_in_grad=config.log_num_zeros_in_grad,
         grad_syncs=[ddp] if ddp is not None else [],
     )
+    warn_if_trainer_clips_too(optimizer, config.clip_grad)
     if lr_schedule is None and wd_schedule is not None:
         raise ValueError("wd_schedule was given without lr_schedule; pass both (the scheduler sets lr and wd)")
     scheduler = None if lr_schedule is None else Scheduler(
         optimizer, lr_schedule, wd_schedule or WDSchedule.constant(config.weight_decay))
     return BuiltOptimizer(optimizer=optimizer, scheduler=scheduler, param_groups=groups)
+
+
+def _check_schedule_agrees(config: OptimizerConfig, schedule: LRSchedule) -> None:
+    """The schedule's ``max_lr`` / ``min_lr`` equal ``config.lr`` / ``config.min_lr``.
+
+    The groups' peak and floor come from the config (rules scale or replace them per group: ``lr_mult``,
+    ``decoupled_lr``, MuP) and the scheduler reads each group's own values, as Megatron's does, so a schedule
+    that disagrees with the config would silently run the config's values. Neither can win without surprising
+    someone (torch's ``OneCycleLR(max_lr=)`` overrides the optimizer's lr, Megatron's scheduler does not), so a
+    disagreement is an error naming both values."""
+    differ = [(field, theirs, ours) for field, theirs, ours in (("max_lr", schedule.max_lr, config.lr),
+                                                                 ("min_lr", schedule.min_lr, config.min_lr))
+              if theirs != ours]
+    if differ:
+        said = "; ".join(f"LRSchedule.{field}={theirs!r} but OptimizerConfig.{'lr' if field == 'max_lr' else field}="
+                         f"{ours!r}" for field, theirs, ours in differ)
+        raise ValueError(
+            f"the LR schedule disagrees with the config: {said}. The param groups take their peak and floor from "
+            "the config (rules scale them per group), so the config's values would run. Give both the same values: "
+            f"OptimizerConfig(lr={schedule.max_lr!r}, min_lr={schedule.min_lr!r}, ...) for the schedule's, or "
+            f"LRSchedule(max_lr={config.lr!r}, min_lr={config.min_lr!r}, ...) for the config's")
 
 
 def _check_dtypes(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:
@@ -253,6 +280,33 @@ def _check_dtensor_model(named: Sequence[tuple[str, torch.Tensor]], config: Opti
             f"distributed.sharding='zero1' does not apply to DTensor parameters ({name!r} has placements "
             f"{tuple(p.placements)}): FSDP2 already shards them and optstack steps each rank's shard; leave "
             "distributed.sharding='replicated' (Muon steps whole matrices on owner ranks by itself)")
+
+
+def _check_flags_survived(source: nn.Module | list[Any], named: Sequence[tuple[str, torch.Tensor]],
+                          resolved: Mapping[str, Resolved], config: OptimizerConfig) -> None:
+    """On a DTensor model where no parameter carries ``is_embedding_or_output_parameter``, ``decoupled_lr`` or an
+    ``nn.Embedding``'s weight routed to Muon is an error: FSDP2's ``fully_shard`` replaces every parameter, so flags
+    set before it are gone, and the decoupled LR would apply to nothing, the embedding and output layer would go to
+    Muon instead of AdamW, silently."""
+    if any(getattr(p, "is_embedding_or_output_parameter", False) for _, p in named):
+        return
+    lost = ("fully_shard replaces every parameter, so flags set before it are gone. Set them after fully_shard (e.g. "
+            "model.{name}.is_embedding_or_output_parameter = True, and on the output layer's weight), or route by "
+            "name: rules=default_rules(config) + [Rule(Name({name!r}, '<output layer>.weight'), {setting})]")
+    if config.decoupled_lr is not None:
+        raise ValueError(
+            f"decoupled_lr={config.decoupled_lr} applies to the parameters flagged is_embedding_or_output_parameter, "
+            "and no parameter of this FSDP2 / DTensor model carries the flag: it would apply to none. "
+            + lost.format(name="<embedding>.weight", setting=f"max_lr={config.decoupled_lr}"))
+    modules = [source] if isinstance(source, nn.Module) else [c for c in source if isinstance(c, nn.Module)]
+    embeddings = {id(m.weight) for chunk in modules for m in chunk.modules() if isinstance(m, nn.Embedding)}
+    to_muon = [name for name, p in named if id(p) in embeddings and get_algorithm(
+        resolved[name].settings.get("algorithm", config.algorithm)).family == "muon"]
+    if to_muon:
+        raise ValueError(
+            f"parameter {to_muon[0]!r} is an nn.Embedding's weight, and it would go to Muon: no parameter of this "
+            "FSDP2 / DTensor model carries is_embedding_or_output_parameter, the flag that routes embeddings and "
+            "the output layer to AdamW. " + lost.format(name=to_muon[0], setting="algorithm='adamw'"))
 
 
 def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) -> DataParallel | None:

@@ -12,7 +12,7 @@ model under ``.module`` (data-parallel wrappers) is looked through, and so is ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -85,6 +85,15 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
     if all(isinstance(t, torch.Tensor) for t in items):
         return [(f"param.{i}", t) for i, t in enumerate(items)]
     for item in items:
+        if isinstance(item, Mapping) and "params" in item:
+            settings = ", ".join(repr(k) for k in item if k != "params") or "none"
+            raise ValueError(
+                f"got torch-style param groups (dicts with 'params'; settings {settings}): optstack makes the groups "
+                "itself, from rules over parameter names. Pass the model, and say per parameter what differs with "
+                "rules, e.g. build_optimizer(config, model, rules=default_rules(config) + [Rule(Name('head.*'), "
+                "lr_mult=0.1, why='slower head')]) (settings: lr_mult, max_lr, min_lr, wd_mult, algorithm, ...); "
+                "explain(model, rules) shows who gets what. For torch's own constructor over param-group dicts "
+                "(AdamW(param_groups, lr=...)) use optstack.optim")
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise ValueError(

@@ -128,7 +128,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("an optstack optimizer cannot be pickled or deep-copied (it holds views of the model and "
-                        "process groups); save optimizer.state_dict() instead")
+                        "process groups). For a snapshot of its state: copy.deepcopy(optimizer.state_dict()), or "
+                        "optstack.checkpoint.save_checkpoint; for a second model (EMA, a copy to experiment on): "
+                        "deepcopy the model, then build_optimizer(config, copy) for it")
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -202,6 +204,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
             self._piece_labels.append(pieces if any(pieces) else None)
 
     # -- the step ------------------------------------------------------------------------------------
+    # torch.compile of a train step (or of opt.step) runs the step eagerly, as one graph break: it decides on
+    # the host (finite check, skip, clip factor, step counts) and its kernels are fused / foreach already, so
+    # tracing it gains nothing, and dynamo's fake tensors lack what it reads (views' _base, data pointers).
+    @torch.compiler.disable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One step of every stage, or of none; returns the closure's loss (None without one), as torch.
 

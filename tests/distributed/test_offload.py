@@ -38,7 +38,7 @@ def _build(algorithm: str, precision: str, fraction: float | None):
 
     offload = OffloadConfig() if fraction is None else OffloadConfig(enabled=True, fraction=fraction,
                                                                      overlap_transfers=fraction == 0.5)
-    cfg = OptimizerConfig(algorithm=algorithm, lr=1e-2, precision=precision, offload=offload,
+    cfg = OptimizerConfig(algorithm=algorithm, lr=1e-2, min_lr=1e-3, precision=precision, offload=offload,
                           distributed=DistributedConfig(sharding="zero1", bucket_size=100))
     model = _model(precision)
     wrapped = wrap_data_parallel(cfg, model)

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["AlgorithmSpec", "Capabilities", "Family", "KwargsFromConfig", "algorithm_names", "get_algorithm",
-           "register"]
+__all__ = ["AlgorithmSpec", "Capabilities", "Family", "KwargsFromConfig", "algorithm_names", "check_name",
+           "get_algorithm", "register"]
 
 Family = Literal["adam", "sgd", "lion", "muon", "other"]
 _FAMILIES: tuple[str, ...] = ("adam", "sgd", "lion", "muon", "other")
@@ -155,6 +155,31 @@ def algorithm_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+#: optstack's own kernels for torch's classes of the same math (``torch.optim.AdamW`` -> ``"adamw"``)
+_OWN_NAMES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}
+
+
+def check_name(field: str, value: object, where: str = "") -> None:
+    """``value`` is a non-empty string; an optimizer class or object (torch's habit) is an error that spells out
+    the name to pass instead."""
+    if isinstance(value, str) and value:
+        return
+    cls = value if isinstance(value, type) else type(value)
+    if not issubclass(cls, torch.optim.Optimizer):
+        raise ValueError(f"{where}{field} must be a non-empty optimizer name (e.g. 'adamw', 'muon', "
+                         f"'torch.optim.RMSprop'), got {value!r}")
+    in_torch = getattr(torch.optim, cls.__name__, None) is cls
+    plugin = f"torch.optim.{cls.__name__}" if in_torch else f"{cls.__module__}:{cls.__qualname__}"
+    own = _OWN_NAMES.get(cls.__name__) if in_torch else None
+    names = f"{field}={plugin!r}"
+    if own:
+        names = f"{field}={own!r} (optstack's kernel, the same math) or {names}"
+    what = "an optimizer class" if isinstance(value, type) else "an optimizer object"
+    raise ValueError(f"{where}{field} must be a non-empty optimizer name, got {what} ({cls.__name__}): optstack "
+                     f"builds the optimizer itself, per group of parameters. Pass {names}, with its settings in the "
+                     "config")
+
+
 def get_algorithm(name: str) -> AlgorithmSpec:
     """The spec for a registered name, ``"torch.optim.<Class>"`` or ``"package.module:Class"``.
 
@@ -162,6 +187,7 @@ def get_algorithm(name: str) -> AlgorithmSpec:
         ValueError: unknown name (the message lists the known names and the plug-in forms), a plug-in that
             cannot be imported, or a class that is not a ``torch.optim.Optimizer`` subclass.
     """
+    check_name("algorithm", name)
     entry = _REGISTRY.get(name)
     if entry is not None:
         cls = _optimizer_class(name, entry.target)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +55,32 @@ T = TypeVar("T")
 
 
 Failure = tuple[bool, str] | None  # (a storage error?, its line), exchanged between ranks
+
+#: How long rank 0 waits, at the start of a save, for every other rank to call ``save_checkpoint`` too before it
+#: raises (the habit of single-file saves, ``if rank == 0: save(...)``, would otherwise hang until the process
+#: group's timeout, 30 minutes by default). The other ranks wait as long as the group allows: rank 0 is often
+#: the late one (logging, evaluation on rank 0 only).
+ARRIVAL_TIMEOUT_S = 20.0
+
+
+def _every_rank_arrives(comm: Comm | NullComm, target: Path) -> None:
+    """Rank 0 raises within ``ARRIVAL_TIMEOUT_S`` when another rank of ``comm`` does not call the save."""
+    if comm.size == 1:
+        return
+    # on the device the Comm exchanges objects on (host memory for gloo, the current accelerator for NCCL)
+    handle = comm.all_reduce_async(torch.ones(1, device=comm._object_device()))
+    if comm.rank == 0:
+        deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+        while not handle.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"cannot save checkpoint {target}: rank 0 waited {ARRIVAL_TIMEOUT_S:g} s for the other "
+                    f"{comm.size - 1} rank(s) of the {comm.name!r} group to call save_checkpoint too. Saving is "
+                    "collective (each rank writes the optimizer state it holds): call save_checkpoint(...) on every "
+                    "rank, not under `if rank == 0:`. The group now holds an unfinished collective: restart the "
+                    "job. (If the other ranks were only late, raise optstack.checkpoint.save.ARRIVAL_TIMEOUT_S.)")
+            time.sleep(0.002)
+    handle.wait()
 
 
 def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
@@ -139,6 +166,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     names it: a save killed after its commit, before ``latest``, is replaced rather than blocking every restart.
 
     Raises:
+        RuntimeError: on rank 0 within ``ARRIVAL_TIMEOUT_S``, when another rank does not call ``save_checkpoint``.
         ValueError: on every rank alike, for bad arguments, a checkpoint of ``step`` that ``latest`` names, state
             that cannot be saved by name, or ranks that disagree.
         CheckpointError: (a ``RuntimeError``) on every rank alike, naming the rank(s), path and error: writing
@@ -153,6 +181,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
     target = Path(root) / io.checkpoint_name(step)
     where = f"cannot save checkpoint {target}"
+    _every_rank_arrives(comm, target)
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")

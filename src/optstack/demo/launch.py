@@ -38,6 +38,7 @@ __all__ = ["launch", "allowed_processes", "RankFailed", "COLLECTIVE_TIMEOUT"]
 #: How long the rendezvous and any one collective may wait for a peer before failing.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 _GRACE_S = 10.0  # after one rank fails, how long the others get to notice and exit on their own
+_INTERRUPT_GRACE_S = 30.0  # after Ctrl-C, how long the ranks get to finish their step and save a checkpoint
 
 
 def _device_type(name: str) -> str:
@@ -88,8 +89,11 @@ def launch(cfg: TrainConfig, out: str | Path, *, nproc: int = 1, resume: bool = 
             p.start()
         outcomes = _wait(procs, reports)
     except KeyboardInterrupt:
-        _stop(procs, grace_s=_GRACE_S)  # the ranks got the same Ctrl-C and save nothing more; let them exit
-        raise KeyboardInterrupt(f"interrupted; continue with: optstack train --out {out} --resume "
+        # The ranks got the same Ctrl-C: they finish their step, save a checkpoint together and report (a
+        # second Ctrl-C stops them at once). The first rank's report says which checkpoint to resume from.
+        _stop(procs, grace_s=_INTERRUPT_GRACE_S)
+        said = _interrupt_report(reports)
+        raise KeyboardInterrupt(said or f"interrupted; continue with: optstack train --out {out} --resume "
                                 f"--nproc {nproc}") from None
     finally:
         _stop(procs, grace_s=0.0)
@@ -127,6 +131,19 @@ def _wait(procs: list[Any], reports: Any) -> dict[int, tuple[str, Any]]:
     for p in procs:
         p.join(timeout=_GRACE_S)
     return outcomes
+
+
+def _interrupt_report(reports: Any) -> str | None:
+    """The lowest rank's interrupt message among the reports that arrived, if any."""
+    said: dict[int, str] = {}
+    while True:
+        try:
+            rank, kind, value = reports.get(timeout=0.5)
+        except (queue.Empty, OSError, ValueError):
+            break
+        if kind == "interrupt":
+            said[rank] = value
+    return said[min(said)] if said else None
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:

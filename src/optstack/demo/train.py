@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +42,7 @@ from optstack.checkpoint.io import checkpoint_name
 from optstack.demo.config import TrainConfig, config_to_dict, to_toml
 from optstack.demo.data import Corpus, load_corpus, unigram_entropy
 from optstack.demo.gpt import GPT, generate
-from optstack.demo.plots import write_plots
+from optstack.demo.plots import MISSING_NOTE, plots_available, write_plots
 from optstack.demo.progress import progress_bar, tensorboard
 from optstack.demo.rundir import RunDir, TrainState
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -116,11 +119,12 @@ def group_kind(group: dict[str, Any], base_algorithm: str) -> str:
 
 
 def group_label(index: int, group: dict[str, Any], base_algorithm: str) -> str:
-    """A param group's name in plots: its index, what sets it apart and its first parameter, e.g.
-    ``'1: lr_mult=0.5 (blocks.0.ln1.weight +33)'``."""
+    """A param group's name in plots: its index, what sets it apart (lr, algorithm, weight decay) and its first
+    parameter, e.g. ``'1: wd_mult=0 (blocks.0.ln1.weight +33)'``."""
     kind = group_kind(group, base_algorithm)
     parts = ([f"lr_mult={group['lr_mult']:g}"] if group.get("lr_mult", 1.0) != 1.0 else []) + \
-        ([kind] if kind != "default" else [])
+        ([kind] if kind != "default" else []) + \
+        ([f"wd_mult={group['wd_mult']:g}"] if group.get("wd_mult", 1.0) != 1.0 else [])
     names = group.get("param_names") or []
     first = f"{names[0]}{f' +{len(names) - 1}' if len(names) > 1 else ''}" if names else "empty"
     return f"{index}: {', '.join(parts) or 'default'} ({first})"
@@ -180,6 +184,41 @@ def _evaluate(model: nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.
 def _silent(_: str) -> None: ...
 
 
+class _GracefulStop:
+    """While active (in the main thread), the first Ctrl-C (SIGINT) asks the loop to stop at the end of the
+    current step, where it saves a checkpoint so that ``--resume`` always has one; a second Ctrl-C interrupts at
+    once, as Python's default does. Nothing is printed from the handler (it may run in the middle of a print)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def agreed(self, comm: Comm | NullComm, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (every rank must stop at the same step: saving is collective)."""
+        if comm.size == 1:
+            return self.requested
+        flag = torch.tensor(float(self.requested), device=device)
+        return bool(comm.all_reduce(flag, "max").item())
+
+
+def _resume_hint(run: RunDir, comm: Comm | NullComm) -> str:
+    return f"optstack train --out {run.path} --resume" + (f" --nproc {comm.size}" if comm.size > 1 else "")
+
+
 def check_start(cfg: TrainConfig, out: str | Path, *, resume: bool, world_size: int
                 ) -> tuple[Path | None, TrainState | None]:
     """What a run can check before building anything: the run directory against ``resume``, the saved
@@ -233,6 +272,12 @@ def train(
     echo = echo if lead else _silent
     run = RunDir(out)
     latest, saved = check_start(cfg, run.path, resume=resume, world_size=comm.size)
+    if saved is not None and saved.step >= cfg.train.steps and (run.path / "summary.json").is_file():
+        # A finished run: nothing to train, and nothing is rewritten (the summary stays the finished run's).
+        echo(f"{run.path} is finished: its latest checkpoint is of step {saved.step} and train.steps is "
+             f"{cfg.train.steps}; nothing to do. To train further, pass a larger --steps (with "
+             "schedule.decay_steps set from the start, the schedule continues as planned)")
+        return TrainSummary(**json.loads((run.path / "summary.json").read_text()))
     device = pick_device(cfg.train.device)
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
     for split in ("train", "val"):
@@ -282,62 +327,77 @@ def train(
     bar = progress_bar(steps, start, show_bar)
     say = bar.write if show_bar else echo
     last_loss, val_loss, step = math.nan, None, start
-    try:
-        for step in range(start + 1, steps + 1):
-            t0 = time.perf_counter()
-            optimizer.zero_grad()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for micro in range(accum):
-                x, y = corpus.get_batch("train", bs, seq, data_gen)  # the global batch, on every rank
-                x, y = _my_rows(x, comm).to(device), _my_rows(y, comm).to(device)
-                # Gradients are reduced once per step: the last micro-batch's backward starts the reduction.
-                with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                    loss = _loss(model, x, y) / accum
-                    optimizer.scale_loss(loss).backward()
-                loss_sum += loss.detach().double()
-            lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
-            group_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-            optimizer.step()  # with overlap_param_gather, the next forward waits for the params
-            result = optimizer.last_result
-            if result.applied:
-                scheduler.step()
-            else:
-                skipped += 1
-            last_loss = comm.all_reduce(loss_sum, "avg").item()
-            dt = time.perf_counter() - t0
-            train_time += dt
-            val_loss = None
-            if step % cfg.train.eval_every == 0 or step == steps:
-                optimizer.finish_param_sync()  # every parameter current before evaluation reads them
-                val_loss = _evaluate(gpt, corpus, cfg, device, comm)
-                best_val = min(best_val, val_loss)
-                say(f"step {step}/{steps}: loss {last_loss:.4f}, val loss {val_loss:.4f}, "
-                    f"{tokens_per_step / dt:,.0f} tokens/s")
-            if lead:
-                row = {
-                    "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs, "group_lr": group_lrs,
-                    "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
-                    "skipped": not result.applied, "tokens_per_s": tokens_per_step / dt,
-                    "peak_mem_mb": _peak_memory_mb(device), "time_s": train_time,
-                }
-                run.append_metrics(row)
-                board.log(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
-                            gnorm=f"{result.grad_norm or math.nan:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-            if step % cfg.train.checkpoint_every == 0 or step == steps:
-                state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
-                                   torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
-                                   train_seconds=train_time, world_size=comm.size)
-                _save(run, state, cfg, model, optimizer, scheduler, comm)
-    except KeyboardInterrupt:
-        bar.close()
-        ckpt = run.latest_checkpoint()
-        raise KeyboardInterrupt(
-            f"interrupted at step {step}; the latest checkpoint is {ckpt.name if ckpt else 'none'}; "
-            f"continue with: optstack train --out {run.path} --resume"
-        ) from None
+    if saved is not None and (last_row := next(reversed(run.read_metrics()), None)) is not None:
+        last_loss, val_loss = last_row["loss"], last_row["val_loss"]  # what a resume that takes no step reports
+    stopped = False
+    with _GracefulStop() as stop:
+        try:
+            for step in range(start + 1, steps + 1):
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                for micro in range(accum):
+                    x, y = corpus.get_batch("train", bs, seq, data_gen)  # the global batch, on every rank
+                    x, y = _my_rows(x, comm).to(device), _my_rows(y, comm).to(device)
+                    # Gradients are reduced once per step: the last micro-batch's backward starts the reduction.
+                    with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                        loss = _loss(model, x, y) / accum
+                        optimizer.scale_loss(loss).backward()
+                    loss_sum += loss.detach().double()
+                lrs = _lr_by_kind(optimizer.param_groups, cfg.optimizer.algorithm)  # the lr this step uses
+                group_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+                optimizer.step()  # with overlap_param_gather, the next forward waits for the params
+                result = optimizer.last_result
+                if result.applied:
+                    scheduler.step()
+                else:
+                    skipped += 1
+                last_loss = comm.all_reduce(loss_sum, "avg").item()
+                dt = time.perf_counter() - t0
+                train_time += dt
+                val_loss = None
+                if step % cfg.train.eval_every == 0 or step == steps:
+                    optimizer.finish_param_sync()  # every parameter current before evaluation reads them
+                    val_loss = _evaluate(gpt, corpus, cfg, device, comm)
+                    best_val = min(best_val, val_loss)
+                    say(f"step {step}/{steps}: loss {last_loss:.4f}, val loss {val_loss:.4f}, "
+                        f"{tokens_per_step / dt:,.0f} tokens/s")
+                if lead:
+                    row = {
+                        "step": step, "loss": last_loss, "val_loss": val_loss, "lr": lrs, "group_lr": group_lrs,
+                        "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                        "skipped": not result.applied, "tokens_per_s": tokens_per_step / dt,
+                        "peak_mem_mb": _peak_memory_mb(device), "time_s": train_time,
+                    }
+                    run.append_metrics(row)
+                    board.log(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{next(iter(lrs.values())):.2e}",
+                                gnorm=f"{result.grad_norm or math.nan:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                stopped = stop.agreed(comm, device) and step < steps  # at the last step: finish as usual
+                if step % cfg.train.checkpoint_every == 0 or step == steps or stopped:
+                    if stopped:
+                        say(f"interrupted: saving a checkpoint of step {step} (Ctrl-C again to quit without it)")
+                    state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
+                                       torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
+                                       train_seconds=train_time, world_size=comm.size)
+                    _save(run, state, cfg, model, optimizer, scheduler, comm)
+                if stopped:
+                    break
+        except KeyboardInterrupt:  # a second Ctrl-C: the step in progress is not saved
+            bar.close()
+            ckpt = run.latest_checkpoint()
+            raise KeyboardInterrupt(
+                f"interrupted at step {step}; the latest checkpoint is {ckpt.name}; continue with: "
+                f"{_resume_hint(run, comm)}" if ckpt is not None else
+                f"interrupted at step {step}, before any checkpoint was saved: nothing to resume; start the run "
+                "again (without --resume)"
+            ) from None
     bar.close()
+    if stopped:
+        board.close()
+        raise KeyboardInterrupt(f"interrupted after step {step}, saved as checkpoint {checkpoint_name(step)}; "
+                                f"continue with: {_resume_hint(run, comm)}")
     board.close()
     optimizer.finish_param_sync()  # the sample is generated from the final parameters
     labels = [group_label(i, g, cfg.optimizer.algorithm) for i, g in enumerate(optimizer.param_groups)]
@@ -394,7 +454,11 @@ def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, sta
             echo: Callable[[str], None], group_labels: list[str]) -> TrainSummary:
     sample = ""
     if comm.rank == 0:
-        write_plots(run.read_metrics(), run.path, baseline=baseline, group_labels=group_labels)
+        if plots_available():
+            write_plots(run.read_metrics(), run.path, baseline=baseline, group_labels=group_labels,
+                        clip_grad=cfg.optimizer.clip_grad)
+        else:
+            echo(MISSING_NOTE)
         if cfg.train.sample_bytes:
             prompt = torch.tensor(list(cfg.train.sample_prompt.encode()), dtype=torch.long, device=device)
             ids = generate(model, prompt[-cfg.model.seq_len:], cfg.train.sample_bytes,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from optstack.algorithms.registry import check_name
 from optstack.names import NamedParams, look_through, named_parameters
 from optstack.rules.matchers import Matcher, uses_name
 
@@ -75,8 +76,8 @@ def _validate_setting(where: str, key: str, value: Any) -> Any:
         raise ValueError(f"{where}: a rule cannot set {key!r}: {_REDIRECTED_KEYS[key]}")
     if key in _NUMERIC_KEYS:
         return nonnegative(key, value, f"{where}: ")
-    if key == "algorithm" and (not isinstance(value, str) or not value):
-        raise ValueError(f"{where}: algorithm must be a non-empty optimizer name, got {value!r}")
+    if key == "algorithm":
+        check_name("algorithm", value, f"{where}: ")
     return _canonical_value(where, key, value)
 
 

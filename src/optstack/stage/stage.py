@@ -315,10 +315,8 @@ class Stage:
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and (value.dim() > 0 or key == "master"):
                     if value.numel() != numel:
-                        raise ValueError(
-                            f"{self.name}: state {key!r} of {piece.name!r} has {value.numel()} elements; this rank "
-                            f"steps elements [{piece.start}, {piece.end}) of it ({numel}). A state dict loads "
-                            "into the layout it was saved from; for another one use optstack.checkpoint or DCP")
+                        raise ValueError(_misfit(key, piece.name, value.numel(), tuple(piece.param.shape),
+                                                 piece.start, piece.end))
                     tensors["param" if key == "master" else key] = value.detach().reshape(-1)
                 else:
                     scalars[key] = value
@@ -389,3 +387,22 @@ class Stage:
             if "param_names" in saved and ours is not None and list(saved["param_names"]) != list(ours):
                 raise ValueError(f"{self.name}: param group {index} holds other parameters in the state dict")
         return shards, settings
+
+
+def _misfit(key: str, name: str, got: int, shape: tuple[int, ...], start: int, end: int) -> str:
+    """Why a state tensor of ``got`` elements does not fit the part ``[start, end)`` of parameter ``name``."""
+    whole, here = math.prod(shape), end - start
+    head = f"cannot load the optimizer state: its {key!r} of parameter {name!r} has {got} elements"
+    other_model = ("Load the state dict saved with this model's optimizer; to start from another model's weights, "
+                   "load those into the model (model.load_state_dict) and keep this fresh optimizer")
+    resharded = ("optimizer.state_dict() holds one rank's part and loads into the same sharding and number of "
+                 "ranks; to load at another, save and load with optstack.checkpoint (save_checkpoint / "
+                 "load_checkpoint) or DCP (OptimizerState)")
+    if got > whole:
+        return (f"{head}, but {name!r} has {whole} (shape {shape}): the state dict was saved with another model, or "
+                f"before this one changed. {other_model}")
+    if here == whole:
+        return (f"{head}, {name!r} has {whole} (shape {shape}): the state dict holds a part of it, saved by one rank "
+                f"of a sharded optimizer (or with another model). {resharded}. {other_model}")
+    return (f"{head}; this rank steps elements [{start}, {end}) of its {whole} (a sharded optimizer): the state dict "
+            f"was saved with another sharding or number of ranks (or with another model). {resharded}")
