@@ -59,6 +59,8 @@ def _child(args: argparse.Namespace) -> None:
         for block in model.layers:
             fully_shard(block)
         fully_shard(model)
+        for p in (model.embed.weight, model.output.weight):  # fully_shard replaces parameters: flag them again
+            p.is_embedding_or_output_parameter = True
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     c0, t0 = time.process_time(), time.perf_counter()
     target = wrap_data_parallel(config, model) if kind == "zero1" else model

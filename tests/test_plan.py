@@ -191,6 +191,8 @@ model = llama_like(LlamaShape(hidden=1024, layers=4, ffn=2816, kv=256, vocab=320
 for block in model.layers:
     fully_shard(block)
 fully_shard(model)
+for p in (model.embed.weight, model.output.weight):  # fully_shard replaces parameters: flag them again
+    p.is_embedding_or_output_parameter = True
 built = build_optimizer(OptimizerConfig(algorithm="muon", precision="bf16"), model)
 print(sorted(type(s.placement).__name__ for s in built.optimizer.stages))
 """
