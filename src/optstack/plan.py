@@ -19,6 +19,7 @@ their pieces, step them whole and broadcast them (``zero1_owners``).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,14 @@ from typing import Any, Literal
 import torch
 
 from optstack.algorithms.registry import Capabilities, get_algorithm
-from optstack.distributed.buffers import Bucketing, BufferLayout
 from optstack.groups import GroupKey, group_keys
+from optstack.layout import Bucketing, BufferLayout
 from optstack.rules import Resolved
 
 __all__ = ["ParamSpec", "Placement", "PlannedBuffer", "PlannedParam", "PlannedStage", "ParamPlan", "Topology",
-           "WHOLE_SHARD_MAX_PADDING", "WHOLE_SHARD_PADDING_FLOOR", "choose_whole_matrix_layout", "pack_owners",
-           "placement_of", "spec_digest", "specs_of"]
+           "WHOLE_SHARD_MAX_PADDING", "WHOLE_SHARD_MIN_BUCKETS", "WHOLE_SHARD_PADDING_FLOOR", "assign_params",
+           "choose_whole_matrix_layout", "newton_schulz_cost", "pack_owners", "placement_of", "spec_digest",
+           "specs_of"]
 
 #: the whole-shard layout is used while it pads its buffers by at most this fraction ...
 WHOLE_SHARD_MAX_PADDING = 0.05
@@ -142,8 +144,6 @@ def pack_owners(costs: Sequence[float], ranks: int) -> list[int]:
     for index, cost in enumerate(costs):
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
             raise ValueError(f"costs[{index}] must be a finite number >= 0, got {cost!r}")
-    from optstack.stage.placement import assign_params  # the greedy rule the layer-wise placement has always used
-
     greedy = assign_params(list(costs), ranks)
     loads = [0.0] * ranks
     for cost, owner in zip(costs, greedy, strict=True):
@@ -164,10 +164,35 @@ def pack_owners(costs: Sequence[float], ranks: int) -> list[int]:
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> float:
-    """One whole-matrix update's cost (``stage.placement.newton_schulz_cost``)."""
-    from optstack.stage.placement import newton_schulz_cost as cost
+    """One parameter's update cost: ``max(m, n) * min(m, n) ** 2`` for an ``(m, n)`` matrix (a Newton-Schulz
+    iteration's matmuls), ``b`` times that for a ``(b, m, n)`` stack of matrices (grouped experts, heads: one
+    Newton-Schulz per matrix), the element count otherwise (an element-wise update)."""
+    if len(shape) in (2, 3):
+        *batch, m, n = shape
+        return float(math.prod(batch) * max(m, n) * min(m, n) ** 2)
+    return float(math.prod(shape))
 
-    return cost(shape)
+
+def assign_params(costs: Sequence[float], dp_size: int) -> list[int]:
+    """The owner rank of each parameter: largest cost first, each to the least-loaded rank so far (ties: the
+    earlier parameter, the lower rank). Pure and deterministic; the largest load is at most the optimum plus
+    the largest single cost.
+
+    Raises:
+        ValueError: ``dp_size`` < 1, or a cost that is negative or not finite.
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    for index, cost in enumerate(costs):
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
+            raise ValueError(f"costs[{index}] must be a finite number >= 0, got {cost!r}")
+    loads = [(0.0, rank) for rank in range(dp_size)]
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + costs[i], rank))
+    return owners
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = _config(args)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.precision]
     if args.model:
-        from optstack.cli.main import load_model
+        from optstack.cli.models import load_model
 
         with torch.device("meta"):
             model = load_model(args.model)

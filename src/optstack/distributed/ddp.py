@@ -26,7 +26,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -42,9 +42,7 @@ from optstack.distributed.param_gather import (
     plan_bucket_gathers,
 )
 from optstack.names import named_parameters
-
-if TYPE_CHECKING:
-    from optstack.plan import ParamPlan
+from optstack.plan import ParamPlan
 
 __all__ = ["DataParallel", "check_launched_world", "is_expert_param", "wrapper_holding"]
 

@@ -17,8 +17,6 @@ A DTensor placement (local shards of ``fully_shard`` / tensor-parallel parameter
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +28,7 @@ from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import unwrapped_use_error, wrapper_holding
 from optstack.distributed.parallel import ComposedComm
 from optstack.distributed.param_gather import GradShards, OwnerBroadcast, ParamGather, ShardedLayout
+from optstack.plan import assign_params, newton_schulz_cost
 from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
 
@@ -210,38 +209,6 @@ class Zero1(Placement):
 
     def finish(self) -> None:
         self.gather.wait()
-
-
-def newton_schulz_cost(shape: Sequence[int]) -> float:
-    """One parameter's update cost: ``max(m, n) * min(m, n) ** 2`` for an ``(m, n)`` matrix (a Newton-Schulz
-    iteration's matmuls), ``b`` times that for a ``(b, m, n)`` stack of matrices (grouped experts, heads: one
-    Newton-Schulz per matrix), the element count otherwise (an element-wise update)."""
-    if len(shape) in (2, 3):
-        *batch, m, n = shape
-        return float(math.prod(batch) * max(m, n) * min(m, n) ** 2)
-    return float(math.prod(shape))
-
-
-def assign_params(costs: Sequence[float], dp_size: int) -> list[int]:
-    """The owner rank of each parameter: largest cost first, each to the least-loaded rank so far (ties: the
-    earlier parameter, the lower rank). Pure and deterministic; the largest load is at most the optimum plus
-    the largest single cost.
-
-    Raises:
-        ValueError: ``dp_size`` < 1, or a cost that is negative or not finite.
-    """
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
-    for index, cost in enumerate(costs):
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
-            raise ValueError(f"costs[{index}] must be a finite number >= 0, got {cost!r}")
-    loads = [(0.0, rank) for rank in range(dp_size)]
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[i] = rank
-        heapq.heappush(loads, (load + costs[i], rank))
-    return owners
 
 
 class LayerWise(Placement):
