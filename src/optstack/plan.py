@@ -18,6 +18,7 @@ their pieces, step them whole and broadcast them (``zero1_owners``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import math
@@ -35,8 +36,8 @@ from optstack.rules import Resolved
 
 __all__ = ["ParamSpec", "Placement", "PlannedBuffer", "PlannedParam", "PlannedStage", "ParamPlan", "Topology",
            "WHOLE_SHARD_MAX_PADDING", "WHOLE_SHARD_MIN_BUCKETS", "WHOLE_SHARD_PADDING_FLOOR", "assign_params",
-           "choose_whole_matrix_layout", "newton_schulz_cost", "pack_owners", "placement_of", "spec_digest",
-           "specs_of"]
+           "choose_whole_matrix_layout", "first_difference", "newton_schulz_cost", "pack_owners", "placement_of",
+           "spec_digest", "specs_of"]
 
 #: the whole-shard layout is used while it pads its buffers by at most this fraction ...
 WHOLE_SHARD_MAX_PADDING = 0.05
@@ -261,6 +262,8 @@ class ParamPlan:
     keys: tuple[GroupKey, ...]
     bucket_size: int | None
     notes: tuple[str, ...] = field(default=())
+    #: the config's fields as (dotted name, repr): ranks must agree on them too (``rows``)
+    config_items: tuple[tuple[str, str], ...] = field(default=())
 
     @classmethod
     def build(cls, config: Any, specs: Sequence[ParamSpec], resolved: Mapping[str, Resolved], topology: Topology,
@@ -329,7 +332,7 @@ class ParamPlan:
         stages = tuple(PlannedStage(kind[0], kind[1], placements[kind], tuple(gs), whys[kind])
                        for kind, gs in kinds.items())
         return cls(topology, sharding, tuple(params), buffers, stages, keys,
-                   bucket_size, tuple(notes))
+                   bucket_size, tuple(notes), _config_items(config))
 
     # ---- views -------------------------------------------------------------------------------------------------
     @cached_property
@@ -358,20 +361,55 @@ class ParamPlan:
         """Parameters whose gradients must be reduced whole on every rank although the buffers are sharded."""
         return frozenset(n for b in self.buffers if b.reduction == "all_reduce" for n in b.names)
 
-    def digest(self) -> bytes:
-        """32 bytes identifying the plan (specs, groups, placements, layouts, owners): equal on every rank that
-        computed the same plan (the topology's own rank excluded)."""
-        h = hashlib.sha256()
+    def rows(self) -> list[tuple[str, str]]:
+        """The plan as (what, value) rows, in a fixed order: the config's fields, the topology, the groups, then
+        one row per parameter and per buffer. Equal on every rank that computed the same plan (this rank's own
+        data-parallel rank left out); ``digest`` hashes them, and ranks whose digests differ compare them to
+        name the first difference."""
         t = self.topology
-        h.update(repr((t.dp, t.instances, t.ep, t.tp, t.pp, self.sharding, self.bucket_size)).encode())
-        h.update(repr([(k.settings, k.is_expert) for k in self.keys]).encode())
-        for p in self.params:
-            h.update(repr((p.spec.key(), p.group, p.stage, p.algorithm, p.placement, p.buffer, p.bucket, p.offset,
-                           p.owner)).encode())
-        for b in self.buffers:
-            h.update(repr((b.index, str(b.param_dtype), str(b.grad_dtype), b.expert, b.whole, b.reduction,
-                           b.layout.numel, [(x.offset, x.numel) for x in b.layout.buckets])).encode())
+        out = list(self.config_items)
+        out.append(("topology", repr((t.dp, t.instances, t.ep, t.tp, t.pp, self.sharding, self.bucket_size))))
+        out += [(f"group {i}", repr((k.settings, k.is_expert))) for i, k in enumerate(self.keys)]
+        out += [(f"parameter {p.name!r}", repr((p.spec.key()[1:], p.group, p.stage, p.algorithm, p.placement,
+                                                p.buffer, p.bucket, p.offset, p.owner))) for p in self.params]
+        out += [(f"buffer {b.index}", repr((str(b.param_dtype), str(b.grad_dtype), b.expert, b.whole, b.reduction,
+                                            b.layout.numel, [(x.offset, x.numel) for x in b.layout.buckets])))
+                for b in self.buffers]
+        return out
+
+    def digest(self) -> bytes:
+        """32 bytes identifying the plan and the config it was built from (``rows``)."""
+        h = hashlib.sha256()
+        for what, value in self.rows():
+            h.update(what.encode())
+            h.update(b"\0")
+            h.update(value.encode())
+            h.update(b"\0")
         return h.digest()
+
+
+def first_difference(mine: Sequence[tuple[str, str]], theirs: Sequence[tuple[str, str]]) -> str:
+    """Where two ranks' ``ParamPlan.rows`` first differ: '<what>: <first's> vs <second's>'."""
+    for k in range(max(len(mine), len(theirs))):
+        a = mine[k] if k < len(mine) else ("(nothing)", "")
+        b = theirs[k] if k < len(theirs) else ("(nothing)", "")
+        if a != b:
+            return f"{a[0]}: {a[1]} vs {b[1]}" if a[0] == b[0] else f"{a[0]} = {a[1]} vs {b[0]} = {b[1]}"
+    return "nothing (equal rows)"
+
+
+def _config_items(config: Any, prefix: str = "") -> tuple[tuple[str, str], ...]:
+    """A dataclass config's leaf fields as (dotted name, repr), in field order."""
+    if not dataclasses.is_dataclass(config):
+        return ()
+    out: list[tuple[str, str]] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _config_items(value, f"{prefix}{f.name}.")
+        else:
+            out.append((f"config.{prefix}{f.name}", repr(value)))
+    return tuple(out)
 
 
 def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, bucket_size: int | None,

@@ -125,3 +125,27 @@ def test_zero1_muon_owners_over_reduce_scattered_shards_equal_one_process(world2
         got, ref = torch.tensor(out["params"]), torch.tensor(want)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5
         torch.testing.assert_close(torch.tensor(out["norms"]), torch.tensor(want_norms), rtol=1e-5, atol=0)
+
+
+def _differing_configs(field: str) -> str:
+    import torch.distributed as dist
+    from torch import nn
+
+    from optstack import DistributedConfig, OptimizerConfig, wrap_data_parallel
+
+    rank = dist.get_rank()
+    kwargs = {"lr": 1e-3 * (1 + rank)} if field == "lr" else {}
+    distributed = DistributedConfig(sharding="zero1", bucket_size=1000 + 500 * rank if field == "bucket" else 1000)
+    config = OptimizerConfig(algorithm="adamw", distributed=distributed, **kwargs)
+    try:
+        wrap_data_parallel(config, nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize(("field", "named"), [("lr", "config.lr: 0.001 vs 0.002"),
+                                              ("bucket", "config.distributed.bucket_size: 1000 vs 1500")])
+def test_ranks_with_different_configs_get_one_clear_error_naming_the_field(world2, field, named):
+    for message in world2.run(_differing_configs, field):
+        assert "ranks planned differently: rank 0 and rank 1 differ at" in message and named in message, message

@@ -42,7 +42,7 @@ from optstack.distributed.param_gather import (
     plan_bucket_gathers,
 )
 from optstack.names import named_parameters
-from optstack.plan import ParamPlan
+from optstack.plan import ParamPlan, first_difference
 
 __all__ = ["DataParallel", "check_launched_world", "is_expert_param", "wrapper_holding"]
 
@@ -171,6 +171,7 @@ class DataParallel(nn.Module):
                 raise ValueError("DataParallel: pass a plan or whole_shards / bucketing, not both (the plan's "
                                  "layouts say which parameters go whole and how buckets are cut)")
             self.param_and_grad_buffers = _buffers_of(plan, module, self, local_grad_dtypes)
+            _check_same_plan(self.groups.dp, plan)
         self._data_ptrs = [p.data_ptr() for _, p in named]
         backward_pos = {id(p): i for i, (_, p) in enumerate(reversed(named))}
         self._order: list[tuple[ParamAndGradBuffer, Bucket]] = sorted(
@@ -703,6 +704,21 @@ def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
 def _wait_for(gathers: list[Any], module: nn.Module, args: Any) -> None:
     for gather in gathers:
         gather.wait()
+
+
+def _check_same_plan(comm: Comm | NullComm, plan: ParamPlan) -> None:
+    """Every rank of ``comm`` planned alike (same config, groups, placements, layouts): a 32-byte digest each, and
+    only when they differ the plans' rows, to name the first difference on every rank."""
+    if comm.size == 1:
+        return
+    digest = plan.digest()
+    if all(d == digest for d in comm.all_gather_object(digest)):
+        return
+    everyone = comm.all_gather_object(plan.rows())
+    rank = next(r for r, rows in enumerate(everyone) if rows != everyone[0])
+    raise ValueError(f"the {comm.name} ranks planned differently: rank 0 and rank {rank} differ at "
+                     f"{first_difference(everyone[0], everyone[rank])}; every rank must build from the same "
+                     "config and rules")
 
 
 def _buffers_of(plan: ParamPlan, module: nn.Module, ddp: DataParallel,
