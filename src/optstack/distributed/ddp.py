@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import enum
 import functools
 import hashlib
 import os
@@ -44,7 +45,7 @@ from optstack.distributed.param_gather import (
 from optstack.names import named_parameters
 from optstack.plan import ParamPlan, first_difference
 
-__all__ = ["DataParallel", "check_launched_world", "is_expert_param", "wrapper_holding"]
+__all__ = ["DataParallel", "GradSync", "check_launched_world", "is_expert_param", "wrapper_holding"]
 
 # gloo (loopback, 2 ranks): a reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py).
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
@@ -73,6 +74,23 @@ def check_launched_world(what: str) -> None:
 def is_expert_param(param: nn.Parameter) -> bool:
     """Megatron's convention: expert (MoE) parameters carry ``allreduce = False``."""
     return not getattr(param, "allreduce", True)
+
+
+class GradSync(enum.Enum):
+    """Where a step's gradients are in a ``DataParallel`` wrapper's buffers; one at a time.
+
+    ZEROED: ``zero_grad_buffer`` since the last reduction: every gradient is zero (views zeroed lazily: when first
+        written, read with ``main_grad``, or launched).
+    FILLING: gradients written since, over zeroed buffers (a view's first gradient is copied, not added), not yet
+        all reduced; reductions may be in flight.
+    ADDING: gradients written over the last reduced ones (no ``zero_grad_buffer`` in between), not yet all reduced.
+    REDUCED: ``finish_grad_sync``: every bucket reduced (``p.grad`` exposed where whole).
+    """
+
+    ZEROED = "zeroed"
+    FILLING = "filling"
+    ADDING = "adding"
+    REDUCED = "reduced"
 
 
 class DataParallel(nn.Module):
@@ -185,11 +203,12 @@ class DataParallel(nn.Module):
         # Where backward accumulates: the buffer view, or the parameter's local accumulator (local_grad_dtypes).
         self._accum_views = {**self._grad_views, **{
             id(buf.param_of(n)): g for buf in self.param_and_grad_buffers for n, g in buf.local_grads.items()}}
-        self._sync_enabled = True
-        # Lazy zeroing: while _stale, only the views of parameters in _written hold this step's gradients.
-        self._stale = False
+        self._sync_enabled = True  # False inside no_sync()
+        #: where this step's gradients are (``GradSync``); written only at transitions (nn.Module.__setattr__ is
+        #: slow on the hooks' path)
+        self._sync = GradSync.ZEROED
+        # Lazy zeroing: while ZEROED / FILLING, only the views of parameters in _written hold this step's gradients.
         self._written: set[int] = set()
-        self._cleared = True  # the buffers are (logically) zero: a step's gradients can be scaled as written
         self._hook_scale: float | None = None  # this step's scale applied in the hook (None: at launch)
         self._reset_sync_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
@@ -222,10 +241,8 @@ class DataParallel(nn.Module):
         if self._handles[pos] is not None or (self._sync_enabled and id(param) in self._ready):
             raise RuntimeError(f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
                                "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step")
-        if self._synced:  # the first gradient of a step (nn.Module.__setattr__ is slow: write only here)
-            self._synced = False
-            # Scaling as written equals scaling the sum only from zeroed buffers without no_sync (module docstring).
-            self._hook_scale = self._average_scale() if self._cleared and self._sync_enabled else None
+        if self._sync is GradSync.ZEROED or self._sync is GradSync.REDUCED:  # the first gradient of a step
+            self._begin_step(in_hook=True)
         self._write_grad(param, param.grad)
         param.grad = None
         if not self._sync_enabled:
@@ -238,7 +255,7 @@ class DataParallel(nn.Module):
     def _write_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         view, scale = self._accum_views[id(param)], self._hook_scale
         with torch.no_grad():
-            if self._stale and id(param) not in self._written:  # the first gradient since zero_grad_buffer
+            if self._sync is GradSync.FILLING and id(param) not in self._written:  # the first since zeroing
                 self._written.add(id(param))
                 if scale is None:
                     view.copy_(grad)
@@ -257,8 +274,15 @@ class DataParallel(nn.Module):
                 self._written.add(id(p))
                 self._accum_views[id(p)].zero_()
 
+    def _begin_step(self, *, in_hook: bool) -> None:
+        """The first gradient since the buffers were zeroed (FILLING) or reduced (ADDING). Scaling gradients as the
+        hooks write them equals scaling the sum only from zeroed buffers without no_sync (module docstring)."""
+        cleared = self._sync is GradSync.ZEROED
+        self._sync = GradSync.FILLING if cleared else GradSync.ADDING
+        self._hook_scale = self._average_scale() if in_hook and cleared and self._sync_enabled else None
+
     def _reset_sync_state(self) -> None:
-        self._synced = True  # nothing accumulated since: finish_grad_sync is a no-op
+        """Forget this step's launches (the gradients' state is ``_sync``)."""
         self._ready: set[int] = set()
         self._pending = [len(b.params) for _, b in self._order]
         self._handles: list[Handle | None] = [None] * len(self._order)
@@ -272,7 +296,7 @@ class DataParallel(nn.Module):
     def _launch(self, pos: int) -> None:
         buf, bucket = self._order[pos]
         comm = self.reduce_comm(buf)
-        if self._stale:
+        if self._sync is GradSync.FILLING:
             self._zero_unwritten(bucket.params)
         if buf.local_grads:
             buf.stage_local_grads(bucket.index)
@@ -373,8 +397,8 @@ class DataParallel(nn.Module):
         if id(param) in self._ready or self._handles[pos] is not None:
             raise RuntimeError(f"parameter {buf.name_of(param)!r} was already marked ready this step; call "
                                "finish_grad_sync() first")
-        if self._synced:
-            self._synced, self._hook_scale = False, None  # written directly: scale at launch
+        if self._sync is GradSync.ZEROED or self._sync is GradSync.REDUCED:
+            self._begin_step(in_hook=False)  # written directly: scale at launch
         self._ready.add(id(param))
         self._pending[pos] -= 1
         if self.overlap_grad_reduce and self._sync_enabled:
@@ -383,8 +407,8 @@ class DataParallel(nn.Module):
     def start_grad_sync(self, *, through: int | None = None, force_all_reduce: bool = False) -> None:
         """Launch the reductions of the buckets not launched yet (in launch order, up to position ``through``
         of ``bucket_order`` when given), whether or not their gradients were marked ready."""
-        if self._synced:
-            self._synced, self._hook_scale = False, None
+        if self._sync is GradSync.ZEROED or self._sync is GradSync.REDUCED:
+            self._begin_step(in_hook=False)
         last = len(self._order) - 1 if through is None else through
         self._force_all_reduce = force_all_reduce
         try:
@@ -427,11 +451,10 @@ class DataParallel(nn.Module):
                 local gradients on this rank; CommError: a collective failed.
         """
         self._check_params_unchanged()
-        if self._synced:
-            if self._stale:  # no gradient since zero_grad_buffer: every gradient is zero
-                for buf in self.param_and_grad_buffers:
-                    buf.zero_gradients()
-                self._stale, self._written = False, set()
+        if self._sync is GradSync.REDUCED:
+            return
+        if self._sync is GradSync.ZEROED:  # no gradient since zero_grad_buffer: every gradient is zero
+            self._zero_all_now()
             return
         self.start_grad_sync(force_all_reduce=force_all_reduce)
         self._wait_all()
@@ -439,7 +462,7 @@ class DataParallel(nn.Module):
             self._unstage(position)
         nonfinite = self._nonfinite
         self._reset_sync_state()
-        self._stale, self._written, self._cleared = False, set(), False  # every view written or zeroed
+        self._sync, self._written = GradSync.REDUCED, set()  # every view written or zeroed
         self._expose_grads()
         if nonfinite:
             raise RuntimeError(f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before "
@@ -499,17 +522,33 @@ class DataParallel(nn.Module):
         finally:
             self._sync_enabled = previous
 
-    def zero_grad_buffer(self) -> None:
-        """Wait for in-flight reductions and zero every gradient (lazily: ``grad_data`` is stale until written;
-        the few local accumulators now, so a subclass that zeroes ``grad_data`` itself needs no more)."""
+    def zero_grad_buffer(self, *, lazy: bool = True) -> None:
+        """Wait for in-flight reductions and zero every gradient: lazily (``grad_data`` is stale until a view is
+        written, read with ``main_grad`` or its bucket launched; the few local accumulators now), or with
+        ``lazy=False`` all of ``grad_data`` now (for readers of the buffers themselves, e.g. Megatron's
+        ``param.main_grad``)."""
         self._wait_all()
-        self._stale, self._written, self._cleared = True, set(), True
+        self._sync, self._written = GradSync.ZEROED, set()
         with torch.no_grad():
             for buf in self.param_and_grad_buffers:
                 for grad in buf.local_grads.values():
                     grad.zero_()
+        if not lazy:
+            self._zero_all_now()
         self._hide_grads()
         self._reset_sync_state()
+
+    def _zero_all_now(self) -> None:
+        """Zero every view now (they count as written: nothing is left to zero lazily)."""
+        for buf in self.param_and_grad_buffers:
+            buf.zero_gradients()
+        self._written = set(self._accum_views)
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """Where this step's gradients are: ``ZEROED``, ``FILLING`` / ``ADDING`` (written, not yet all reduced) or
+        ``REDUCED``."""
+        return self._sync
 
     @property
     def launched_buckets(self) -> int:
@@ -528,7 +567,7 @@ class DataParallel(nn.Module):
         if entry is None:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
                              "wrapped module")
-        if self._stale:
+        if self._sync is GradSync.ZEROED or self._sync is GradSync.FILLING:
             self._zero_unwritten([param])  # its gradient is zero until written
         local = entry[1].local_grad(param)
         return local if local is not None else entry[1].grad_view(param)

@@ -198,7 +198,7 @@ class DistributedDataParallel(DataParallel):
                 param.main_grad = view
                 if local is not None:
                     param.main_grad_copy_in_grad_buffer = buffer.grad_view(param)
-        self._zero_now()  # main_grad is read directly: no lazily stale view
+        DataParallel.zero_grad_buffer(self, lazy=False)  # main_grad is read directly: no lazily stale view
         # Megatron's forward pre-hooks (overlap_param_gather without the distributed optimizer: the layer-wise
         # optimizer's parameters reach the other ranks through the bucket groups, finished before first use).
         self.use_forward_hook = ddp_config.overlap_param_gather
@@ -322,13 +322,6 @@ class DistributedDataParallel(DataParallel):
                 view.copy_(given.detach().reshape(view.shape))
                 param.main_grad = view
 
-    def _zero_now(self) -> None:
-        """Zero every gradient now (the core zeroes lazily), so ``param.main_grad`` reads zero, as in Megatron."""
-        with torch.no_grad():
-            for buffer in self.param_and_grad_buffers:
-                buffer.grad_data.zero_()
-        self._stale, self._written = False, set()
-
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Gather every bucket's parameters from the ranks owning them.
 
@@ -422,8 +415,7 @@ class DistributedDataParallel(DataParallel):
     def zero_grad_buffer(self) -> None:
         """Wait for in-flight reductions, zero every gradient and reset the bucket groups (as Megatron does)."""
         self._wait_layer_wise_param_sync()  # a gather in flight lands in grad_data
-        super().zero_grad_buffer()
-        self._zero_now()
+        super().zero_grad_buffer(lazy=False)  # main_grad is read directly: no lazily stale view
         self._finished, self._synced_since_zero = set(), False
         for group in getattr(self, "_bucket_groups", ()):
             group.reset()
