@@ -78,6 +78,10 @@ class SGD(PerDeviceOptimizer):
 
     _folds_grad_scale = True
 
+    def keeps_state(self) -> bool:
+        """Whether a step makes state: only groups with momentum keep a ``momentum_buffer``."""
+        return any(group["momentum"] != 0 for group in self.param_groups)
+
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      grad_scale: float = 1.0) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)
@@ -89,7 +93,7 @@ class SGD(PerDeviceOptimizer):
         first = [False] * len(params)
         if with_momentum:
             states = [self.state[p] for p in params]
-            first = ["momentum_buffer" not in state for state in states]
+            first = [state.get("momentum_buffer") is None for state in states]  # torch saves None without momentum
             new = [p for p, is_first in zip(params, first, strict=True) if is_first]
             for p, buffer in zip(new, zeros_in_runs(new), strict=True):
                 self.state[p]["momentum_buffer"] = buffer
