@@ -209,3 +209,15 @@ def test_momentum_sgd_loads_torchs_plain_state_with_none_buffers() -> None:
     data = batches(3)
     for a, b in zip(train(model, ours, data), train(ref, ref_opt, data), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_maximize_equals_torch(impl: str, config: dict) -> None:
+    data = batches(20)
+    model = make_model()
+    expected = train(model, torch.optim.SGD(groups(model), lr=0.05, maximize=True, foreach=False, **config), data)
+    model = make_model()
+    got = train(model, SGD(groups(model), lr=0.05, impl=impl, maximize=True, **config), data)
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert max_rel_diff(g, e) <= 1e-6, f"step {step}"
