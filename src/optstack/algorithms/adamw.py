@@ -75,7 +75,9 @@ def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         torch.maximum(top, v, out=top)
     denom = (top.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-    pairs = [(p, param), (m, exp_avg), (v, exp_avg_sq)] + ([(top, max_exp_avg_sq)] if max_exp_avg_sq is not None else [])
+    pairs = [(p, param), (m, exp_avg), (v, exp_avg_sq)]
+    if max_exp_avg_sq is not None:
+        pairs.append((top, max_exp_avg_sq))
     for result, storage in pairs:
         if result is not storage:
             storage.copy_(result)
@@ -124,7 +126,8 @@ class AdamW(PerDeviceOptimizer):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
-                 amsgrad: bool = False, maximize: bool = False, decoupled: bool = True, exp_avg_dtype: torch.dtype = torch.float32,
+                 amsgrad: bool = False, maximize: bool = False, decoupled: bool = True,
+                 exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, impl: Impl = "auto",
                  stochastic_rounding: bool = False, block_size: int = DEFAULT_BLOCK) -> None:
         self._name = "AdamW" if decoupled else "Adam"
@@ -340,7 +343,8 @@ class AdamW(PerDeviceOptimizer):
             second = (saved["exp_avg_sq"].to(param.device, torch.float32, copy=True) if "exp_avg_sq" in saved
                       else rms_to_v(saved[_RMS_KEY].to(param.device), step, beta2))
         elif self._sq_key in saved:
-            second = saved[self._sq_key].to(param.device, self._moment_dtype(self.exp_avg_sq_dtype, param), copy=True)
+            wanted = self._moment_dtype(self.exp_avg_sq_dtype, param)
+            second = saved[self._sq_key].to(param.device, wanted, copy=True)
         elif self._sq_key == _RMS_KEY:
             second = v_to_rms(saved["exp_avg_sq"].to(param.device, torch.float32, copy=True), step, beta2)
         else:
@@ -359,7 +363,8 @@ class AdamW(PerDeviceOptimizer):
                 quantize_(q, padded)
                 out.update({codes: q.codes, scales: q.scales})
             else:
-                out["exp_avg" if which == "exp_avg" else self._sq_key] = values.to(param.device, self._moment_dtype(dtype, param), copy=True)
+                key = "exp_avg" if which == "exp_avg" else self._sq_key
+                out[key] = values.to(param.device, self._moment_dtype(dtype, param), copy=True)
         return out
 
 
