@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from optstack.optimizer import ChainedOptimizer, is_placeholder_name
-from optstack.protocol import MakeOptimizer
+from optstack.protocol import MakeOptimizer, StepResult
 from optstack.stage import replicated_stage
 
 __all__ = ["TorchStyleOptimizer", "check_lr", "impl_of", "refuse_unsupported", "with_group_defaults"]
@@ -62,6 +62,12 @@ def refuse_unsupported(owner: str, *, capturable: bool = False, differentiable: 
                          "to differentiate through the step")
 
 
+def _fused_device_types() -> tuple[str, ...]:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return tuple(_get_fused_kernels_supported_devices())
+
+
 def _groups(params: Any, owner: str) -> list[dict[str, Any]]:
     """torch.optim's reading of ``params``: one group dict per group (copies), ``param_names`` from
     ``(name, tensor)`` pairs; torch's errors and duplicate warning."""
@@ -97,6 +103,20 @@ class TorchStyleOptimizer(ChainedOptimizer):
         super().__init__([replicated_stage(groups, make)], defaults=defaults)
 
     __repr__ = torch.optim.Optimizer.__repr__  # torch's: the class and each group's settings
+
+    def _step(self) -> StepResult:
+        if self.defaults.get("fused"):  # torch's check, before anything reads the gradients
+            supported = _fused_device_types()
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None and (param.device.type not in supported
+                                                   or not param.is_floating_point()):
+                        raise RuntimeError(
+                            "`fused=True` requires all the params to be floating point Tensors of supported "
+                            f"devices: {list(supported)} but got {param.device.type} / {param.dtype} "
+                            f"(optstack.optim.{type(self).__name__}: move the model there, e.g. "
+                            "model.to_empty(device=...) for a meta model, or pass fused=None)")
+        return super()._step()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``: its checks and defaults, then optstack's (the new parameters join the
