@@ -173,3 +173,19 @@ def test_a_duplicate_parameter_warns_as_torch_and_is_kept_once() -> None:
     with pytest.warns(UserWarning, match="duplicate parameters"):
         opt = oo.SGD([weight, weight], lr=0.1)
     assert len(opt.param_groups[0]["params"]) == 1
+
+
+def test_a_meta_model_builds_steps_nothing_and_fused_refuses_meta_gradients() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    opt = oo.AdamW(model.parameters(), fused=True)
+    opt.step()  # no gradients: nothing to do, as torch
+    assert not opt.last_result.applied
+    with torch.device("meta"):
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
+    with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
+        opt.step()
+    plain = oo.AdamW(model.parameters())
+    with pytest.raises(RuntimeError, match="meta device.*to_empty"):
+        plain.step()

@@ -116,6 +116,14 @@ class TorchStyleOptimizer(ChainedOptimizer):
                             f"devices: {list(supported)} but got {param.device.type} / {param.dtype} "
                             f"(optstack.optim.{type(self).__name__}: move the model there, e.g. "
                             "model.to_empty(device=...) for a meta model, or pass fused=None)")
+        if any(stage.device.type == "meta" for stage in self._stages):
+            # a model built on the meta device: no numbers to step (torch's optimizers skip the step too when no
+            # parameter has a gradient; with gradients on meta tensors there is nothing to compute)
+            if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                raise RuntimeError(f"optstack.optim.{type(self).__name__}: the parameters are on the meta device "
+                                   "(no values to step); materialise the model (model.to_empty(device=...)) and "
+                                   "build the optimizer over its parameters")
+            return StepResult(applied=False, grad_norm=None, num_zeros=None, loss_scale=self._scaler.scale)
         return super()._step()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
