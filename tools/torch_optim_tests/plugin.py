@@ -57,8 +57,12 @@ def _entries() -> list[OptimizerInfo]:
 db.optim_db[:] = _entries()  # in place: the test files import this list object
 
 
+_PATCHED: list[str] = []
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001
-    """test_lrscheduler.py builds ``SGD`` / ``Adam`` by the names it imported: give it optstack's."""
+    """test_lrscheduler.py builds ``SGD`` / ``Adam`` by the names it imported: give it optstack's (its
+    ``torch.optim.SGD(...)`` / ``optim.Adam(...)`` calls stay torch's)."""
     if CLASSES != "optstack":
         return
     import optstack.optim
@@ -69,3 +73,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN0
             for name in ("SGD", "Adam", "AdamW"):
                 if getattr(module, name, None) is getattr(torch.optim, name):
                     setattr(module, name, getattr(optstack.optim, name))
+                    _PATCHED.append(f"{module.__name__}.{name}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+    entries = ", ".join(f"{i.optim_cls.__module__}.{i.optim_cls.__name__}" for i in db.optim_db)
+    terminalreporter.write_line(f"optim_db under test: {entries}")
+    if _PATCHED:
+        terminalreporter.write_line(f"optstack classes in place of: {', '.join(_PATCHED)}")

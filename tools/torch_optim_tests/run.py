@@ -115,8 +115,8 @@ def table(label: str, theirs: dict[str, tuple[str, str]], ours: dict[str, tuple[
     print(f"{'optimizer':<10} {'torch pass/fail/skip':>22} {'optstack pass/fail/skip':>25}")
     for optimizer in sorted({o for o, _ in counts}):
         cells = [counts[(optimizer, side)] for side in ("torch", "optstack")]
-        print(f"{optimizer:<10} " + " ".join(f"{c['pass']:>8}/{c['fail']}/{c['skip']:<{9 if i == 0 else 12}}"
-                                             for i, c in enumerate(cells)))
+        torch_cell, ours_cell = (f"{c['pass']}/{c['fail']}/{c['skip']}" for c in cells)
+        print(f"{optimizer:<10} {torch_cell:>22} {ours_cell:>25}")
     print(f"\n{'test':<88} {'torch':<6} {'optstack':<8} why (optstack)")
     for name in sorted(set(theirs) | set(ours), key=lambda n: split_name(n)[::-1]):
         t, o = theirs.get(name, ("-", ""))[0], ours.get(name, ("-", ""))
