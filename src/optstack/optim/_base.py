@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from optstack.optimizer import ChainedOptimizer, is_placeholder_name
+from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import MakeOptimizer, StepResult
 from optstack.stage import replicated_stage
+from optstack.torch_state import is_placeholder_name
 
 __all__ = ["TorchStyleOptimizer", "check_lr", "impl_of", "refuse_unsupported", "with_group_defaults"]
 
