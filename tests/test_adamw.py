@@ -344,3 +344,49 @@ def test_grad_scale_multiplies_the_gradients_as_they_are_read(impl: str) -> None
         ref_opt.step()
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("flags", [{"amsgrad": True}, {"maximize": True}, {"amsgrad": True, "maximize": True}],
+                         ids=["amsgrad", "maximize", "both"])
+def test_amsgrad_and_maximize_equal_torch(impl: str, flags: dict) -> None:
+    data = batches(30)
+    model = make_model()
+    expected = train(model, torch.optim.AdamW(groups(model), lr=1e-3, foreach=False, **flags), data)
+    model = make_model()
+    opt = AdamW(groups(model), lr=1e-3, impl=impl, **flags)
+    got = train(model, opt, data)
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert max_rel_diff(g, e) <= 1e-6, f"step {step}"
+    assert ("max_exp_avg_sq" in opt.state[model[0].weight]) == flags.get("amsgrad", False)
+
+
+def test_amsgrad_and_maximize_are_per_group_and_the_reference_is_bitwise_torch() -> None:
+    data = batches(20)
+
+    def per_group(model: nn.Module) -> list[dict]:
+        first, second = groups(model)
+        return [{**first, "amsgrad": True}, {**second, "maximize": True}]
+
+    model = make_model()
+    expected = train(model, torch.optim.AdamW(per_group(model), lr=1e-3, foreach=False), data)[-1]
+    model = make_model()
+    got = train(model, AdamW(per_group(model), lr=1e-3, impl="reference"), data)[-1]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp64_parameters_keep_fp64_moments_and_match_torch(impl: str) -> None:
+    data = [(x.double(), y.double()) for x, y in batches(20)]
+    model = make_model().double()
+    expected = train(model, torch.optim.AdamW(groups(model), lr=1e-3, foreach=False), data)
+    model = make_model().double()
+    opt = AdamW(groups(model), lr=1e-3, impl=impl)
+    got = train(model, opt, data)
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.float64
+    assert max_rel_diff(got[-1], expected[-1]) <= 1e-12
+
+
+def test_amsgrad_needs_full_precision_moments() -> None:
+    with pytest.raises(ValueError, match="amsgrad.*fp32 / fp64 moments"):
+        AdamW(make_model().parameters(), amsgrad=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from optstack.config import LossScaleConfig, OptimizerConfig
+from optstack.distributed.ddp import DataParallel
 from optstack.factory import build_optimizer, default_rules
 from optstack.rules import Attr, Name, Ndim, Rule, resolve
 from optstack.schedule import LRSchedule, WDSchedule
@@ -161,9 +162,9 @@ def test_bad_inputs_are_clear_errors():
         build_optimizer(OptimizerConfig(algorithm="adamz"), _model())
     with pytest.raises(ValueError, match="precision"):
         build_optimizer(OptimizerConfig(), _model(torch.bfloat16))
-    frozen = _model().requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable"):
-        build_optimizer(OptimizerConfig(), frozen)
+    frozen = _model().requires_grad_(False)  # kept as torch keeps them without a wrapper (test_torch_contract.py)
+    with pytest.raises(ValueError, match="no trainable"), pytest.warns(UserWarning, match="requires_grad=False"):
+        build_optimizer(OptimizerConfig(), DataParallel(frozen))
     with pytest.raises(ValueError, match="wd_schedule"):
         build_optimizer(OptimizerConfig(), _model(), wd_schedule=WDSchedule.constant(0.1))
     with pytest.raises(ValueError, match="match no trainable parameter"):

@@ -173,3 +173,51 @@ def test_grad_scale_multiplies_the_gradients_as_they_are_read(impl: str) -> None
         ref_opt.step()
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_plain_sgd_state_dict_round_trips_through_the_optimizer_users_hold() -> None:
+    from optstack.config import OptimizerConfig, SGDConfig
+    from optstack.factory import build_optimizer
+
+    config = OptimizerConfig(algorithm="sgd", lr=0.1, sgd=SGDConfig(momentum=0.0))
+    model, twin = make_model(), make_model()
+    opt = build_optimizer(config, model, rules=[]).optimizer
+    data = batches(3)
+    train(model, opt, data[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"] == {} and not saved["optstack"]["has_state"]  # it keeps no state, and says so
+    twin.load_state_dict(model.state_dict())
+    other = build_optimizer(config, twin, rules=[]).optimizer
+    other.load_state_dict(saved)
+    train(model, opt, data[2:])
+    train(twin, other, data[2:])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+def test_momentum_sgd_loads_torchs_plain_state_with_none_buffers() -> None:
+    model, ref = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    ours = SGD(model.parameters(), lr=0.1, momentum=0.9, impl="reference")
+    plain = torch.optim.SGD(make_model().parameters(), lr=0.1)  # keeps {"momentum_buffer": None} per param
+    for p in plain.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    plain.step()
+    state = copy.deepcopy(plain.state_dict())
+    state["param_groups"][0]["momentum"] = 0.9
+    ours.load_state_dict(state)
+    ref_opt.load_state_dict(state)
+    data = batches(3)
+    for a, b in zip(train(model, ours, data), train(ref, ref_opt, data), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_maximize_equals_torch(impl: str, config: dict) -> None:
+    data = batches(20)
+    model = make_model()
+    expected = train(model, torch.optim.SGD(groups(model), lr=0.05, maximize=True, foreach=False, **config), data)
+    model = make_model()
+    got = train(model, SGD(groups(model), lr=0.05, impl=impl, maximize=True, **config), data)
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert max_rel_diff(g, e) <= 1e-6, f"step {step}"

@@ -25,7 +25,7 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
     return model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
 
 
-def _built(model: nn.Module, **config):
+def _built(model, **config):
     return build_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, **config), model, rules=[])
 
 
@@ -172,3 +172,166 @@ def test_pickling_says_what_to_save_instead() -> None:
     opt = _built(_model()).optimizer
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt)
+
+
+def test_state_is_a_writable_mapping_whose_user_entries_are_kept_saved_and_restored() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    weight, bias = model[0].weight, model[0].bias
+    opt.state[weight]["ema"] = torch.zeros(3)  # before the first step: kept, not dropped
+    opt.state[bias] = {"seen": 1}
+    opt.state["tag"] = "run-7"  # a key that is not a parameter, as torch's state-dict hooks add
+    assert weight in opt.state and opt.state[weight]["ema"].shape == (3,)
+    _loss(model, 0).backward()
+    opt.step()
+    assert set(opt.state[weight]) == {"step", "exp_avg", "exp_avg_sq", "ema"}
+    opt.state[weight]["exp_avg"] = torch.full_like(weight, 0.5)  # optstack's own: written into the live tensor
+    assert float(opt.stages[0].optimizer.state[weight]["exp_avg"][0, 0]) == 0.5
+    with pytest.raises(ValueError, match="own state"):
+        del opt.state[weight]["exp_avg"]
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"]["tag"] == "run-7" and saved["state"][1]["seen"] == 1
+    assert torch.equal(saved["state"][0]["ema"], torch.zeros(3))
+    fresh = _built(_model()).optimizer
+    fresh.load_state_dict(saved)
+    assert fresh.state["tag"] == "run-7" and fresh.state[fresh.param_groups[0]["params"][1]]["seen"] == 1
+    loaded = fresh.state[fresh.param_groups[0]["params"][0]]
+    assert torch.equal(loaded["ema"], torch.zeros(3)) and torch.equal(loaded["exp_avg"], saved["state"][0]["exp_avg"])
+    # the user's keys stay out of the algorithm's state: the next step runs
+    fresh_model = _model()
+    fresh2 = _built(fresh_model).optimizer
+    fresh2.load_state_dict(saved)
+    _loss(fresh_model, 1).backward()
+    fresh2.step()
+    assert "ema" not in fresh2.stages[0].optimizer.state[fresh_model[0].weight]
+
+
+def test_frozen_parameters_are_kept_and_stepped_once_they_have_gradients() -> None:
+    model, ref = _model(), _model()
+    model[2].requires_grad_(False)
+    ref[2].requires_grad_(False)
+    opt = _built(model).optimizer
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    frozen = model[2].weight.detach().clone()
+    for step in range(4):
+        if step == 2:  # gradual unfreezing: the layer trains from here on
+            model[2].requires_grad_(True)
+            ref[2].requires_grad_(True)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+        if step < 2:
+            assert torch.equal(model[2].weight, frozen)
+    assert not torch.equal(model[2].weight, frozen)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_an_all_frozen_model_builds_and_steps_nothing() -> None:
+    model = _model().requires_grad_(False)
+    opt = _built(model).optimizer
+    before = [p.clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_frozen_parameters_under_a_wrapper_are_left_out_with_a_warning_at_build() -> None:
+    plain = _model()
+    plain[2].requires_grad_(False)
+    model = DataParallel(plain, shard_grads=True)
+    config = OptimizerConfig(lr=1e-2, distributed=DistributedConfig(sharding="zero1"))
+    with pytest.warns(UserWarning, match=r"requires_grad=False.*wrap the model again"):
+        opt = build_optimizer(config, model).optimizer
+    assert plain[2].weight not in {p for g in opt.param_groups for p in g["params"]}
+
+
+@pytest.mark.parametrize("named_from", [False, True])
+@pytest.mark.parametrize("named_to", [False, True])
+def test_load_state_dict_matches_by_position_named_or_not(named_from: bool, named_to: bool) -> None:
+    def built(model: nn.Module, named: bool):
+        return _built(model if named else model.parameters()).optimizer
+
+    model = _model()
+    opt = built(model, named_from)
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin = _model()
+    twin.load_state_dict(model.state_dict())
+    other = built(twin, named_to)
+    other.load_state_dict(saved)
+    names = [n for g in other.state_dict()["param_groups"] for n in g["param_names"]]
+    real = [n for n, _ in model.named_parameters()]
+    assert names == (real if named_from or named_to else [f"param.{i}" for i in range(len(real))])
+    for m, o in ((model, opt), (twin, other)):
+        o.zero_grad()
+        _loss(m, 5).backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+def test_load_state_dict_names_a_real_mismatch() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    _loss(model, 0).backward()
+    opt.step()
+    saved = opt.state_dict()
+    renamed = copy.deepcopy(saved)
+    renamed["param_groups"][0]["param_names"][0] = "encoder.weight"
+    with pytest.raises(ValueError, match="encoder.weight"):
+        _built(_model()).optimizer.load_state_dict(renamed)
+    other = nn.Sequential(nn.Linear(6, 12), nn.LayerNorm(12), nn.Linear(12, 4))  # one more output
+    other_opt = _built(other.parameters()).optimizer
+    with pytest.raises(ValueError, match=r"shape \(3, 12\).*\(4, 12\)"):
+        other_opt.load_state_dict(saved)
+    with pytest.raises(ValueError, match="holds 6 parameters in the state dict, 4 here"):
+        _built(nn.Sequential(nn.Linear(6, 12), nn.Linear(12, 3))).optimizer.load_state_dict(saved)
+
+
+def test_global_step_hooks_run_once_per_step_with_the_users_optimizer() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    model = _model()
+    opt = build_optimizer(OptimizerConfig(algorithm="muon"), model).optimizer  # two stages: Muon and its AdamW
+    assert len(opt.stages) == 2
+    seen: list[tuple[str, object]] = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("pre", o))),
+               register_optimizer_step_post_hook(lambda o, a, k: seen.append(("post", o)))]
+    try:
+        _loss(model, 0).backward()
+        opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [("pre", opt), ("post", opt)]
+
+
+def test_a_parameter_listed_twice_has_one_id_and_duplicates_warn() -> None:
+    model = _model()
+    opt = _built(model).optimizer
+    _loss(model, 0).backward()
+    opt.step()
+    one = opt.state_dict()["param_groups"][-1]
+    opt.param_groups.extend(opt.param_groups)  # torch's own check of this (test_state_dict_deterministic)
+    assert opt.state_dict()["param_groups"][-1]["params"] == one["params"]
+    weight = nn.Parameter(torch.ones(3))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        again = _built([weight, weight]).optimizer
+    assert [len(g["params"]) for g in again.param_groups] == [1]
+
+
+def test_sparse_gradients_are_refused_naming_the_parameter() -> None:
+    model = nn.Embedding(10, 4, sparse=True)
+    opt = build_optimizer(OptimizerConfig(lr=0.1, algorithm="sgd"), model, rules=[]).optimizer
+    model(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="'weight' has a torch.sparse_coo gradient.*sparse=False"):
+        opt.step()
+
+
+def test_a_single_tensor_as_params_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"single torch.FloatTensor.*pass \[tensor\]"):
+        build_optimizer(OptimizerConfig(), torch.zeros(3, requires_grad=True))

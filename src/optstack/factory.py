@@ -6,6 +6,7 @@ names -> rules -> deterministic groups -> one stage per (algorithm, dense/expert
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -171,22 +172,29 @@ def build_optimizer(
         _check_schedule_agrees(config, lr_schedule)
     if rules is not None and resolved is not None:
         raise ValueError("build_optimizer: pass rules or resolved (settings already resolved), not both")
+    if isinstance(model_chunks, torch.Tensor):
+        raise TypeError(f"model_chunks must be a model, its chunks or an iterable of parameters, got a single "
+                        f"{torch.typename(model_chunks)}; pass [tensor]")
     source = model_chunks if isinstance(model_chunks, nn.Module) else list(model_chunks)  # read iterators once
-    named = named_parameters(source)
+    named = _with_frozen(source, resolved)
+    trainable = [(n, p) for n, p in named if p.requires_grad]
     if not named:
-        raise ValueError("the model has no trainable parameters (none given, or every parameter has "
-                         "requires_grad=False)")
-    _check_dtypes(named, config)
+        raise ValueError("the model has no trainable parameters: model_chunks holds none (an iterator read "
+                         "already?); pass the model, its chunks or model.parameters()")
+    _check_dtypes(trainable or named, config)
     dtensor = any(is_dtensor(p) for _, p in named)
     if dtensor:
         _check_dtensor_model(named, config, source)
     ddp = None if dtensor else _data_parallel_of(source, config)
     if ddp is None and not dtensor and wrapper_holding(named[0][1]) is not None:
         raise ValueError(unwrapped_use_error(named[0][0], "build_optimizer, given the module inside the wrapper,"))
+    if ddp is not None or dtensor:
+        named = _without_frozen(named, "a DataParallel wrapper" if ddp is not None else "DTensor parameters")
     if resolved is None:
         if rules is not None:
             check_names_available(source, rules, exempt=default_rules(config))
-        resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules)
+        resolved = resolve(named, default_rules(config) if rules is None else rules, strict=strict_rules,
+                           trainable_only=False)
         if dtensor:  # (a face passing `resolved` has its own flags and names)
             _check_flags_survived(source, named, resolved, config)
     keys = group_keys(resolved)
@@ -194,7 +202,7 @@ def build_optimizer(
         # Every rank must build the same stages and groups (some possibly empty), e.g. under pipeline
         # parallelism where ranks hold different layers.
         keys = union_group_keys(keys, world_comm("group-keys"))
-    groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys)
+    groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys, trainable_only=False)
     plan = ParamPlan.build(config, specs_of(named), resolved,
                            topology_of(ddp.groups) if ddp is not None else Topology(), keys=keys,
                            wrapped=ddp is not None, dtensor=dtensor) if ddp is None or ddp.plan is None \
@@ -235,6 +243,35 @@ def _check_schedule_agrees(config: OptimizerConfig, schedule: LRSchedule) -> Non
             "the config (rules scale them per group), so the config's values would run. Give both the same values: "
             f"OptimizerConfig(lr={schedule.max_lr!r}, min_lr={schedule.min_lr!r}, ...) for the schedule's, or "
             f"LRSchedule(max_lr={config.lr!r}, min_lr={config.min_lr!r}, ...) for the config's")
+
+def _with_frozen(source: nn.Module | list[Any], resolved: Mapping[str, Resolved] | None
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter, frozen ones (``requires_grad=False``) included, as torch.optim keeps them: a step
+    leaves a parameter without a gradient unchanged and steps it once it has one (gradual unfreezing). With
+    ``resolved`` given (a face resolving its own parameters), the parameters it resolved and the trainable ones."""
+    named = named_parameters(source, trainable_only=False)
+    if resolved is None:
+        return named
+    return [(n, p) for n, p in named if p.requires_grad or n in resolved]
+
+
+def _without_frozen(named: list[tuple[str, torch.Tensor]], where: str) -> list[tuple[str, torch.Tensor]]:
+    """The trainable parameters, warning about frozen ones left out: a data-parallel wrapper lays out gradient
+    buffers (and ZeRO-1 its shards) for the parameters trainable when it was built, and FSDP2 / DTensor models
+    reduce only those, so a parameter unfrozen later has nowhere to get its reduced gradient from."""
+    frozen = [n for n, p in named if not p.requires_grad]
+    if frozen:
+        warnings.warn(
+            f"build_optimizer: {len(frozen)} parameter(s) with requires_grad=False (e.g. {frozen[:3]}) are left out "
+            f"under {where}: their gradients have no place in its reduced buffers. To train them later, unfreeze "
+            "them, wrap the model again and build a new optimizer (optstack's DataParallel refuses a changed set of "
+            "trainable parameters at the next step); on a single process without a wrapper they are kept and "
+            "stepped once they have gradients", UserWarning, stacklevel=3)
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"the model has no trainable parameters under {where} (every parameter has "
+                         "requires_grad=False); unfreeze some before wrapping the model")
+    return trainable
 
 
 def _check_dtypes(named: Sequence[tuple[str, torch.Tensor]], config: OptimizerConfig) -> None:

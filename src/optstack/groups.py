@@ -80,6 +80,7 @@ def build_param_groups(
     lr: float,
     min_lr: float,
     keys: Sequence[GroupKey] | None = None,
+    trainable_only: bool = True,
 ) -> list[dict[str, Any]]:
     """One param-group dict per key, in key order; parameters keep model order within a group.
 
@@ -89,6 +90,8 @@ def build_param_groups(
         lr / min_lr: the base ``max_lr`` and ``min_lr`` for groups that do not override them.
         keys: the groups to build, in order (default ``group_keys(resolved)``; e.g. the cross-rank union);
             groups without local parameters are built empty.
+        trainable_only: leave out parameters with ``requires_grad=False`` (False: group them too, as torch.optim
+            keeps them; ``resolved`` must then cover them).
 
     Returns:
         Dicts with ``params``, ``param_names``, ``is_expert_parallel``, ``default_config``, ``wd_mult=1.0``,
@@ -108,7 +111,7 @@ def build_param_groups(
                "default_config": key.default_config, "wd_mult": 1.0, "lr_mult": 1.0, "max_lr": lr,
                "min_lr": min_lr, **dict(key.settings)} for key in keys]
     index = {k: i for i, k in enumerate(keys)}
-    for name, param in named_parameters(named_params):  # trainable only: frozen ones belong to no group
+    for name, param in named_parameters(named_params, trainable_only=trainable_only):
         r = resolved.get(name)
         if r is None:
             raise ValueError(

@@ -12,6 +12,7 @@ model under ``.module`` (data-parallel wrappers) is looked through, and so is ``
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -75,6 +76,9 @@ def named_parameters(model_chunks: NamedParams, *, trainable_only: bool = True) 
 def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
     if isinstance(source, nn.Module):
         return list(look_through(source).named_parameters())
+    if isinstance(source, torch.Tensor):
+        raise TypeError(f"params must be an iterable of tensors, (name, tensor) pairs or modules, got a single "
+                        f"{torch.typename(source)} of shape {tuple(source.shape)}; pass [tensor]")
     items = list(source)
     if items and all(isinstance(m, nn.Module) for m in items):
         chunks = [list(look_through(m).named_parameters()) for m in items]
@@ -83,6 +87,7 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
             chunks = [[(f"chunk{i}.{n}", p) for n, p in chunk] for i, chunk in enumerate(chunks)]
         return [pair for chunk in chunks for pair in chunk]
     if all(isinstance(t, torch.Tensor) for t in items):
+        _warn_duplicates(items)
         return [(f"param.{i}", t) for i, t in enumerate(items)]
     for item in items:
         if isinstance(item, Mapping) and "params" in item:
@@ -101,6 +106,15 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
                 f"(model.parameters()); got item {item!r:.80}"
             )
     return items
+
+
+def _warn_duplicates(tensors: list[torch.Tensor]) -> None:
+    """torch.optim's warning for a tensor listed twice in bare tensors (kept once here; tied weights come as
+    modules or ``(name, tensor)`` pairs, whose second name is expected)."""
+    if len({id(t) for t in tensors}) != len(tensors):
+        warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will cause "
+                      "an error; see github.com/pytorch/pytorch/issues/40967 for more information (optstack "
+                      "keeps each parameter once)", UserWarning, stacklevel=4)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,9 +14,10 @@ is torch's format, and torch's step and state-dict hooks run. What a step did is
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from optstack.precision.scaler import LossScaler, NoScaler
 from optstack.protocol import StepResult, algorithm_name, phase
 from optstack.stage import Stage
 from optstack.stage.sharded import is_sharded, local_part
+from optstack.torch_state import OptimizerState, check_names, check_shapes
 
 __all__ = ["ChainedOptimizer", "GradSync"]
 
@@ -121,6 +123,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._label_stages()
         self.last_result: StepResult | None = None
         self._has_state = False  # the same on every rank (steps and loads are collective), unlike len(state)
+        self._extra: dict[int, dict[Any, Any]] = {}  # users' own entries of state[param], by id of the param
+        self._other: dict[Any, Any] = {}  # users' entries of state under keys that are not parameters
+        self._stage_of: dict[int, Stage] = {id(p): stage for stage in stages for g in stage.param_groups
+                                            for p in g["params"]}  # the stage of each model parameter (by id)
 
     def __repr__(self) -> str:
         kinds = ", ".join(repr(s) for s in self._stages)
@@ -142,12 +148,20 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return self._scaler
 
     @property
-    def state(self) -> _State:  # type: ignore[override]
-        """Model parameter -> its optimizer state on this rank (torch's ``optimizer.state``): the live state
-        tensors, shaped like the parameter when this rank steps it whole, else this rank's flat range of it
-        (ZeRO-1), and ``"master"`` (the fp32 master) for bf16/fp16 parameters. Parameters this rank does not
-        step, or not yet stepped, are absent. The mapping is read afresh on each access."""
-        return _State(self._stages, self._has_state)
+    def state(self) -> OptimizerState:  # type: ignore[override]
+        """Model parameter -> its optimizer state on this rank (torch's ``optimizer.state``), a mapping users may
+        write: optstack's own entries are the live state tensors, shaped like the parameter when this rank steps
+        it whole, else this rank's flat range of it (ZeRO-1), and ``"master"`` (the fp32 master) for bf16/fp16
+        parameters; writing one of those copies into the live tensor. Any other key (``state[p]["ema"] = t``,
+        before or after the first step, or ``state["tag"] = 1`` under a key that is not a parameter) is kept
+        beside them, saved by ``state_dict()`` and restored by ``load_state_dict``. A parameter appears once it
+        has an entry of either kind."""
+        return OptimizerState(self)
+
+    def _live_entry(self, param: torch.Tensor) -> dict[str, Any]:
+        """optstack's own state of one model parameter on this rank (live; empty before its first step)."""
+        stage = self._stage_of.get(id(param))
+        return stage.torch_entry(param) if stage is not None else {}
 
     @property
     def loss_scale(self) -> float:
@@ -175,8 +189,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
             have = sorted({str(g.get("algorithm")) for g in self.param_groups})
             raise ValueError(f"add_param_group: no stage steps algorithm {wanted!r} (this optimizer has {have}); "
                              "build the optimizer with a rule routing some parameters to it")
-        stages[0].add_param_group(param_group)
+        added = stages[0].add_param_group(param_group)
         self.param_groups[:] = [g for stage in self._stages for g in stage.param_groups]
+        self._stage_of |= {id(p): stages[0] for p in added["params"]}
         self._label_stages()
 
     def _label_stages(self) -> None:
@@ -297,27 +312,42 @@ class ChainedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's format, for this rank: ``{"state": {i: {key: value}}, "param_groups": [{settings...,
         "params": [i, ...], "param_names": [...]}], "optstack": {"version": 2, "scaler": {...}, "has_state": bool}}``,
-        ``i``
-        counting the parameters of ``param_groups`` in order. State is as ``state`` shows it (references to
-        the live tensors: ``torch.save`` or copy to snapshot). Only this rank's part of a sharded placement:
-        for a checkpoint that loads at any data-parallel size use ``optstack.checkpoint`` or DCP."""
+        ``i`` numbering the parameters of ``param_groups`` as torch does (position in order; a parameter listed
+        again keeps its first number). State is as ``state`` shows it (references to the live tensors:
+        ``torch.save`` or copy to snapshot), users' own entries included (their keys listed under
+        ``"optstack"["user_keys"]``), and ``state`` entries under keys that are not parameters as they are. Only
+        this rank's part of a sharded placement: for a checkpoint that loads at any data-parallel size use
+        ``optstack.checkpoint`` or DCP."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         held = {k: e for stage in self._stages for k, e in stage.sharded_torch_state().items()}
-        state: dict[int, dict[str, Any]] = {}
+        numbers: dict[int, int] = {}
         groups = []
-        index = 0
+        start = 0
         for group in self.param_groups:
-            ids = []
+            numbers.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in numbers})
+            packed = [numbers[id(p)] for p in group["params"]]
+            start += len(packed)
+            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": packed})
+        state: dict[Any, dict[str, Any]] = {}
+        user_keys: dict[int, list[Any]] = {}
+        for group in self.param_groups:
             for param in group["params"]:
-                if (entry := held.get(id(param))) is not None:
-                    state[index] = dict(sorted(entry.items()))  # one key order, however the state was made
-                ids.append(index)
-                index += 1
-            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": ids})
-        out = {"state": state, "param_groups": groups,
-               "optstack": {"version": _STATE_VERSION, "scaler": self._scaler.state_dict(),
-                            "has_state": self._has_state}}
+                index = numbers[id(param)]
+                if index in state:
+                    continue
+                entry = held.get(id(param)) or {}
+                extra = {k: v for k, v in self._extra.get(id(param), {}).items() if k not in entry}
+                if entry or extra:
+                    state[index] = dict(sorted(entry.items())) | extra  # one key order, however the state was made
+                if extra:
+                    user_keys[index] = list(extra)
+        state.update(self._other)
+        has_state = self._has_state and any(stage.keeps_state() for stage in self._stages)
+        meta: dict[str, Any] = {"version": _STATE_VERSION, "scaler": self._scaler.state_dict(), "has_state": has_state}
+        if user_keys:
+            meta["user_keys"] = user_keys
+        out = {"state": state, "param_groups": groups, "optstack": meta}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             out = post_hook(self, out) or out
         return out
@@ -325,8 +355,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a ``state_dict()`` of an optimizer over the same groups (torch's rule: parameters are matched by
         position in ``param_groups``, whatever ids the dict uses), all or nothing: everything is checked
-        before anything changes, and a mismatch is a ``ValueError`` naming it. Group settings are taken from
-        the dict; the loss scaler's state too when it has an ``"optstack"`` entry. A state dict of optstack
+        before anything changes, and a mismatch is a ``ValueError`` naming it. Names are compared only where
+        both sides have real ones (not the placeholders ``param.0``, ... of an optimizer built on bare
+        tensors); where only the state dict has them, this optimizer takes them. Group settings are taken
+        from the dict; the loss scaler's state too when it has an ``"optstack"`` entry. A state dict of optstack
         0.2 (``{"stages": [...], "scaler": ...}``) loads as well."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
@@ -346,22 +378,29 @@ class ChainedOptimizer(torch.optim.Optimizer):
             got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
             raise ValueError(f"the state dict has {got} param groups, this optimizer has {len(self.param_groups)}; "
                              "it was saved from an optimizer built over other parameters or rules")
+        meta = state_dict.get("optstack", {})
+        user_keys = meta.get("user_keys", {})
+        saved_state = state_dict["state"]
         entries: dict[int, Any] = {}
+        extras: dict[int, dict[Any, Any]] = {}
+        referenced = set()
+        adopt: list[list[str] | None] = []
         for index, (theirs, ours) in enumerate(zip(saved, self.param_groups, strict=True)):
             ids = theirs.get("params") if isinstance(theirs, Mapping) else None
             if not isinstance(ids, (list, tuple)) or len(ids) != len(ours["params"]):
                 got = len(ids) if isinstance(ids, (list, tuple)) else repr(ids)
                 raise ValueError(f"param group {index} holds {got} parameters in the state dict, "
-                                 f"{len(ours['params'])} here")
-            names = theirs.get("param_names")
-            if names is not None and list(names) != list(ours["param_names"]):
-                differ = [f"{a!r} vs {b!r}" for a, b in zip(names, ours["param_names"], strict=False) if a != b]
-                raise ValueError(f"param group {index} names other parameters in the state dict: {differ[:4]}")
+                                 f"{len(ours['params'])} here; it was saved from an optimizer over other parameters")
+            adopt.append(check_names(index, theirs.get("param_names"), ours.get("param_names")))
             for key, param in zip(ids, ours["params"], strict=True):
-                if key in state_dict["state"]:
-                    entries[id(param)] = _local(state_dict["state"][key])
-        meta = state_dict.get("optstack", {})
-        if meta.get("has_state") and not state_dict["state"] and any(g["params"] for g in self.param_groups):
+                referenced.add(key)
+                if key in saved_state and id(param) not in entries:
+                    entry = dict(saved_state[key]) if isinstance(saved_state[key], Mapping) else saved_state[key]
+                    own = user_keys.get(key, user_keys.get(str(key), ())) if isinstance(entry, dict) else ()
+                    extras[id(param)] = {k: entry.pop(k) for k in own if k in entry}
+                    entries[id(param)] = _local(entry)
+                    check_shapes(param, entries[id(param)], ours, index)
+        if meta.get("has_state") and not any(entries.values()) and any(g["params"] for g in self.param_groups):
             raise ValueError(
                 "the state dict was saved with optimizer state but holds none: a dcp.load into an optimizer that "
                 "has no state yet has no tensors to read it into. Load through "
@@ -372,9 +411,13 @@ class ChainedOptimizer(torch.optim.Optimizer):
             self._scaler.validate_state_dict(scaler)
         for stage, shards in zip(self._stages, loaded, strict=True):
             stage.load_param_shards(shards)
-        self._has_state = self._has_state or bool(entries)
-        for theirs, ours in zip(saved, self.param_groups, strict=True):
-            ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+        self._has_state = self._has_state or any(entries.values())
+        self._extra = {key: extra for key, extra in extras.items() if extra}
+        self._other = {k: v for k, v in saved_state.items() if k not in referenced}
+        for theirs, ours, names in zip(saved, self.param_groups, adopt, strict=True):
+            ours.update({k: copy.deepcopy(v) for k, v in theirs.items() if k not in ("params", "param_names")})
+            if names is not None:
+                ours["param_names"] = names
         for stage in self._stages:
             stage.sync_settings()
         if scaler is not None:
@@ -414,31 +457,3 @@ def _local(entry: Any) -> dict[str, Any]:
             value = value.to_local()
         out[key] = value
     return out
-
-
-class _State(Mapping[torch.Tensor, dict[str, Any]]):
-    """``ChainedOptimizer.state``: model parameter -> its state on this rank (read-only mapping)."""
-
-    def __init__(self, stages: Sequence[Stage], started: bool) -> None:
-        self._params = {id(p): p for stage in stages for g in stage.param_groups for p in g["params"]}
-        self._held = {key: entry for stage in stages for key, entry in stage.torch_state().items()}
-        self._started = started
-
-    def __bool__(self) -> bool:
-        return self._started or bool(self._held)
-
-    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
-        if id(param) in self._held:
-            return self._held[id(param)]
-        if id(param) in self._params:  # as torch's defaultdict, without inserting
-            return {}
-        raise KeyError(f"not a parameter of this optimizer (shape {tuple(getattr(param, 'shape', ()))})")
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (self._params[key] for key in self._held)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def __contains__(self, param: object) -> bool:
-        return id(param) in self._held

@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["MakeOptimizer", "ParamShard", "StepResult", "algorithm_name", "phase", "set_phase_hook"]
+__all__ = ["MakeOptimizer", "ParamShard", "StepResult", "algorithm_name", "phase", "set_phase_hook", "unhooked_step"]
 
 #: Builds a stage's inner optimizer over exactly the param groups it is given (in order).
 MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -22,6 +23,14 @@ def algorithm_name(optimizer: torch.optim.Optimizer) -> str:
     ``algorithm_name`` attribute when it has one (an optimizer standing in for another, e.g. CPU offload's
     ``HybridDeviceOptimizer``, gives the name of the one it replaces), else its class name."""
     return getattr(optimizer, "algorithm_name", type(optimizer).__name__)
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``optimizer.step`` without torch's hook wrapper, for an optimizer that is a part of the one the user
+    holds: that one's step runs torch's global and its own step hooks once per user-visible step, so global
+    hooks never see optstack's inner objects (nor run once more per stage)."""
+    step = type(optimizer).step
+    return functools.partial(getattr(step, "__wrapped__", step), optimizer)
 
 
 @dataclass(frozen=True)

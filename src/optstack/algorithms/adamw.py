@@ -43,7 +43,7 @@ _Q8_KEYS = {"exp_avg": ("exp_avg_codes", "exp_avg_scales", False),
 
 def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                     step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                    decoupled: bool) -> None:
+                    decoupled: bool, max_exp_avg_sq: torch.Tensor | None = None, maximize: bool = False) -> None:
     """One Adam(W) step on single tensors, in place: the oracle the fast paths are tested against.
 
     Math runs in fp32 (fp64 for fp64 params) whatever the storage dtypes; in fp32 it equals
@@ -54,9 +54,14 @@ def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         step: the step count including this step (1 on the first step), for bias correction.
         lr, beta1, beta2, eps, weight_decay: the hyperparameters.
         decoupled: True for AdamW (decay the weights), False for Adam (add ``weight_decay * param`` to grad).
+        max_exp_avg_sq: AMSGrad's running maximum of ``exp_avg_sq`` (same shape), or None for plain Adam: the
+            denominator then uses the maximum.
+        maximize: ascend the objective (the gradient's sign flipped first, as torch's ``maximize``).
     """
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
     p, g, m, v = (t if t.dtype == dtype else t.to(dtype) for t in (param, grad, exp_avg, exp_avg_sq))
+    if maximize:
+        g = -g
     if weight_decay != 0:
         if decoupled:
             p.mul_(1 - lr * weight_decay)
@@ -64,9 +69,16 @@ def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
             g = g.add(p, alpha=weight_decay)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    top = v
+    if max_exp_avg_sq is not None:
+        top = max_exp_avg_sq if max_exp_avg_sq.dtype == dtype else max_exp_avg_sq.to(dtype)
+        torch.maximum(top, v, out=top)
+    denom = (top.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-    for result, storage in ((p, param), (m, exp_avg), (v, exp_avg_sq)):
+    pairs = [(p, param), (m, exp_avg), (v, exp_avg_sq)]
+    if max_exp_avg_sq is not None:
+        pairs.append((top, max_exp_avg_sq))
+    for result, storage in pairs:
         if result is not storage:
             storage.copy_(result)
 
@@ -97,9 +109,12 @@ class AdamW(PerDeviceOptimizer):
         betas: (beta1, beta2), each in [0, 1).
         eps: added to the denominator, >= 0 (> 0 recommended: with 0, a zero gradient history divides by 0).
         weight_decay: >= 0; decoupled (AdamW) or L2 (Adam), see ``decoupled``.
+        amsgrad: AMSGrad (the denominator uses the running maximum of ``exp_avg_sq``, kept as
+            ``max_exp_avg_sq``); a per-group key. Needs fp32 / fp64 moments.
+        maximize: ascend the objective instead of descending; a per-group key.
         decoupled: True: AdamW; False: Adam with L2 weight decay.
         exp_avg_dtype, exp_avg_sq_dtype: storage dtype of the moments (fp32, bf16, fp16, fp64, or uint8:
-            8-bit block-quantized); math is fp32.
+            8-bit block-quantized); math is fp32. fp64 parameters keep fp64 moments (and math) under fp32.
         impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
         stochastic_rounding: round results into bf16 parameters stochastically (fused/foreach paths; the
             reference rounds to nearest).
@@ -111,7 +126,8 @@ class AdamW(PerDeviceOptimizer):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
-                 decoupled: bool = True, exp_avg_dtype: torch.dtype = torch.float32,
+                 amsgrad: bool = False, maximize: bool = False, decoupled: bool = True,
+                 exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, impl: Impl = "auto",
                  stochastic_rounding: bool = False, block_size: int = DEFAULT_BLOCK) -> None:
         self._name = "AdamW" if decoupled else "Adam"
@@ -130,7 +146,21 @@ class AdamW(PerDeviceOptimizer):
         self._sq_key = _RMS_KEY if exp_avg_sq_dtype == torch.float16 else "exp_avg_sq"
         # fp32 scratch for low-precision tensors, by (math dtype, device): reused, not part of the state
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, impl)
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "amsgrad": amsgrad, "maximize": maximize}, impl)
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        super()._check_group(index, group)
+        if group.get("amsgrad") and (any(self._quantized.values()) or self._sq_key == _RMS_KEY
+                                     or self.exp_avg_sq_dtype not in (torch.float32, torch.float64)):
+            raise ValueError(f"{self._name} param group {index}: amsgrad keeps a running maximum of the second "
+                             f"moment in its storage dtype and needs fp32 / fp64 moments (exp_avg_sq_dtype is "
+                             f"{self.exp_avg_sq_dtype}); use fp32 moments or amsgrad=False")
+
+    def _moment_dtype(self, dtype: torch.dtype, param: torch.Tensor) -> torch.dtype:
+        """The storage dtype of a moment of ``param``: fp64 for an fp64 parameter under fp32 (so its math and
+        state are fp64, as torch's), else ``dtype``."""
+        return torch.float64 if dtype == torch.float32 and param.dtype == torch.float64 else dtype
 
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      grad_scale: float = 1.0) -> None:
@@ -153,8 +183,18 @@ class AdamW(PerDeviceOptimizer):
                         q = zeros_q8(p, self.block_size, sqrt=sqrt)
                         states[i].update({codes: q.codes, scales: q.scales})
                 else:
-                    for i, tensor in zip(fresh, zeros_in_runs(new, dtype), strict=True):
-                        states[i][key] = tensor
+                    for wanted in dict.fromkeys(self._moment_dtype(dtype, p) for p in new):
+                        picked = [k for k, p in enumerate(new) if self._moment_dtype(dtype, p) == wanted]
+                        made = zeros_in_runs([new[k] for k in picked], wanted)
+                        for k, tensor in zip(picked, made, strict=True):
+                            states[fresh[k]][key] = tensor
+        amsgrad, maximize = bool(group.get("amsgrad", False)), bool(group.get("maximize", False))
+        if amsgrad:  # (a state loaded without it, e.g. from a run without amsgrad, starts its maximum at zero)
+            lacking = [i for i, state in enumerate(states) if "max_exp_avg_sq" not in state]
+            for i, tensor in zip(lacking, zeros_in_runs([params[i] for i in lacking],
+                                                        states[lacking[0]][self._sq_key].dtype
+                                                        if lacking else None), strict=True):
+                states[i]["max_exp_avg_sq"] = tensor
         steps, values = _advance_steps(states, step_device)
         grads = [p.grad for p in params]
         if grad_scale != 1.0 and impl != "fused":
@@ -163,39 +203,51 @@ class AdamW(PerDeviceOptimizer):
         exp_avg_sqs = [self._moment(state, "exp_avg_sq", self._sq_key) for state in states]
         beta1, beta2 = (float(b) for b in group["betas"])
         hyper: dict[str, Any] = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": float(group["eps"]),
-                                 "weight_decay": float(group["weight_decay"]), "decoupled": self.decoupled}
+                                 "weight_decay": float(group["weight_decay"]), "decoupled": self.decoupled,
+                                 "maximize": maximize}
         as_rms = self._sq_key == _RMS_KEY
-        if impl == "reference":
-            for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, values, strict=True):
-                m_math, v_math = (_dequantized(t).view(p.shape) if isinstance(t, Q8) else t for t in (m, v))
-                v_math = rms_to_v(v, step - 1, beta2) if as_rms else v_math
-                adamw_reference(p, g, m_math, v_math, step=int(step), **hyper)
-                if as_rms:
-                    v.copy_(v_to_rms(v_math, step, beta2))
-                for stored, math in ((m, m_math), (v, v_math)):
-                    if isinstance(stored, Q8):
-                        quantize_(stored, math._base)
+        maxes = [state["max_exp_avg_sq"] for state in states] if amsgrad else [None] * len(params)
+        # AMSGrad's maximum is not staged: tensors the kernels cannot take as they are take the reference path
+        native = [p.dtype in (torch.float32, torch.float64) and g.dtype == p.dtype and p.is_contiguous()
+                  and g.is_contiguous() and all(isinstance(t, torch.Tensor) and t.dtype == p.dtype
+                                                for t in (m, v, x) if t is not None)
+                  for p, g, m, v, x in zip(params, grads, exp_avgs, exp_avg_sqs, maxes, strict=True)]
+        by_reference = range(len(params)) if impl == "reference" else [
+            i for i in range(len(params)) if amsgrad and not native[i]]
+        for i in by_reference:
+            p, g, m, v, step = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], values[i]
+            if impl == "fused" and grad_scale != 1.0:  # (scaled above on the other paths)
+                g.mul_(grad_scale)
+            m_math, v_math = (_dequantized(t).view(p.shape) if isinstance(t, Q8) else t for t in (m, v))
+            v_math = rms_to_v(v, step - 1, beta2) if as_rms else v_math
+            adamw_reference(p, g, m_math, v_math, step=int(step), max_exp_avg_sq=maxes[i], **hyper)
+            if as_rms:
+                v.copy_(v_to_rms(v_math, step, beta2))
+            for stored, math in ((m, m_math), (v, v_math)):
+                if isinstance(stored, Q8):
+                    quantize_(stored, math._base)
+        if impl == "reference" or len(by_reference) == len(params):
             return
         # torch's fused kernel divides the gradients by its grad_scale (and writes them back unscaled)
         hyper["grad_scale"] = torch.tensor(1.0 / grad_scale, device=device) if grad_scale != 1.0 else None
         kernel = _fused if impl == "fused" else _foreach
-        # The moments are ours (contiguous, in their storage dtypes): only their dtype can keep them off the
-        # native path. Batches by param dtype on it; None: staged through fp32 scratch.
-        native = self.exp_avg_dtype if self.exp_avg_dtype == self.exp_avg_sq_dtype and self.exp_avg_dtype in (
-            torch.float32, torch.float64) else None
+        # The moments are ours (contiguous, in their storage dtypes): an fp32 / fp64 parameter whose gradient and
+        # moments share its dtype goes native; batches by param dtype on it; None: staged through fp32 scratch.
         batches: dict[torch.dtype | None, list[int]] = {}
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            ok = p.dtype == native and g.dtype == p.dtype and p.is_contiguous() and g.is_contiguous()
-            batches.setdefault(p.dtype if ok else None, []).append(i)
+        skipped = set(by_reference)
+        for i, p in enumerate(params):
+            if i not in skipped:
+                batches.setdefault(p.dtype if native[i] else None, []).append(i)
         quantized = any(self._quantized.values())
         for dtype, picked in batches.items():
-            lists = [[ts[i] for i in picked] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+            operands = (params, grads, exp_avgs, exp_avg_sqs) + ((maxes,) if amsgrad else ())
+            lists = [[ts[i] for i in picked] for ts in operands]
             # 8-bit moments are blocked per tensor: their tensors are stepped one by one (not merged in runs)
             merged, firsts = (lists, list(range(len(picked)))) if quantized else coalesce(
                 lists, keys=[values[i] for i in picked])
             run_steps, run_values = [steps[picked[f]] for f in firsts], [values[picked[f]] for f in firsts]
             if dtype is not None:
-                kernel(*merged, run_steps, run_values, hyper)
+                kernel(*merged[:4], run_steps, run_values, {**hyper, "max_exp_avg_sqs": merged[4] if amsgrad else []})
             else:
                 run_staged(kernel, list(zip(*merged, strict=True)), run_steps, run_values, as_rms=as_rms,
                            hyper=hyper, scratch=self._scratch, stochastic=self.stochastic_rounding)
@@ -291,7 +343,8 @@ class AdamW(PerDeviceOptimizer):
             second = (saved["exp_avg_sq"].to(param.device, torch.float32, copy=True) if "exp_avg_sq" in saved
                       else rms_to_v(saved[_RMS_KEY].to(param.device), step, beta2))
         elif self._sq_key in saved:
-            second = saved[self._sq_key].to(param.device, self.exp_avg_sq_dtype, copy=True)
+            wanted = self._moment_dtype(self.exp_avg_sq_dtype, param)
+            second = saved[self._sq_key].to(param.device, wanted, copy=True)
         elif self._sq_key == _RMS_KEY:
             second = v_to_rms(saved["exp_avg_sq"].to(param.device, torch.float32, copy=True), step, beta2)
         else:
@@ -310,7 +363,8 @@ class AdamW(PerDeviceOptimizer):
                 quantize_(q, padded)
                 out.update({codes: q.codes, scales: q.scales})
             else:
-                out["exp_avg" if which == "exp_avg" else self._sq_key] = values.to(param.device, dtype, copy=True)
+                key = "exp_avg" if which == "exp_avg" else self._sq_key
+                out[key] = values.to(param.device, self._moment_dtype(dtype, param), copy=True)
         return out
 
 
@@ -353,9 +407,10 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
            hyper: dict[str, Any]) -> None:
     """torch's fused Adam(W) kernel over tensors of one dtype and device (it reads the steps itself)."""
     kernel = torch._fused_adamw_ if hyper["decoupled"] else torch._fused_adam_
-    kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hyper["lr"], beta1=hyper["beta1"],
-           beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False,
-           maximize=False, grad_scale=hyper["grad_scale"])
+    maxes = hyper.get("max_exp_avg_sqs") or []
+    kernel(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, lr=hyper["lr"], beta1=hyper["beta1"],
+           beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=bool(maxes),
+           maximize=hyper.get("maximize", False), grad_scale=hyper["grad_scale"])
 
 
 def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -363,6 +418,9 @@ def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: li
              hyper: dict[str, Any]) -> None:
     """``adamw_reference`` over lists with ``torch._foreach_*`` ops (the same ops, so the same bits)."""
     lr, beta1, beta2, wd = hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["weight_decay"]
+    maxes = hyper.get("max_exp_avg_sqs") or []
+    if hyper.get("maximize", False):
+        grads = torch._foreach_neg(grads)
     if wd != 0:
         if hyper["decoupled"]:
             torch._foreach_mul_(params, 1 - lr * wd)
@@ -371,7 +429,9 @@ def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: li
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+    if maxes:
+        torch._foreach_maximum_(maxes, exp_avg_sqs)
+    denom = torch._foreach_sqrt(maxes or exp_avg_sqs)
     torch._foreach_div_(denom, [(1 - beta2**s) ** 0.5 for s in values])
     torch._foreach_add_(denom, hyper["eps"])
     torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**s) for s in values])

@@ -20,7 +20,8 @@ _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def sgd_reference(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr: float,
-                  momentum: float, dampening: float, weight_decay: float, nesterov: bool, first_step: bool) -> None:
+                  momentum: float, dampening: float, weight_decay: float, nesterov: bool, first_step: bool,
+                  maximize: bool = False) -> None:
     """One SGD step on single tensors, in place (``grad`` is only read), as ``torch.optim.SGD``.
 
     Args:
@@ -29,7 +30,9 @@ def sgd_reference(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torc
             the (decayed) gradient, as torch.optim does for a missing buffer.
         lr, momentum, dampening, weight_decay, nesterov: the hyperparameters (weight decay is L2).
         first_step: the buffer holds no history yet.
+        maximize: ascend the objective (the gradient's sign flipped first, as torch's ``maximize``).
     """
+    grad = -grad if maximize else grad
     d_p = grad.add(param, alpha=weight_decay) if weight_decay != 0 else grad
     if momentum != 0:
         if momentum_buffer is None:
@@ -48,7 +51,7 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
 
 
 class SGD(PerDeviceOptimizer):
-    """SGD, equal to ``torch.optim.SGD`` (without ``maximize``), on any leaf tensors with ``.grad`` set.
+    """SGD, equal to ``torch.optim.SGD``, on any leaf tensors with ``.grad`` set.
 
     Tensors whose grad is None are skipped. Groups may override every hyperparameter and carry extra keys.
 
@@ -59,6 +62,7 @@ class SGD(PerDeviceOptimizer):
         dampening: multiplies the gradient's share of the momentum update by (1 - dampening).
         weight_decay: L2 penalty, >= 0.
         nesterov: nesterov momentum (needs momentum > 0 and dampening 0).
+        maximize: ascend the objective instead of descending; a per-group key.
         impl: "auto", "fused", "foreach" or "reference" (see the module docstring).
     """
 
@@ -66,9 +70,9 @@ class SGD(PerDeviceOptimizer):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
-                 impl: Impl = "auto") -> None:
+                 maximize: bool = False, impl: Impl = "auto") -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
-                                  "weight_decay": weight_decay, "nesterov": nesterov}, impl)
+                                  "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize}, impl)
 
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         super()._check_group(index, group)
@@ -78,18 +82,23 @@ class SGD(PerDeviceOptimizer):
 
     _folds_grad_scale = True
 
+    def keeps_state(self) -> bool:
+        """Whether a step makes state: only groups with momentum keep a ``momentum_buffer``."""
+        return any(group["momentum"] != 0 for group in self.param_groups)
+
     def _step_device(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      grad_scale: float = 1.0) -> None:
         impl = resolve_impl(self.impl, device, has_fused=True)
         hyper: dict[str, Any] = {k: float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
         hyper["nesterov"] = bool(group["nesterov"])
+        hyper["maximize"] = bool(group.get("maximize", False))
         grads = [p.grad for p in params]
         with_momentum = hyper["momentum"] != 0
         buffers: list[torch.Tensor | None] = [None] * len(params)
         first = [False] * len(params)
         if with_momentum:
             states = [self.state[p] for p in params]
-            first = ["momentum_buffer" not in state for state in states]
+            first = [state.get("momentum_buffer") is None for state in states]  # torch saves None without momentum
             new = [p for p, is_first in zip(params, first, strict=True) if is_first]
             for p, buffer in zip(new, zeros_in_runs(new), strict=True):
                 self.state[p]["momentum_buffer"] = buffer
@@ -122,13 +131,14 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[
     """torch's fused SGD kernel over tensors of one dtype and device (``buffers`` empty without momentum)."""
     torch._fused_sgd_(params, grads, buffers, weight_decay=hyper["weight_decay"], momentum=hyper["momentum"],
                       lr=hyper["lr"], dampening=hyper["dampening"], nesterov=hyper["nesterov"],
-                      maximize=False, is_first_step=first_step, grad_scale=hyper.get("grad_scale"))
+                      maximize=hyper["maximize"], is_first_step=first_step, grad_scale=hyper.get("grad_scale"))
 
 
 def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], first_step: bool,
              hyper: dict[str, Any]) -> None:
     """``sgd_reference`` over lists with ``torch._foreach_*`` ops."""
     momentum, wd = hyper["momentum"], hyper["weight_decay"]
+    grads = torch._foreach_neg(grads) if hyper["maximize"] else grads
     d_p = torch._foreach_add(grads, params, alpha=wd) if wd != 0 else grads
     if momentum != 0:
         if first_step:

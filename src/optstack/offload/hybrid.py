@@ -19,7 +19,7 @@ import torch
 
 from optstack.offload.states import scratch_of
 from optstack.offload.transfers import Pairs, Transfers
-from optstack.protocol import MakeOptimizer, algorithm_name, phase
+from optstack.protocol import MakeOptimizer, algorithm_name, phase, unhooked_step
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "HybridDeviceOptimizer", "offloaded", "plan_offload"]
 
@@ -183,11 +183,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         with phase("offload_to_host"):
             done = [copies.to_host(self._to_host(chunk)) for chunk in self._chunks]
         with phase("device_step"):
-            self._device_optimizer.step()
+            unhooked_step(self._device_optimizer)()
         for chunk, event in zip(self._chunks, done, strict=True):
             copies.wait(event)
             with phase("host_step"):
-                chunk.optimizer.step()
+                unhooked_step(chunk.optimizer)()
             with phase("offload_to_device"):
                 copies.to_device([(d, h) for d, h in zip(chunk.device, chunk.host, strict=True)
                                   if d.grad is not None and h is not d])

@@ -173,13 +173,15 @@ class Resolved:
     shape: tuple[int, ...] = ()
 
 
-def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = False) -> dict[str, Resolved]:
+def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = False,
+            trainable_only: bool = True) -> dict[str, Resolved]:
     """Merge every matching rule into each trainable parameter's settings: ``{name: Resolved}`` in model order.
 
     Args:
         named_params: a module, model chunks, ``(name, tensor)`` pairs or tensors; frozen ones are skipped.
         rules: the rules; all that match a parameter apply.
         strict: raise when a rule matches no trainable parameter (catches typos in globs).
+        trainable_only: skip frozen parameters (False: resolve them too, for an optimizer that keeps them).
 
     Raises:
         ValueError: when two rules set one key of one parameter to different values (naming the parameter,
@@ -190,7 +192,7 @@ def resolve(named_params: NamedParams, rules: Sequence[Rule], *, strict: bool = 
         if not isinstance(r, Rule):
             raise ValueError(f"rules must be Rule objects, got {r!r}; e.g. Rule(Name('*.bias'), wd_mult=0.0)")
     source = named_params if isinstance(named_params, torch.nn.Module) else list(named_params)  # read once
-    named = named_parameters(source)
+    named = named_parameters(source, trainable_only=trainable_only)
     aliases = tied_aliases(source, named)
     unused = dict.fromkeys(range(len(rules)))
     out: dict[str, Resolved] = {}

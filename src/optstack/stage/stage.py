@@ -25,7 +25,7 @@ import torch
 
 from optstack.clip import norm_pows, zero_count
 from optstack.offload.states import HostCopy, scratch_of
-from optstack.protocol import MakeOptimizer, ParamShard, phase
+from optstack.protocol import MakeOptimizer, ParamShard, phase, unhooked_step
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
 from optstack.stage.state import exported_state, from_plain, load_into, migrate, shards_of, to_plain
@@ -59,6 +59,7 @@ def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
 
 
 _NOT_SETTINGS = ("params", "param_names")
+
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +121,7 @@ class Stage:
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
         self._host: HostCopy | None = None  # the state while offload_states() holds it on the host
+        self._piece_of: dict[int, int] = {}  # id of a model parameter -> index of its piece (torch_entry)
 
     def __repr__(self) -> str:
         return f"Stage({type(self.optimizer).__name__}, {self.kind}, {len(self.pieces)} pieces)"
@@ -181,7 +183,15 @@ class Stage:
         count]`` (``num_groups + 1`` elements)."""
         self.reload_states()
         self.placement.finish()
-        self._ready = self.precision.ready(self.placement.grads(self.pieces))
+        grads = self.placement.grads(self.pieces)
+        for piece, grad in zip(self.pieces, grads, strict=True):
+            if grad is not None and grad.layout is not torch.strided:
+                raise RuntimeError(
+                    f"{self.name}: parameter {piece.name!r} has a {grad.layout} gradient; optstack steps dense "
+                    "gradients only (its norms, clipping, masters and fused kernels read them whole). Use a dense "
+                    "gradient (e.g. nn.Embedding(..., sparse=False)), or torch.optim.SparseAdam / SGD for that "
+                    "parameter")
+        self._ready = self.precision.ready(grads)
         pows = norm_pows(self.placement.norm_grads(self._ready), norm_type, self.device)
         inf = math.isinf(norm_type)
 
@@ -220,14 +230,15 @@ class Stage:
                     by_factor.setdefault(factor, []).append(grad)
             for factor, grads in by_factor.items():
                 torch._foreach_mul_(grads, factor)
+        step = unhooked_step(self.optimizer)
         if self._takes_grad_scale:
-            self.optimizer.step(grad_scale=grad_scale)  # type: ignore[call-arg]
+            step(grad_scale=grad_scale)
         else:
             if grad_scale != 1.0:
                 grads = [g for g in self._ready if g is not None]
                 if grads:
                     torch._foreach_mul_(grads, grad_scale)
-            self.optimizer.step()
+            step()
         self._publish()
 
     def _publish(self) -> None:
@@ -292,6 +303,29 @@ class Stage:
             if entry:
                 out[id(piece.param)] = {**entry, "master": value.detach()} if id(inner) in masters else entry
         return out
+
+    def torch_entry(self, param: torch.Tensor) -> dict[str, Any]:
+        """``torch_state()[id(param)]`` for one model parameter without building the others' entries: its live
+        state on this rank (empty when this rank does not step it, or it has no state yet)."""
+        if len(self._piece_of) != len(self.pieces):  # pieces only grow (add_param_group)
+            self._piece_of = {id(p.param): i for i, p in enumerate(self.pieces)}
+        index = self._piece_of.get(id(param))
+        if index is None:
+            return {}
+        self.reload_states()
+        self.placement.finish()
+        inner = self._stepped[index]
+        entry = exported_state(self.optimizer, inner)
+        if entry and id(inner) in self.precision.master_ids():
+            [value] = self.precision.readable([inner])
+            return {**entry, "master": value.detach()}
+        return entry
+
+    def keeps_state(self) -> bool:
+        """Whether a step makes optimizer state (False e.g. for SGD without momentum): the inner optimizer's
+        ``keeps_state()`` where it says, else True. The same on every rank (it reads the groups' settings)."""
+        says = getattr(self.optimizer, "keeps_state", None)
+        return bool(says()) if callable(says) else True
 
     def sharded_torch_state(self) -> dict[int, dict[str, Any]]:
         """``torch_state``, for a placement that spreads parameters' state over ranks with element-wise
