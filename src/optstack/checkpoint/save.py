@@ -68,7 +68,7 @@ def _every_rank_arrives(comm: Comm | NullComm, target: Path) -> None:
     if comm.size == 1:
         return
     # on the device the Comm exchanges objects on (host memory for gloo, the current accelerator for NCCL)
-    handle = comm.all_reduce_async(torch.ones(1, device=comm._object_device()))
+    handle = comm.all_reduce_async(torch.ones(1, device=comm.object_device()))
     if comm.rank == 0:
         deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
         while not handle.is_completed():

@@ -162,8 +162,9 @@ class Comm(_Blocking):
                              f"one dtype; got whole {tuple(whole.shape)} {whole.dtype}, part {tuple(part.shape)} "
                              f"{part.dtype}")
 
-    def _object_device(self) -> torch.device:
-        # No tensor to take the device from: gloo works on host memory, other backends on the current accelerator.
+    def object_device(self) -> torch.device:
+        """Where this group's small host-chosen tensors go (objects, flags): host memory under gloo, else the
+        current accelerator (no tensor to take the device from)."""
         acc = None if "gloo" in self.backend else torch.accelerator.current_accelerator()
         return torch.device("cpu") if acc is None else torch.device(acc.type, torch.accelerator.current_device_index())
 
@@ -287,12 +288,12 @@ class Comm(_Blocking):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order."""
-        data = _to_bytes(obj, self._object_device())
+        data = _to_bytes(obj, self.object_device())
         return [pickle.loads(tensor_bytes(t)) for t in self.all_gather_uneven(data)]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Group rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
-        device = self._object_device()
+        device = self.object_device()
         data = _to_bytes(obj, device) if self.rank == src else torch.empty(0, dtype=torch.uint8)
         length = self.broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=device), src)
         if self.rank != src:
