@@ -198,7 +198,7 @@ def format_report(rep: PlanReport, ranks: list[int] | None = None) -> str:
                      f"{' whole-shard' if b['whole'] else ''}: {b['buckets']} buckets, {b['elements']:,} elements, "
                      f"padding {b['padding_fraction']:.2%}, {b['reduction']}")
     header = f"{'rank':>6} {'params':>12} {'grads':>12} {'masters':>12} {'state':>12} {'total':>12} {'comm/step':>12}"
-    lines += ["", "per rank (bytes held; bytes sent per step, ring estimate):", header]
+    lines += ["", "per rank (bytes held; bytes moved per step, ring estimate):", header]
     for r in chosen:
         c = rep.ranks[r]
         mark = " <- most" if r == rep.most().rank else ""
