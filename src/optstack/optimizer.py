@@ -400,7 +400,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     extras[id(param)] = {k: entry.pop(k) for k in own if k in entry}
                     entries[id(param)] = _local(entry)
                     check_shapes(param, entries[id(param)], ours, index)
-        if meta.get("has_state") and not any(entries.values()) and any(g["params"] for g in self.param_groups):
+        # (the saved entries, not this rank's parts of them: a ZeRO-1 rank may own no part of a saved state)
+        if meta.get("has_state") and not saved_state and any(g["params"] for g in self.param_groups):
             raise ValueError(
                 "the state dict was saved with optimizer state but holds none: a dcp.load into an optimizer that "
                 "has no state yet has no tensors to read it into. Load through "
