@@ -171,9 +171,9 @@ def test_a_storage_error_on_load_changes_nothing(saved, monkeypatch: pytest.Monk
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
         monkeypatch.setattr(io, "file_checksum", checksum)
     else:  # inside DCP's read: wrapped in its CheckpointException
-        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            raise EIO
-        monkeypatch.setattr(dcp_fs.FileSystemReader, "read_data", read_data)
+        def slice_file(self, file, info):  # type: ignore[no-untyped-def]
+            raise EIO  # reading an item's bytes (the data-only reader reads each through DCP's _slice_file)
+        monkeypatch.setattr(dcp_fs.FileSystemReader, "_slice_file", slice_file)
     with pytest.raises(CheckpointError, match=r"cannot load checkpoint .*step_00000001: rank 0.*Input/output error"):
         load_checkpoint(root, built.optimizer, model=model)
     _assert_equal(_numbers(model, built), before)
