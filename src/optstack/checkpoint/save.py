@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +57,30 @@ T = TypeVar("T")
 
 
 Failure = tuple[bool, str] | None  # (a storage error?, its line), exchanged between ranks
+
+
+@dataclass(frozen=True)
+class Job:
+    """Who writes an optimizer's checkpoints: ``keep_last`` prunes only checkpoints of the same job.
+
+    A job is an optimizer's line of checkpoints: a fresh id on its first save, or the id of the checkpoint
+    ``load_checkpoint`` loaded into it (a resumed run continues its job). ``legacy``: loaded from a checkpoint
+    written before manifests named their job, which this job may then prune too."""
+
+    id: str
+    legacy: bool = False
+
+
+_JOBS: weakref.WeakKeyDictionary[ChainedOptimizer, Job] = weakref.WeakKeyDictionary()
+
+
+def job_of_optimizer(optimizer: ChainedOptimizer) -> Job:
+    return _JOBS.setdefault(optimizer, Job(uuid.uuid4().hex))
+
+
+def adopt_job(optimizer: ChainedOptimizer, job: Any) -> None:
+    """After a load: ``optimizer`` continues the job of the checkpoint whose manifest names ``job``."""
+    _JOBS[optimizer] = Job(job) if isinstance(job, str) and job else Job(uuid.uuid4().hex, legacy=True)
 
 
 def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
@@ -131,7 +158,9 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         optimizer: the chained optimizer (any stages: replicated, ZeRO-1, layer-wise).
         scheduler, model: saved too (the model's parameters and buffers).
         comm: the ranks that hold the optimizer's state (default: the world, or this process alone).
-        keep_last: keep only this many newest checkpoints in ``root`` (None: all).
+        keep_last: keep only this many newest checkpoints of this job in ``root`` (None: all). A job is this
+            optimizer's line of checkpoints (``Job``): checkpoints other jobs write into ``root`` are never
+            pruned, and neither is the one this call returns.
         key: a secret to sign the checkpoint with (``digest.py``): every file's SHA-256 and an HMAC-SHA256 of the
             manifest, which ``load_checkpoint(..., key=...)`` checks (None: unsigned; CRC-32s only).
 
@@ -153,6 +182,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
     target = Path(root) / io.checkpoint_name(step)
     where = f"cannot save checkpoint {target}"
+    job = job_of_optimizer(optimizer)
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
@@ -168,7 +198,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             "format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size, "checksum_algorithm": "crc32",
             "params": plan.params, "groups": plan.groups, "scaler": optimizer.scaler.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "model": plan.model,
-            "files": files, "packs": packs,
+            "files": files, "packs": packs, "job": job.id,
         }
         if key is not None:
             manifest[DIGEST] = sign(manifest, key)
@@ -183,7 +213,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             if aside is not None:
                 shutil.rmtree(aside, ignore_errors=True)
             if keep_last is not None:
-                io.prune(target.parent, keep_last, keep=target)
+                io.prune(target.parent, keep_last, keep=target, job=job.id, legacy=job.legacy)
         except FAILURES as exc:
             return io.describe_error(exc)
         return None
