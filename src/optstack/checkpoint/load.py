@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from optstack.checkpoint import io
+from optstack.checkpoint import background, io
 from optstack.checkpoint.digest import check_key, check_signature, file_sha256
 from optstack.checkpoint.format import (
     MANIFEST,
@@ -231,6 +231,7 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
+    background.wait_pending()  # an asynchronous save in flight commits first
     directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path, key),
                                    f"rank {comm.rank}: ", path=Path(path))
     where = f"cannot load checkpoint {directory}"
