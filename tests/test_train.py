@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,13 @@ def test_resume_with_a_damaged_rng_state_names_the_file(straight: Path, tmp_path
     assert run(out, "--steps", "20", "--resume") == 2
     err = capsys.readouterr().err
     assert "step_00000010.train_state.json" in err and "torch_rng" in err and "Traceback" not in err
+
+
+def test_checkpoints_are_saved_in_the_background(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "async"
+    assert run(out, "--steps", "20", "--set", "schedule.decay_steps=40") == 0
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done:"))
+    assert re.search(r"; 2 checkpoints saved in the background, training blocked \d+\.\d\d s by them", done)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest", "step_00000010", "step_00000010.train_state.json", "step_00000020",
+        "step_00000020.train_state.json"]

@@ -14,6 +14,7 @@ with the others, as soon as the slowest has finished the step::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import uuid
@@ -226,6 +227,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         save = together(comm, where, save.on_host, f"rank {comm.rank} could not copy its state to host memory: ")
     except BaseException:
         save.abandon()
+        background.give_back(save.buffers)
         raise
     return background.start(target, lambda: save.run(writer))
 
@@ -247,10 +249,11 @@ class _Save:
     key: bytes | None
     scaler: dict[str, Any]
     scheduler: dict[str, Any] | None
+    buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)  # host buffers to give back
 
     def on_host(self) -> _Save:
         """This save with every tensor copied to host memory (pinned for a device's), so training may go on."""
-        self.shards, self.tensors = background.on_host(self.shards, self.tensors)
+        self.shards, self.tensors, self.buffers = background.on_host(self.shards, self.tensors)
         return self
 
     def abandon(self) -> None:
@@ -318,6 +321,8 @@ class _Save:
                 if not committed:
                     shutil.rmtree(path, ignore_errors=True)  # also after a failed collective (a rank died)
                 temp.release()
+            self.shards, self.tensors = {}, {}
+            background.give_back(self.buffers)  # for the next asynchronous save
         return target
 
 
