@@ -268,7 +268,11 @@ def check_record(data: bytes, limit_members: int = MAX_RECORD_MEMBERS) -> None:
             pkl = member
     if pkl is None:
         raise Refused("a record without data.pkl")
-    scan_record(archive.read(pkl))
+    try:
+        pickled = archive.read(pkl)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:  # a damaged header or CRC
+        raise Refused(f"a damaged record ({exc})") from None
+    scan_record(pickled)
 
 
 def scan_record(pickled: bytes) -> None:

@@ -77,7 +77,10 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) 
     body = unseal(text, where)
     if key is not None:
         check_signature(body, key, where)
-    manifest = migrate(body)
+    try:
+        manifest = migrate(body)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     check_manifest(manifest, where)
     check_packs(manifest.get("packs"), manifest["world_size"], where)
     named = io.step_of_name(directory.name)
