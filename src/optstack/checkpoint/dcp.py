@@ -2,7 +2,7 @@
 
     dcp.save({"model": model.state_dict(), "optim": OptimizerState(model, optimizer, scheduler)}, checkpoint_id=d)
     dcp.load({"model": model.state_dict(), "optim": OptimizerState(model, optimizer, scheduler)},
-             storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+             storage_reader=SafeFileSystemReader(d))   # the default planner: no argument needed
 
 It goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (state keyed by parameter
 name; a fresh optimizer's state is made first, so ``dcp.load`` has a tensor to read each entry into), and adds
@@ -10,9 +10,11 @@ what they leave out: the loss scaler and, if given, the scheduler. Replicated, Z
 loads at another data-parallel size (ZeRO-1 and layer-wise state are ``ShardedTensor``s: ``stage/sharded.py``).
 State held whole (one process, layer-wise, Muon's owner ranks on DTensor models) keeps the parameter's shape,
 as FSDP2's DTensor state does, so it moves between those; ZeRO-1's is flat: between other placements, use
-``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. With torch 2.13, load ZeRO-1 and layer-wise
-state with ``DefaultLoadPlanner(flatten_sharded_tensors=False)``: the default planner's flattening (meant for
-FSDP's nested ShardedTensors) fails on ranks that hold no part of some parameter.
+``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. A load reads into a staging copy and commits it
+only once DCP has read everything (``OptimizerState``): a failed ``dcp.load`` changes nothing, and torch's
+default planner works (the copy keeps what its ``flatten_sharded_tensors`` would drop). ``dcp.async_save``
+works for replicated and DTensor state; torch 2.13's async stager cannot copy ``ShardedTensor``s (it takes
+each tensor's ``data_ptr``): for ZeRO-1 and layer-wise state use ``save_checkpoint(..., blocking=False)``.
 
 DCP's own ``FileSystemReader`` (``checkpoint_id=d``) unpickles ``.metadata`` with ``pickle.load`` and bytes
 items with ``torch.load(weights_only=False)``: loading a checkpoint from anyone else can run their code.
@@ -52,9 +54,10 @@ class OptimizerState:
         scheduler: an optstack ``Scheduler`` saved and loaded with it (None: none).
 
     For ``dcp.save`` / ``dcp.async_save``, ``state_dict()`` is the live state (DCP copies what it writes). For
-    ``dcp.load`` it is a staging copy that DCP reads into; ``load_state_dict`` checks the scaler's and the
-    scheduler's state, then commits (copies the staged values into the live state): a load that fails in DCP
-    (a refused or truncated file) leaves the optimizer, scaler and scheduler as they were. Each rank's staging
+    ``dcp.load`` (recognised by its caller, torch's ``state_dict_loader``) it is a staging copy that DCP reads
+    into; ``load_state_dict`` checks the scaler's and the scheduler's state, then commits (copies the staged
+    values into the live state): a load that fails in DCP (a refused or truncated file) leaves the optimizer,
+    scaler and scheduler as they were. Each rank's staging
     copy also holds an empty part of every sharded entry of which it holds nothing, so that torch's default
     load planner keeps the entry (its ``flatten_sharded_tensors`` drops entries with no local part, and then
     takes the checkpoint for a pre-2.4 one: "Missing key ... param_groups"): no planner argument is needed.

@@ -10,11 +10,14 @@ is a ``ValueError`` naming the file, raised by the unpickler before it looks the
 the list is ever imported, built or called. The result is then checked field by field.
 ``SafeFileSystemReader`` is DCP's reader with that unpickler, for ``dcp.load``::
 
-    dcp.load(state, storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+    dcp.load(state, storage_reader=SafeFileSystemReader(d))
 
-Tensor data DCP already reads with ``torch.load(weights_only=True)``; the bytes items (non-tensor state such as
-param groups) DCP's planner loads with ``weights_only=False``, so this reader loads them with ``weights_only=True``
-first and hands the planner a fresh serialisation of the result, never the file's own bytes.
+Every read is bounded (``bounded.py``): the unpickler checks each dict key and set member before it hashes
+it, the metadata check is linear in the file's size, and each item is read within its file, through its
+transforms at most to the size the metadata gives it, its ``torch.save`` record checked and dry-run before
+``torch.load(weights_only=True)`` reads it. The bytes items (non-tensor state such as param groups) DCP's
+planner would load with ``weights_only=False``; this reader loads them with ``weights_only=True`` first and
+hands the planner a fresh serialisation of the result, never the file's own bytes.
 """
 
 from __future__ import annotations
