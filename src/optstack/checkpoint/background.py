@@ -30,6 +30,9 @@ __all__ = ["SaveHandle", "start", "wait_pending", "comm_for", "to_host", "on_hos
 class SaveHandle:
     """A checkpoint being written in the background (``save_checkpoint(..., blocking=False)``).
 
+    Call ``wait()`` before ``torch.distributed.destroy_process_group()`` (the save's collectives need the
+    process group) and to learn its outcome; an exiting interpreter finishes the save first.
+
     Attributes:
         path: the checkpoint directory the save commits (``root/step_<step>``).
     """
