@@ -243,6 +243,18 @@ def test_a_transform_descriptor_is_refused(root: Path, victim) -> None:
     _refused(root, victim, r"rank_00000/\.metadata: item .* has transforms \['stream\.zstd/1'\]")
 
 
+def test_a_chunk_beyond_its_tensor_is_refused(root: Path, victim) -> None:
+    """A chunk claiming more than its tensor would raise what a transformed item may expand to."""
+    path = _step3(root) / "rank_00000" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    entry = next(iter(metadata.state_dict_metadata.values()))
+    entry.chunks[0].sizes = torch.Size([1 << 40])
+    path.write_bytes(pickle.dumps(metadata))
+    _reseal(_step3(root))
+    _refused(root, victim, r"\.metadata is not DCP checkpoint metadata: a chunk of .* of size \[1099511627776\] "
+                           r"lies outside the tensor's size")
+
+
 def test_an_item_beyond_its_file_is_refused(root: Path, victim) -> None:
     path = _step3(root) / "rank_00000" / ".metadata"
     metadata = pickle.loads(path.read_bytes())

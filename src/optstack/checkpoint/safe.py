@@ -224,6 +224,11 @@ def _check_metadata(md: Any, size: int) -> None:
             _expect(type(chunk) is ChunkStorageMetadata, f"a chunk of {key!r}", chunk, "ChunkStorageMetadata")
             _check_size(f"a chunk offset of {key!r}", chunk.offsets, len(entry.size))
             _check_size(f"a chunk size of {key!r}", chunk.sizes, len(entry.size))
+            # Inside the tensor: a read of the chunk is then bounded by the tensor the caller loads into.
+            if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size,
+                                                                   strict=True)):
+                raise _Malformed(f"a chunk of {key!r} at {list(chunk.offsets)} of size {list(chunk.sizes)} "
+                                 f"lies outside the tensor's size {list(entry.size)}")
     storage = md.storage_data
     _expect(isinstance(storage, dict), "storage_data", storage, "a dict")
     for index, info in storage.items():
