@@ -178,7 +178,6 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             pruned, and neither is the one this call returns.
         key: a secret to sign the checkpoint with (``digest.py``): every file's SHA-256 and an HMAC-SHA256 of the
             manifest, which ``load_checkpoint(..., key=...)`` checks (None: unsigned; CRC-32s only).
-
         blocking: False: return a ``SaveHandle`` as soon as this rank's state is copied to host memory (pinned
             for device tensors); the write, the checks, the commit, ``latest`` and pruning go on in a background
             thread (over a process group of their own), while training steps. ``handle.wait()`` returns the
