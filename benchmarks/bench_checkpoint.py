@@ -17,10 +17,17 @@ With ``--params N``, the model is instead N tiny tensors (4 x 4, MoE-like expert
 per-tensor cost (planning, the manifest, DCP's per-item records), not bandwidth. ``--sharding`` picks the
 optstack layout (replicated by default there: the ZeRO-1 build of 50,000 parameters is slow on its own).
 
+With ``--async-save``, instead: how long the trainer is blocked by an asynchronous save, beside a blocking
+save of the same state, for optstack (ZeRO-1: ``save_checkpoint(..., blocking=False)`` until it returns, then
+until ``handle.wait()``) and DCP (torch AdamW: ``dcp.async_save`` over a gloo group of its own until it
+returns, then until its future is done), all in one run. "blocked" is the slowest rank's time from a barrier
+until the call returns; "total" until the checkpoint is committed on every rank.
+
 Times are the slowest rank's, best of ``--repeat``, with a warm page cache (the files were just written).
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--width 2500 --layers 8 --repeat 2]
     .venv/bin/python benchmarks/bench_checkpoint.py --params 50000 --repeat 1 --no-dcp
+    .venv/bin/python benchmarks/bench_checkpoint.py --async-save --repeat 2
 """
 
 from __future__ import annotations
@@ -135,13 +142,81 @@ def _optstack(width: int, layers: int, root: Path, repeat: int, with_model: bool
     return {"save": min(saves), "load": min(loads), "bytes": size, "files": files, "build": build}
 
 
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _blocked(start_save: Any, finish: Any) -> tuple[float, float]:
+    """(slowest rank's seconds until ``start_save()`` returns, until ``finish(its result)`` returns on all)."""
+    dist.barrier()
+    start = time.perf_counter()
+    pending = start_save()
+    blocked = time.perf_counter() - start
+    finish(pending)
+    total = time.perf_counter() - start
+    dist.barrier()
+    return _slowest(blocked), _slowest(total)
+
+
+def _async_rows(width: int, layers: int, root: Path, repeat: int) -> dict[str, dict[str, float]]:
+    """The trainer's blocked time for blocking and asynchronous saves, optstack ZeRO-1 and DCP (module doc)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from optstack.checkpoint import save_checkpoint
+    from optstack.config import DistributedConfig, OptimizerConfig
+    from optstack.factory import build_optimizer, wrap_data_parallel
+
+    rows: dict[str, dict[str, list[float]]] = {}
+
+    def add(name: str, times: tuple[float, float]) -> None:
+        row = rows.setdefault(name, {"blocked": [], "total": []})
+        row["blocked"].append(times[0])
+        row["total"].append(times[1])
+
+    def optstack_saves() -> None:  # its own scope: the stack is freed before DCP's is built
+        config = OptimizerConfig(lr=1e-3, clip_grad=0.0, distributed=DistributedConfig(sharding="zero1"))
+        wrapped = wrap_data_parallel(config, _model(width, layers))
+        optimizer = build_optimizer(config, wrapped).optimizer
+        _backward(wrapped, width)
+        optimizer.step()
+        for i in range(repeat):
+            add("optstack ZeRO-1, blocking", _blocked(
+                lambda i=i: save_checkpoint(root / f"os-block-{i}", optimizer, step=1), lambda _: None))
+            add("optstack ZeRO-1, blocking=False", _blocked(
+                lambda i=i: save_checkpoint(root / f"os-async-{i}", optimizer, step=1, blocking=False),
+                lambda handle: handle.wait()))
+
+    optstack_saves()
+    torch_model = _model(width, layers)
+    torch_optim = torch.optim.AdamW(torch_model.parameters(), lr=1e-3)
+    _backward(torch_model, width)
+    torch_optim.step()
+    group = dist.new_group(backend="gloo")  # DCP's background collectives: a group of their own
+    for i in range(repeat):
+        model_sd, optim_sd = get_state_dict(torch_model, torch_optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        add("DCP torch AdamW, dcp.save", _blocked(
+            lambda i=i, state=state: dcp.save(state, checkpoint_id=root / f"dcp-block-{i}"), lambda _: None))
+        add("DCP torch AdamW, dcp.async_save", _blocked(
+            lambda i=i, state=state: dcp.async_save(state, checkpoint_id=root / f"dcp-async-{i}",
+                                                    process_group=group),
+            lambda future: future.result()))
+    return {name: {k: min(v) for k, v in row.items()} for name, row in rows.items()}
+
+
 def _worker(rank: int, store: str, root: str, width: int, layers: int, repeat: int, params: int | None,
-            sharding: str, dcp_too: bool, out: Any) -> None:
+            sharding: str, dcp_too: bool, out: Any, async_save: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
                             timeout=timedelta(minutes=10))
     layout = {"zero1": "ZeRO-1", "replicated": "replicated", "layerwise": "layer-wise"}[sharding]
     try:
+        if async_save:
+            out.put((rank, _async_rows(width, layers, Path(root), repeat)))
+            return
         results = {
             **({"DCP, torch AdamW": _dcp_baseline(width, layers, Path(root), repeat, params)} if dcp_too else {}),
             f"optstack {layout}": _optstack(width, layers, Path(root), repeat, False, params, sharding),
@@ -161,6 +236,8 @@ def main() -> None:
     parser.add_argument("--sharding", choices=["zero1", "replicated", "layerwise"], default=None,
                         help="optstack's layout (default: zero1; replicated with --params)")
     parser.add_argument("--no-dcp", action="store_true", help="skip the DCP baseline (minutes at 50,000 params)")
+    parser.add_argument("--async-save", action="store_true",
+                        help="instead: the trainer's blocked time, asynchronous vs blocking saves, optstack and DCP")
     args = parser.parse_args()
     sharding = args.sharding or ("replicated" if args.params else "zero1")
     numel = args.params * 16 if args.params else args.layers * (args.width * args.width + args.width)
@@ -168,7 +245,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, str(root / "store"), str(root), args.width, args.layers,
-                                               args.repeat, args.params, sharding, not args.no_dcp, out))
+                                               args.repeat, args.params, sharding, not args.no_dcp, out,
+                                               args.async_save))
              for r in range(WORLD)]
     try:
         for p in procs:
@@ -179,6 +257,16 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = per_rank[0]
+    if args.async_save:
+        print(f"\n{numel / 1e6:.1f}M fp32 parameters, AdamW, data-parallel size {WORLD} (gloo, 1 thread per "
+              f"rank), best of {args.repeat}; {os.cpu_count()} CPUs; blocked = the trainer waits, total = "
+              "until committed\n")
+        print("| save | blocked s | total s | blocked / its blocking save |")
+        print("|---|---:|---:|---:|")
+        for name, r in rows.items():
+            blocking = rows[name.split(",")[0] + (", blocking" if name.startswith("optstack") else ", dcp.save")]
+            print(f"| {name} | {r['blocked']:.2f} | {r['total']:.2f} | {r['blocked'] / blocking['blocked']:.2f} |")
+        return
     base = rows.get("DCP, torch AdamW")
     what = f"{args.params} tiny tensors ({numel} elements)" if args.params else f"{numel / 1e6:.1f}M"
     print(f"\n{what} fp32 parameters, AdamW, data-parallel size {WORLD} (gloo, 1 thread per rank), "

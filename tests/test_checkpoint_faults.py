@@ -171,9 +171,9 @@ def test_a_storage_error_on_load_changes_nothing(saved, monkeypatch: pytest.Monk
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
         monkeypatch.setattr(io, "file_checksum", checksum)
     else:  # inside DCP's read: wrapped in its CheckpointException
-        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            raise EIO
-        monkeypatch.setattr(dcp_fs.FileSystemReader, "read_data", read_data)
+        def slice_file(self, file, info):  # type: ignore[no-untyped-def]
+            raise EIO  # reading an item's bytes (the data-only reader reads each through DCP's _slice_file)
+        monkeypatch.setattr(dcp_fs.FileSystemReader, "_slice_file", slice_file)
     with pytest.raises(CheckpointError, match=r"cannot load checkpoint .*step_00000001: rank 0.*Input/output error"):
         load_checkpoint(root, built.optimizer, model=model)
     _assert_equal(_numbers(model, built), before)
@@ -252,3 +252,54 @@ def test_two_jobs_saving_into_one_root(tmp_path: Path) -> None:
     for step, want in reported.items():
         _loads_as(tmp_path / f"step_{step:08d}", want)
     assert _hidden(tmp_path) == []
+
+
+def test_two_jobs_with_keep_last_prune_only_their_own(tmp_path: Path) -> None:
+    """Issue 27: two jobs sharing a root with keep_last deleted each other's checkpoints right after they were
+    returned (4-6 of 20), and racing prunes raised CheckpointError(committed=True) for saves that succeeded.
+    Each job now prunes only its own: every returned checkpoint loads as saved, and each job keeps its newest 2."""
+    reported: dict[int, dict[str, torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def job(parity: int) -> None:
+        model, built = _stack(seed=parity, steps=1)
+        try:
+            for step in range(parity, 20, 2):
+                path = save_checkpoint(tmp_path, built.optimizer, step=step, model=model, keep_last=2)
+                reported[step] = _numbers(model, built)
+                _loads_as(path, reported[step])  # right after it was returned: still there, whole
+                model(torch.randn(5, 4)).square().mean().backward()
+                built.optimizer.step()
+                built.optimizer.zero_grad()
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        threads = [threading.Thread(target=job, args=(parity,)) for parity in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_00000016", "step_00000017", "step_00000018", "step_00000019"]
+    for step in (16, 17, 18, 19):
+        _loads_as(tmp_path / f"step_{step:08d}", reported[step])
+    assert _hidden(tmp_path) == []
+
+
+def test_a_resumed_job_prunes_its_own_line_and_no_other(tmp_path: Path) -> None:
+    model, built = _stack(seed=0)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, built.optimizer, step=step, keep_last=2)
+    other_model, other = _stack(seed=3)  # another job, never loaded from this root
+    save_checkpoint(tmp_path, other.optimizer, step=10, keep_last=1)
+    resumed_model, resumed = _stack(seed=5)
+    load_checkpoint(tmp_path / "step_00000003", resumed.optimizer)  # continues the first job
+    save_checkpoint(tmp_path, resumed.optimizer, step=4, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_00000003", "step_00000004", "step_00000010"]
+    save_checkpoint(tmp_path, other.optimizer, step=11, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_00000003", "step_00000004", "step_00000011"]

@@ -210,8 +210,8 @@ def test_manifest_with_unexpected_types(root: Path, victim, field: str, edit) ->
 
 
 def test_train_state_with_unexpected_types(tmp_path: Path) -> None:
-    state = TrainState(step=3, model={"n_layer": 1}, data_rng=torch.zeros(4, dtype=torch.uint8),
-                       torch_rng=torch.ones(4, dtype=torch.uint8), best_val_loss=1.5, skipped_steps=0,
+    state = TrainState(step=3, model={"n_layer": 1}, data_rng=torch.Generator().manual_seed(1).get_state(),
+                       torch_rng=torch.Generator().manual_seed(2).get_state(), best_val_loss=1.5, skipped_steps=0,
                        train_seconds=2.0, world_size=1)
     assert TrainState.from_json(state.to_json(), "ok").step == 3
     for field, value in [("step", "3"), ("model", ["n_layer"]), ("best_val_loss", {"x": 1}), ("world_size", True)]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,27 @@ def test_demo_clips_at_one_explicitly(capsys: pytest.CaptureFixture[str]) -> Non
     assert load_config(overrides=[parse_override("optimizer.clip_grad=0")]).optimizer.clip_grad == 0.0
     assert main(["train", "--print-config"]) == 0
     assert "\nclip_grad = 1.0\n" in capsys.readouterr().out
+
+
+def test_resume_with_a_damaged_rng_state_names_the_file(straight: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "damaged"
+    assert run(out, "--steps", "10", "--set", "schedule.decay_steps=40") == 0
+    state = out / "checkpoints" / "step_00000010.train_state.json"
+    data = json.loads(state.read_text())
+    data["torch_rng"] = "AAAA" + data["torch_rng"][:40]  # valid base64, not a generator state
+    state.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert run(out, "--steps", "20", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "step_00000010.train_state.json" in err and "torch_rng" in err and "Traceback" not in err
+
+
+def test_checkpoints_are_saved_in_the_background(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "async"
+    assert run(out, "--steps", "20", "--set", "schedule.decay_steps=40") == 0
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done:"))
+    assert re.search(r"; 2 checkpoints saved in the background, training blocked \d+\.\d\d s by them", done)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest", "step_00000010", "step_00000010.train_state.json", "step_00000020",
+        "step_00000020.train_state.json"]

@@ -57,7 +57,7 @@ def _inject(mp: pytest.MonkeyPatch, where: str, built: Any) -> None:
     if where == "dcp-write":  # DCP wraps it in its CheckpointException, a BaseException
         mp.setattr(dcp_fs, "_write_item", raise_(enospc))
     elif where == "dcp-read":
-        mp.setattr(dcp_fs.FileSystemReader, "read_data", raise_(eio))
+        mp.setattr(dcp_fs.FileSystemReader, "_slice_file", raise_(eio))  # how the data-only reader reads items
     elif where == "verify":
         mp.setattr(io, "file_checksum", raise_(eio))
     elif where == "raise":  # not a storage error: a bug, on one rank

@@ -26,7 +26,7 @@ _spec.loader.exec_module(reshard)
 K, MORE = reshard.K, reshard.MORE
 
 
-def run(root: str, name: str, sharding: str, source: str | None, tag: str) -> int:
+def run(root: str, name: str, sharding: str, source: str | None, tag: str, default_planner: bool = False) -> int:
     """On every rank: train K steps and dcp.save ``tag``-K (``source`` None), or dcp.load ``source`` into a
     fresh stack with other weights; then train MORE steps and save ``tag``-end with optstack's checkpoint."""
     case = reshard.CASES[name]
@@ -39,7 +39,8 @@ def run(root: str, name: str, sharding: str, source: str | None, tag: str) -> in
     else:
         # torch 2.13's default flatten_sharded_tensors (for FSDP's nested ShardedTensors) breaks the plan on ranks
         # holding no part of some parameter ("Missing key ... param_groups"); flat ones need no flattening.
-        dcp.load(state, checkpoint_id=Path(root) / source, planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+        planner = None if default_planner else DefaultLoadPlanner(flatten_sharded_tensors=False)
+        dcp.load(state, checkpoint_id=Path(root) / source, planner=planner)
     reshard._train(wrapped, built, range(K, K + MORE))
     save_checkpoint(Path(root) / f"{tag}-end", built.optimizer, step=K + MORE, scheduler=built.scheduler,
                     model=model)
@@ -77,6 +78,16 @@ def test_zero1_state_is_sharded_tensors_tiling_each_parameter(world2) -> None:
 def test_dcp_save_at_2_resume_at_3(world2, world3, tmp_path: Path, name: str, sharding: str) -> None:
     assert world2.run(run, str(tmp_path), name, sharding, None, "dp2") == [2, 2]
     assert world3.run(run, str(tmp_path), name, sharding, "dp2-K", "dp3") == [3, 3, 3]
+    reshard._assert_same_run(tmp_path, "dp3-end", "dp2-end")
+
+
+@pytest.mark.parametrize("name, sharding", [("zero1-adamw-bf16", "zero1"), ("zero1-muon-bf16", "zero1"),
+                                            ("layerwise-muon", "layerwise")])
+def test_dcp_load_with_the_default_planner(world2, world3, tmp_path: Path, name: str, sharding: str) -> None:
+    """Issue 30: torch's default planner flattened away the entries a rank holds no part of and then read the
+    checkpoint as a pre-2.4 one ("Missing key ... param_groups"); OptimizerState's staging copy keeps them."""
+    assert world2.run(run, str(tmp_path), name, sharding, None, "dp2") == [2, 2]
+    assert world3.run(run, str(tmp_path), name, sharding, "dp2-K", "dp3", True) == [3, 3, 3]
     reshard._assert_same_run(tmp_path, "dp3-end", "dp2-end")
 
 

@@ -247,7 +247,7 @@ def _steps(model: nn.Module, opt: Any, steps: range, rows: slice) -> None:
         opt.zero_grad()
 
 
-def checkpoint_moves(root: str, algorithm: str) -> dict[str, float]:
+def checkpoint_moves(root: str, algorithm: str, default_planner: bool = False) -> dict[str, float]:
     """Two steps under FSDP2 dp=2, then: optstack's checkpoint -> ZeRO-1 (Muon: layer-wise) dp=2 (two steps) ->
     FSDP2 dp=2 (two steps); the FSDP2 checkpoint -> one process (four steps); DCP -> tensor parallel (four
     steps). Each final model against one uninterrupted single-process run of six steps."""
@@ -294,8 +294,9 @@ def checkpoint_moves(root: str, algorithm: str) -> dict[str, float]:
 
     tp = _tensor_parallel(fresh())
     opt = build_optimizer(config, tp).optimizer
+    planner = None if default_planner else dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
     dcp.load({"model": tp.state_dict(), "optim": OptimizerState(tp, opt)}, checkpoint_id=f"{root}/dcp",
-             planner=dcp.DefaultLoadPlanner(flatten_sharded_tensors=False))  # as test_dcp: torch 2.13
+             planner=planner)  # as test_dcp: torch 2.13
     _steps(tp, opt, range(2, 6), slice(None))
 
     return {name: max((_full(m)[n] - want[n]).abs().max().item() for n in want)
@@ -306,6 +307,12 @@ def checkpoint_moves(root: str, algorithm: str) -> dict[str, float]:
 def test_checkpoint_moves_between_fsdp2_zero1_one_process_and_tp(world2, tmp_path, algorithm: str) -> None:
     for out in world2.run(checkpoint_moves, str(tmp_path), algorithm):
         assert max(out.values()) <= 2e-6, out  # fp32 round-off of six steps (a lost state is ~1e-1)
+
+
+def test_fsdp2_muon_through_dcp_with_the_default_planner(world2, tmp_path) -> None:
+    """Issue 30: Muon on FSDP2 loaded by DCP's default planner failed ("Missing key ... param_groups")."""
+    for out in world2.run(checkpoint_moves, str(tmp_path), "muon", True):
+        assert max(out.values()) <= 2e-6, out
 
 
 def skip_and_norms(root: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -129,12 +130,55 @@ def json_lines(value: Any, depth: int = 2, sort_keys: bool = False) -> str:
     return "{\n" + ",\n".join(f"{json.dumps(k)}: {json_lines(v, depth - 1, sort_keys)}" for k, v in items) + "\n}"
 
 
+MAX_INT_DIGITS = 30  # an int in a manifest is a count, a size or a step: 30 digits is beyond any of them
+
+
+class _LongInt(Exception):
+    pass
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:  # before int(): Python's own limit is 4,300 digits
+        raise _LongInt(digits)
+    return int(digits)
+
+
+def _place(text: str, at: int) -> str:
+    """'line L column C (after key K)' of position ``at`` in ``text``: where a refused value is."""
+    line = text.count("\n", 0, at) + 1
+    column = at - (text.rfind("\n", 0, at) + 1) + 1
+    keys = re.findall(r'"([^"\\]{1,80})"\s*:', text[max(0, at - 400) : at])
+    return f"line {line} column {column}" + (f" (after key {keys[-1]!r})" if keys else "")
+
+
+def _too_deep(text: str, limit: int) -> int:
+    """The position where ``text``'s containers first nest deeper than ``limit`` (only on the error path)."""
+    depth = 0
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > limit:
+                return match.start()
+        elif token in "]}":
+            depth -= 1
+    return 0
+
+
 def unseal(text: str, where: str) -> dict[str, Any]:
-    """Parse and check a sealed manifest; ``ValueError`` naming ``where`` when it is not intact."""
+    """Parse and check a sealed manifest; ``ValueError`` naming ``where`` (and the place in it) when it is not
+    intact: not JSON, an int of more than ``MAX_INT_DIGITS`` digits, nesting too deep for the parser."""
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where} is not valid JSON ({exc}); the checkpoint is corrupted or truncated") from exc
+    except _LongInt as exc:
+        digits = exc.args[0]
+        raise ValueError(f"{where}: an integer of {len(digits)} digits at {_place(text, text.find(digits))}; a "
+                         f"manifest holds ints of at most {MAX_INT_DIGITS} digits: it was altered") from None
+    except RecursionError:
+        raise ValueError(f"{where}: containers nested too deep to parse, from {_place(text, _too_deep(text, 100))}; "
+                         "a manifest nests a few levels: it was altered") from None
     if not isinstance(body, dict) or "seal" not in body:
         raise ValueError(f"{where} has no seal; it is not an optstack checkpoint manifest")
     stored, actual = body.pop("seal"), _crc(body)
@@ -212,6 +256,7 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         _need(isinstance(group, dict) and isinstance(group.get("identity"), dict)
               and isinstance(group.get("settings"), dict), where, f"groups[{i}]", group,
               "a dict with 'identity' and 'settings' dicts")
+        _check_group(where, f"groups[{i}]", group)
     params = manifest.get("params")
     _need(isinstance(params, dict), where, "params", params, "a dict")
     for name, entry in params.items():
@@ -231,6 +276,9 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
             _need(ok, where, f"{at}.scalars[{key!r}]", scalar, "{'value': a number, bool or null} (and 'tensor')")
             if "tensor" in scalar:
                 _dtype(where, f"{at}.scalars[{key!r}].tensor", scalar["tensor"])
+            # Optimizer scalars are steps and counters: a NaN or negative one makes the next update non-finite.
+            _need(value is None or math.isfinite(value) and (key != "step" or value >= 0), where,
+                  f"{at}.scalars[{key!r}]", value, "a finite number" + (" >= 0" if key == "step" else ""))
         group = entry.get("group")
         _need(_count(group) and group < len(groups), where, f"{at}.group", group, f"an index < {len(groups)}")
         chunks = entry.get("chunks")
@@ -261,6 +309,33 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         _need(isinstance(entry, dict) and _count(entry.get("bytes")) and _hex(entry.get("crc32"), 8)
               and ("sha256" not in entry or _hex(entry["sha256"], 64)), where, f"files[{name!r}]", entry,
               "{'bytes': int, 'crc32': 8 hex digits} (and 'sha256': 64)")
+
+
+#: Group settings a load restores or steps with, and the range ``OptimizerConfig`` allows them.
+_SETTING_RANGES: dict[str, tuple[float, float]] = {
+    "lr": (0.0, math.inf), "weight_decay": (0.0, math.inf), "max_lr": (0.0, math.inf), "min_lr": (0.0, math.inf),
+    "lr_mult": (0.0, math.inf), "wd_mult": (0.0, math.inf), "eps": (0.0, math.inf), "momentum": (0.0, 1.0),
+    "betas": (0.0, 1.0),
+}
+
+
+def _numbers(value: Any) -> list[Any]:
+    """The numbers in a setting (itself, or a list's members); non-numbers are left to their users."""
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int | float) and not isinstance(v, bool)]
+    return [value] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+def _check_group(where: str, at: str, group: Mapping[str, Any]) -> None:
+    """Every number of a group's identity and settings is finite (a checkpoint writes a non-finite setting as
+    its repr string), and those in ``_SETTING_RANGES`` lie in their range: an infinite weight decay or a
+    negative learning rate would make the next step non-finite or wrong while reporting success."""
+    for part in ("identity", "settings"):
+        for key, value in group[part].items():
+            lo, hi = _SETTING_RANGES.get(key, (-math.inf, math.inf))
+            for number in _numbers(value):
+                _need(math.isfinite(number) and lo <= number <= hi, where, f"{at}.{part}[{key!r}]", value,
+                      f"finite numbers in [{lo:g}, {hi:g}]")
 
 
 def _hex(value: Any, digits: int) -> bool:

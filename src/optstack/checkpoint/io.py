@@ -15,6 +15,7 @@ Where the file system cannot lock (some network mounts), a temporary directory i
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ from optstack.checkpoint.format import MANIFEST
 
 __all__ = ["LATEST", "CheckpointError", "FAILURES", "describe_error", "is_storage_error", "TempDir",
            "checkpoint_name", "replaceable", "make_temp", "remove_stale", "fsync_path", "fsync_tree", "write_synced",
-           "commit_dir", "write_latest", "committed_steps", "resolve_checkpoint", "prune", "file_checksum",
+           "commit_dir", "write_latest", "committed_steps", "resolve_checkpoint", "prune", "job_of", "file_checksum",
            "step_of_name"]
 
 LATEST = "latest"
@@ -298,14 +299,47 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     return steps[-1]
 
 
-def prune(root: Path, keep_last: int, keep: Path) -> None:
-    """Delete all but the ``keep_last`` newest checkpoints in ``root`` (never ``keep``)."""
-    found = sorted((step, p) for p in root.iterdir() if (step := step_of_name(p.name)) is not None and p.is_dir())
-    doomed = [p for _, p in found[: max(len(found) - keep_last, 0)] if p.resolve() != keep.resolve()]
+def job_of(path: Path) -> str | None:
+    """The ``job`` a committed checkpoint's manifest names (None: none, or unreadable: never this job's)."""
+    try:
+        text = (path / MANIFEST).read_text()
+        stat = (path / MANIFEST).stat()
+    except (OSError, UnicodeDecodeError):
+        return None
+    key = (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    if key not in _JOB_CACHE:
+        try:
+            job = json.loads(text, parse_int=lambda s: 0).get("job")  # ints are not what is read here
+        except (ValueError, RecursionError, AttributeError):
+            job = None
+        if len(_JOB_CACHE) > 4096:
+            _JOB_CACHE.clear()
+        _JOB_CACHE[key] = job if isinstance(job, str) else None
+    return _JOB_CACHE[key]
+
+
+_JOB_CACHE: dict[tuple[str, int, int, int], str | None] = {}
+
+
+def prune(root: Path, keep_last: int, keep: Path, job: str, legacy: bool = False) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints in ``root`` that ``job`` wrote (never ``keep``; with
+    ``legacy``, also those written before manifests named their job). Another job's checkpoints are never
+    touched, so jobs sharing a root prune only their own; a checkpoint another prune takes meanwhile is skipped."""
+    def mine(path: Path) -> bool:
+        owner = job_of(path)
+        return owner == job or legacy and owner is None and (path / MANIFEST).is_file()
+
+    keep = keep.resolve()
+    found = sorted((step, p) for p in root.iterdir() if (step := step_of_name(p.name)) is not None and p.is_dir()
+                   and (p.resolve() == keep or mine(p)))
+    doomed = [p for _, p in found[: max(len(found) - keep_last, 0)] if p.resolve() != keep]
     for path in doomed:
         # Rename first: a crash mid-delete then leaves a hidden directory, never a damaged checkpoint.
         trash = _hidden(path, "deleting-")
-        os.rename(path, trash)
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            continue  # another prune of this job took it
         shutil.rmtree(trash, ignore_errors=True)
     if doomed:
         fsync_path(root)

@@ -27,8 +27,9 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 
-from optstack.checkpoint import io
+from optstack.checkpoint import background, io
 from optstack.checkpoint.digest import check_key, check_signature, file_sha256
 from optstack.checkpoint.format import (
     MANIFEST,
@@ -40,9 +41,9 @@ from optstack.checkpoint.format import (
     optim_key,
     unseal,
 )
-from optstack.checkpoint.pack import read_packed
+from optstack.checkpoint.pack import check_packs, read_packed
 from optstack.checkpoint.safe import METADATA, load_metadata_file
-from optstack.checkpoint.save import check_optimizer, local_state, together
+from optstack.checkpoint.save import adopt_job, check_optimizer, local_state, together
 from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
 from optstack.checkpoint.storage import Chunk, rank_dir_name
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -67,6 +68,7 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) 
     unexpected types, or (given ``key``) unsigned or not signed with ``key``."""
     key = check_key(key)
     directory = io.resolve_checkpoint(path)
+    inside(directory, directory / MANIFEST)
     try:
         text = (directory / MANIFEST).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -75,8 +77,12 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) 
     body = unseal(text, where)
     if key is not None:
         check_signature(body, key, where)
-    manifest = migrate(body)
+    try:
+        manifest = migrate(body)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     check_manifest(manifest, where)
+    check_packs(manifest.get("packs"), manifest["world_size"], where)
     named = io.step_of_name(directory.name)
     if named is not None and manifest.get("step") is not None and manifest["step"] != named:
         # e.g. an older (validly signed) checkpoint copied in under a newer step's name: loading it would
@@ -87,14 +93,27 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | str | None = None) 
     return directory, manifest
 
 
+def inside(directory: Path, path: Path) -> None:
+    """Refuse ``path`` when it (or a directory on the way) is a symbolic link leading out of ``directory``: a
+    checkpoint's files are its own, never another checkpoint's or the system's."""
+    try:
+        resolved, home = path.resolve(), directory.resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of links
+        raise ValueError(f"{path}: cannot resolve ({exc})") from None
+    if resolved != home and home not in resolved.parents:
+        raise ValueError(f"{path} is a symbolic link to {resolved}, outside the checkpoint {directory}: refusing "
+                         "to read it (a checkpoint's files must be inside its directory)")
+
+
 def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: int = 0, size: int = 1,
-                 sha256: bool = False, writers: Sequence[int] = ()) -> None:
+                 sha256: bool = False, writers: Sequence[int] = ()) -> dict[Path, Metadata]:
     """Check this rank's share of ``files`` (every ``size``-th from ``rank``): size, CRC-32, the SHA-256 too when
     ``sha256`` (a signed load), DCP metadata holding only metadata; on rank 0, that no file is unlisted and that
     each of ``writers`` (the ranks the manifest says wrote state) has its DCP metadata and a data file listed.
     Together: the files DCP's metadata names are the listed ones (a save checks its metadata's files before it
-    commits)."""
+    commits). Returns the DCP metadata it read, by path (a load checks each once)."""
     names = sorted(files)
+    known: dict[Path, Metadata] = {}
     if rank == 0:
         for writer in sorted(set(writers)):
             mine = [n for n in names if n.startswith(f"{rank_dir_name(writer)}/")]
@@ -104,6 +123,7 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
                                  "checkpoint is incomplete)")
     for name in names[rank::size]:
         path, want = directory / name, files[name]
+        inside(directory, path)
         if not path.is_file():
             raise ValueError(f"{path} is missing (a shard of the checkpoint)")
         got = io.file_checksum(path)
@@ -117,13 +137,14 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
             raise ValueError(f"{path} fails its SHA-256 check against the signed manifest: the file was changed "
                              "after the checkpoint was saved")
         if path.name == METADATA:
-            load_metadata_file(path)  # refuses anything but DCP metadata, running no code from it
+            known[path] = load_metadata_file(path)  # refuses anything but DCP metadata, running no code from it
     if rank == 0:
         listed = {directory / n for n in names}
         extra = sorted(str(p.relative_to(directory)) for d in sorted({p.parent for p in listed}) if d.is_dir()
                        for p in d.iterdir() if p not in listed)
         if extra:
             raise ValueError(f"{directory} has files its manifest does not list: {extra}")
+    return known
 
 
 def _writers(manifest: Mapping[str, Any]) -> list[int]:
@@ -134,7 +155,8 @@ def _writers(manifest: Mapping[str, Any]) -> list[int]:
 
 
 def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
-                keys: Mapping[str, list[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+                keys: Mapping[str, list[str]] | None = None, known: dict[Path, Metadata] | None = None
+                ) -> dict[str, dict[str, torch.Tensor]]:
     """Elements ``[start, end)`` of each wanted parameter's saved state (``keys[name]`` or all): {name: {key: 1-D}}."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     by_rank: dict[int, list[Chunk]] = {}
@@ -149,11 +171,12 @@ def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[st
                 if lo < hi:
                     by_rank.setdefault(rank, []).append(Chunk(optim_key(name, key), dest[lo - start : hi - start],
                                                               lo, numel))
-    read_packed(directory, manifest.get("packs"), by_rank)
+    read_packed(directory, manifest.get("packs"), by_rank, known)
     return out
 
 
-def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
+def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str],
+               known: dict[Path, Metadata] | None = None) -> dict[str, torch.Tensor]:
     """Read the model tensors ``keys`` whole, in their saved shapes and dtypes."""
     out, by_rank = {}, {}
     for key in keys:
@@ -161,7 +184,7 @@ def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str]) ->
         out[key] = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
         flat = out[key].view(-1)
         by_rank.setdefault(entry["rank"], []).append(Chunk(model_key(key), flat, 0, flat.numel()))
-    read_packed(directory, manifest.get("packs"), by_rank)
+    read_packed(directory, manifest.get("packs"), by_rank, known)
     return out
 
 
@@ -211,11 +234,13 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     """
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
+    background.wait_pending()  # an asynchronous save in flight commits first
     directory, manifest = together(comm, f"cannot load checkpoint {path}", lambda: read_manifest(path, key),
                                    f"rank {comm.rank}: ", path=Path(path))
     where = f"cannot load checkpoint {directory}"
-    together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size, key is not None,
-                                               _writers(manifest)), f"rank {comm.rank}: ", path=directory)
+    known = together(comm, where, lambda: verify_files(directory, manifest["files"], comm.rank, comm.size,
+                                                       key is not None, _writers(manifest)),
+                     f"rank {comm.rank}: ", path=directory)
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model, fingerprints=False),
                                             f"rank {comm.rank}: ")
     everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
@@ -238,8 +263,9 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
 
     together(comm, where, check)
     staged, staged_model = together(
-        comm, where, lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()}),
-                              read_model(directory, manifest, list(tensors))),
+        comm, where, lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()},
+                                          known=known),
+                              read_model(directory, manifest, list(tensors), known)),
         f"rank {comm.rank} could not read its part: ", path=directory)
 
     # Only now is anything changed.
@@ -256,4 +282,5 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     with torch.no_grad():
         for key, tensor in tensors.items():
             tensor.copy_(staged_model[key])
+    adopt_job(optimizer, manifest.get("job"))  # a resumed run continues the job it resumes: its keep_last
     return CheckpointInfo(directory, manifest.get("step"), manifest["version"], manifest["world_size"])

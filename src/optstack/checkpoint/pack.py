@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from optstack.checkpoint.format import dtype_from_name, dtype_name
 from optstack.checkpoint.storage import Chunk, read_chunks
 
-__all__ = ["SMALL_BYTES", "MIN_PACKED", "SEGMENT_BYTES", "pack_chunks", "read_packed"]
+__all__ = ["SMALL_BYTES", "MIN_PACKED", "SEGMENT_BYTES", "pack_chunks", "read_packed", "check_packs"]
 
 SMALL_BYTES = 1 << 16  # a chunk at most this large may be packed
 MIN_PACKED = 256  # fewer small chunks than this cost little as items of their own
@@ -59,7 +60,7 @@ def pack_chunks(chunks: Sequence[Chunk]) -> tuple[list[Chunk], list[Segment]]:
 
 
 def read_packed(directory: Path, packs: Mapping[str, Sequence[Segment]] | None,
-                by_rank: Mapping[int, list[Chunk]]) -> None:
+                by_rank: Mapping[int, list[Chunk]], known: dict[Path, Metadata] | None = None) -> None:
     """``read_chunks``, taking the chunks a rank packed from its segments (``packs``: the manifest's entry)."""
     plain: dict[int, list[Chunk]] = {}
     for rank, chunks in by_rank.items():
@@ -80,39 +81,58 @@ def read_packed(directory: Path, packs: Mapping[str, Sequence[Segment]] | None,
             wanted.setdefault(index, []).append((c, offset + c.start - start))
         flats = {i: torch.empty(sum(n for _, _, n in segments[i][1]), dtype=dtype_from_name(segments[i][0]))
                  for i in wanted}
-        read_chunks(directory, {rank: [Chunk(pack_key(i), flat, 0, flat.numel()) for i, flat in flats.items()]})
+        read_chunks(directory, {rank: [Chunk(pack_key(i), flat, 0, flat.numel()) for i, flat in flats.items()]},
+                    known)
         for index, members in wanted.items():
             for c, offset in members:
                 c.tensor.copy_(flats[index][offset : offset + c.tensor.numel()])
-    read_chunks(directory, plain)
+    read_chunks(directory, plain, known)
 
 
+def check_packs(packs: Any, world_size: int, where: str) -> None:
+    """The manifest's ``packs`` have the format's types and sizes (``ValueError`` naming ``where`` and the field):
+    a rank of the world, items of at most ``SMALL_BYTES``, segments of at most ``SEGMENT_BYTES`` (what a read
+    allocates for a segment, checked before it does)."""
+    if packs is None:
+        return
+    if not isinstance(packs, dict):
+        raise ValueError(f"{where}: packs is a {type(packs).__name__}, expected a dict")
+    for rank, segments in packs.items():
+        if not (isinstance(rank, str) and rank.isdigit() and len(rank) < 10 and int(rank) < world_size):
+            raise ValueError(f"{where}: packs has the key {rank[:40]!r}, expected a rank < {world_size}")
+        _index(int(rank), segments, where)
 
-def _index(rank: int, segments: Any) -> dict[str, tuple[int, int, int, int]]:
+
+def _index(rank: int, segments: Any, where: str = "the manifest") -> dict[str, tuple[int, int, int, int]]:
     """{DCP key: (segment, offset in it, start, numel)} of ``rank``'s packs; ValueError unless the manifest's
-    entry has the format's types (it is read from disk: checked before use)."""
+    entry has the format's types and sizes (it is read from disk: checked before use)."""
     def count(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    where: dict[str, tuple[int, int, int, int]] = {}
+    where_ = f"{where}: the packs of rank {rank}, packs[{str(rank)!r}]"
+    out: dict[str, tuple[int, int, int, int]] = {}
     ok = isinstance(segments, list)
     for index, segment in enumerate(segments if ok else ()):
         ok = (isinstance(segment, list) and len(segment) == 2 and isinstance(segment[0], str)
               and isinstance(segment[1], list))
         if not ok:
             break
-        dtype_from_name(segment[0])
+        itemsize = dtype_from_name(segment[0]).itemsize
         offset = 0
-        for item in segment[1]:
+        for i, item in enumerate(segment[1]):
             ok = (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and count(item[1])
                   and count(item[2]))
             if not ok:
                 break
-            where[item[0]] = (index, offset, item[1], item[2])
+            if item[2] * itemsize > SMALL_BYTES or (offset + item[2]) * itemsize > SEGMENT_BYTES:
+                raise ValueError(f"{where_}[{index}][1][{i}] holds {item[2]} elements of {segment[0]}: an item "
+                                 f"is at most {SMALL_BYTES} bytes and a segment {SEGMENT_BYTES}; the manifest "
+                                 "was altered")
+            out[item[0]] = (index, offset, item[1], item[2])
             offset += item[2]
         if not ok:
             break
     if not ok:
-        raise ValueError(f"the manifest's packs of rank {rank} are not [[dtype, [[key, start, numel], ...]], ...]: "
-                         "the manifest was altered or written by something other than optstack")
-    return where
+        raise ValueError(f"{where_}, are not [[dtype, [[key, start, numel], ...]], ...]: the manifest was altered "
+                         "or written by something other than optstack")
+    return out

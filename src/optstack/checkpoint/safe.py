@@ -10,24 +10,27 @@ is a ``ValueError`` naming the file, raised by the unpickler before it looks the
 the list is ever imported, built or called. The result is then checked field by field.
 ``SafeFileSystemReader`` is DCP's reader with that unpickler, for ``dcp.load``::
 
-    dcp.load(state, storage_reader=SafeFileSystemReader(d), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+    dcp.load(state, storage_reader=SafeFileSystemReader(d))
 
-Tensor data DCP already reads with ``torch.load(weights_only=True)``; the bytes items (non-tensor state such as
-param groups) DCP's planner loads with ``weights_only=False``, so this reader loads them with ``weights_only=True``
-first and hands the planner a fresh serialisation of the result, never the file's own bytes.
+Every read is bounded (``bounded.py``): the unpickler checks each dict key and set member before it hashes
+it, the metadata check is linear in the file's size, and each item is read within its file, through its
+transforms at most to the size the metadata gives it, its ``torch.save`` record checked and dry-run before
+``torch.load(weights_only=True)`` reads it. The bytes items (non-tensor state such as param groups) DCP's
+planner would load with ``weights_only=False``; this reader loads them with ``weights_only=True`` first and
+hands the planner a fresh serialisation of the result, never the file's own bytes.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
-from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import PurePath, PurePosixPath, PureWindowsPath
 from typing import IO, Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
@@ -39,7 +42,19 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from optstack.checkpoint.bounded import (
+    CONTAINERS,
+    BoundedUnpickler,
+    Refused,
+    check_key,
+    check_record,
+    check_tree,
+    read_bounded,
+    register_key,
+)
 
 try:  # where torch 2.13 defines it; the name in the pickle is what matters
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -74,7 +89,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     for module in ("pathlib", "pathlib._local"):
         out |= {(module, n): PurePosixPath for n in ("PosixPath", "PurePosixPath")}
         out |= {(module, n): PureWindowsPath for n in ("WindowsPath", "PureWindowsPath")}
-    out |= {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("collections", "OrderedDict"): OrderedDict}
+    out |= CONTAINERS  # set, frozenset, OrderedDict: their members checked before they are hashed
     return out
 
 
@@ -82,8 +97,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed()
 
 
-class _Refused(Exception):
-    pass
+_Refused = Refused
 
 
 # DCP's metadata objects: the only ones whose state a pickle may set (a class, function or shared singleton
@@ -92,33 +106,39 @@ _BUILDABLE = frozenset(c for c in (Metadata, MetadataIndex, TensorStorageMetadat
                                    ChunkStorageMetadata, TensorProperties, StorageMeta, _StorageInfo) if c is not None)
 
 
-class _MetadataUnpickler(pickle._Unpickler):
-    """Python's own unpickler, its globals limited to ``ALLOWED_GLOBALS`` and its BUILD to ``_BUILDABLE``.
+def _check_index_key(index: MetadataIndex) -> None:
+    """A ``MetadataIndex`` is hashed by its fields: flat ones only (a file sets them)."""
+    fields = vars(index)
+    if set(fields) - {"fqn", "offset", "index"} or not isinstance(fields.get("fqn"), str):
+        raise Refused(f"a MetadataIndex key with fields {sorted(map(repr, fields))}")
+    for name in ("offset", "index"):
+        if fields.get(name) is not None:
+            check_key(fields[name])
 
-    The pure-Python unpickler, not the C one, so that BUILD (set an object's state) can be checked too.
-    """
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+register_key(MetadataIndex, _check_index_key)
 
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return ALLOWED_GLOBALS[module, name]
-        except (KeyError, TypeError):
-            raise _Refused(f"the global {module}.{name}") from None
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise _Refused(f"a persistent id ({type(pid).__name__})")
+class _MetadataUnpickler(BoundedUnpickler):
+    """The bounded unpickler (``bounded.py``), its globals limited to ``ALLOWED_GLOBALS`` and its BUILD to
+    ``_BUILDABLE``."""
 
-    def _load_build(self) -> None:
+    dispatch = dict(BoundedUnpickler.dispatch)
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file, ALLOWED_GLOBALS)
+
+    def _load_build_metadata(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
         if type(inst) not in _BUILDABLE:
             raise _Refused(f"state to set on a {type(inst).__name__} object")
         for part in state if isinstance(state, tuple) else (state,):
             if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
-                raise _Refused(f"special attributes {sorted(map(repr, part))} to set on a {type(inst).__name__}")
-        pickle._Unpickler.load_build(self)
+                raise _Refused(f"special attributes {sorted(map(repr, part))[:8]} to set on a "
+                               f"{type(inst).__name__}")
+        BoundedUnpickler.dispatch[pickle.BUILD[0]](self)
 
-    dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.BUILD[0]] = _load_build_metadata
 
 
 def load_metadata(file: IO[bytes], where: str) -> Metadata:
@@ -129,8 +149,9 @@ def load_metadata(file: IO[bytes], where: str) -> Metadata:
             pickle, or a structure DCP does not write.
     """
     try:
-        metadata = _MetadataUnpickler(file).load()
-        _check_metadata(metadata)
+        data = file.read()  # in memory: a length the pickle claims is then never allocated beyond the file
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        _check_metadata(metadata, len(data))
     except _Refused as exc:
         raise ValueError(
             f"{where} holds {exc}, which DCP checkpoint metadata never does: refusing to load it (loading a "
@@ -157,6 +178,9 @@ class _Malformed(Exception):
     pass
 
 
+_MIN_CHUNK_BYTES = 8  # a chunk's pickle (a ChunkStorageMetadata and its two sizes) takes more than this
+
+
 def _expect(ok: bool, what: str, value: Any, expected: str) -> None:
     if not ok:
         raise _Malformed(f"{what} is a {type(value).__name__}, expected {expected}")
@@ -171,11 +195,15 @@ def _check_size(what: str, value: Any, ndim: int | None = None) -> None:
             "a torch.Size" + (f" of {ndim} dimensions" if ndim is not None else ""))
 
 
-def _check_metadata(md: Any) -> None:
-    """Raise ``_Malformed`` unless ``md`` has the shape DCP's ``FileSystemWriter`` gives its metadata."""
+def _check_metadata(md: Any, size: int) -> None:
+    """Raise ``_Malformed`` unless ``md`` has the shape DCP's ``FileSystemWriter`` gives its metadata.
+
+    Linear in ``size``, the pickle's bytes: a pickle can alias one list of chunks from every entry (a few bytes
+    each), so the chunks are counted and more than the file could hold as distinct objects is refused."""
     _expect(type(md) is Metadata, "the pickle", md, "DCP Metadata")
     entries = md.state_dict_metadata
     _expect(isinstance(entries, dict), "state_dict_metadata", entries, "a dict")
+    seen_chunks = 0
     for key, entry in entries.items():
         _expect(isinstance(key, str), "a state_dict_metadata key", key, "a str")
         if type(entry) is BytesStorageMetadata:
@@ -188,10 +216,19 @@ def _check_metadata(md: Any) -> None:
                 entry.properties.dtype, "a torch.dtype")
         _check_size(f"{key!r}.size", entry.size)
         _expect(isinstance(entry.chunks, list), f"{key!r}.chunks", entry.chunks, "a list")
+        seen_chunks += len(entry.chunks)
+        if seen_chunks > size // _MIN_CHUNK_BYTES:
+            raise _Malformed(f"state_dict_metadata lists more chunks ({seen_chunks} by {key!r}) than a "
+                             f"{size}-byte file holds: the pickle repeats one list of chunks (aliasing)")
         for chunk in entry.chunks:
             _expect(type(chunk) is ChunkStorageMetadata, f"a chunk of {key!r}", chunk, "ChunkStorageMetadata")
             _check_size(f"a chunk offset of {key!r}", chunk.offsets, len(entry.size))
             _check_size(f"a chunk size of {key!r}", chunk.sizes, len(entry.size))
+            # Inside the tensor: a read of the chunk is then bounded by the tensor the caller loads into.
+            if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size,
+                                                                   strict=True)):
+                raise _Malformed(f"a chunk of {key!r} at {list(chunk.offsets)} of size {list(chunk.sizes)} "
+                                 f"lies outside the tensor's size {list(entry.size)}")
     storage = md.storage_data
     _expect(isinstance(storage, dict), "storage_data", storage, "a dict")
     for index, info in storage.items():
@@ -211,18 +248,30 @@ def _check_metadata(md: Any) -> None:
                     f"the transforms of {index.fqn!r}", descriptors, "a list of str")
     _expect(md.storage_meta is None or type(md.storage_meta) is StorageMeta, "storage_meta", md.storage_meta,
             "StorageMeta or None")
+    check_tree(md.planner_data, "planner_data")
+    check_tree(md.storage_meta, "storage_meta")
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` that deserialises data only; pass it as ``dcp.load(..., storage_reader=...)``.
+    """DCP's ``FileSystemReader`` that deserialises data only, within bounds; pass it as
+    ``dcp.load(..., storage_reader=...)``.
 
-    ``.metadata`` goes through ``load_metadata`` (DCP's metadata classes, containers and scalars only), bytes
-    items through ``torch.load(weights_only=True)``; tensors DCP reads ``weights_only`` already. A refused file
-    is a ``ValueError`` naming it; ``dcp.load`` reports it inside torch's ``CheckpointException``.
+    ``.metadata`` goes through ``load_metadata`` (DCP's metadata classes, containers and scalars only, keys
+    checked before they are hashed, linear in the file). Each item is read within the file (its range checked
+    against the file's size), through its transforms (e.g. zstd) at most to the bytes its metadata gives it
+    (a tensor's elements times their size, plus the record's overhead; ``MAX_BYTES_ITEM`` for a bytes item),
+    its ``torch.save`` record checked and dry-run (``bounded.check_record``) before ``torch.load(weights_only=True)``
+    reads it; bytes items reach the planner only as a fresh serialisation of that load. A refused file is a
+    ``ValueError`` naming it and the item; ``dcp.load`` reports it inside torch's ``CheckpointException``.
 
     Args:
         path: the DCP checkpoint directory (``checkpoint_id``).
     """
+
+    #: The most bytes a bytes item (non-tensor state: numbers, strings, small containers) may hold decoded.
+    MAX_BYTES_ITEM = 1 << 26
+    #: A tensor's record holds its elements and at most this much more (the pickle, the archive's headers).
+    RECORD_OVERHEAD = 1 << 16
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -233,12 +282,85 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        # Each stored chunk's bytes, by (key, offsets): what a read of its item may produce at most.
+        self._chunk_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
+        for key, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                itemsize = entry.properties.dtype.itemsize
+                for chunk in entry.chunks:
+                    self._chunk_bytes[key, tuple(chunk.offsets)] = itemsize * _numel(chunk.sizes)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return super().read_data(plan, _DataOnlyBytes(planner, self._where))  # type: ignore[arg-type]
+        """DCP's ``FileSystemReader.read_data`` (torch 2.13), every read bounded (class docstring)."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        checked = _DataOnlyBytes(planner, self._where)
+        for relative_path, items in per_file.items():
+            path = self.fs.concat_path(self.path, relative_path)
+            with self.fs.create_stream(path, "rb") as stream:
+                size = os.fstat(stream.fileno()).st_size if hasattr(stream, "fileno") else None
+                for item in items:
+                    data = self._read_item(stream, item, size)
+                    if item.type == LoadItemType.BYTE_IO:
+                        checked.load_bytes(item, io.BytesIO(data))
+                        continue
+                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    if not isinstance(tensor, torch.Tensor):
+                        raise ValueError(f"{path}: item {item.storage_index.fqn!r} is a "
+                                         f"{type(tensor).__name__}, the metadata says a tensor")
+                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise ValueError(f"{path}: item {item.storage_index.fqn!r} holds {tuple(tensor.size())} "
+                                         f"where the metadata says {tuple(target.size())}")
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_item(self, stream: IO[bytes], item: ReadItem, size: int | None) -> bytes:
+        """The item's record: inside the file, through its transforms, at most its bound, checked."""
+        info, where = self.storage_data[item.storage_index], self._where(item)
+        fqn = item.storage_index.fqn
+        if size is not None and info.offset + info.length > size:
+            raise ValueError(f"{where}: item {fqn!r} claims bytes [{info.offset}, {info.offset + info.length}) "
+                             f"of a {size}-byte file: the metadata or the file is damaged")
+        if item.type == LoadItemType.BYTE_IO:
+            limit = self.MAX_BYTES_ITEM
+        else:
+            stored = self._chunk_bytes.get((fqn, tuple(item.storage_index.offset or ())))
+            if stored is None:
+                raise ValueError(f"{where}: item {fqn!r} at {item.storage_index.offset} is not a chunk the "
+                                 "metadata lists")
+            limit = stored + self.RECORD_OVERHEAD
+        descriptors = info.transform_descriptors or ()
+        if not descriptors and info.length > limit:
+            raise ValueError(f"{where}: item {fqn!r} is {info.length} bytes, more than the {limit} its metadata "
+                             "allows")
+        try:
+            raw = self._slice_file(stream, info)
+            data = read_bounded(self.transforms.transform_load_stream(item, descriptors, raw), limit,
+                                f"item {fqn!r}")
+            check_record(data)
+        except Refused as exc:
+            raise ValueError(f"{where}: item {fqn!r} is not plain data ({exc}); refusing to load it (a load reads "
+                             "data only, within the sizes the metadata gives)") from None
+        return data
 
     def _where(self, item: ReadItem) -> str:
         info = self.storage_data.get(item.storage_index)
         return str(self.fs.concat_path(self.path, info.relative_path)) if info is not None else str(self.path)
+
+
+def _numel(sizes: Any) -> int:
+    out = 1
+    for n in sizes:
+        out *= n
+    return out
 
 
 class _DataOnlyBytes:

@@ -14,18 +14,22 @@ with the others, as soon as the slowest has finished the step::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
+import uuid
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from optstack.checkpoint import io
+from optstack.checkpoint import background, io
 from optstack.checkpoint.digest import DIGEST, check_key, file_sha256, sign
 from optstack.checkpoint.format import (
     FORMAT,
@@ -81,6 +85,30 @@ def _every_rank_arrives(comm: Comm | NullComm, target: Path) -> None:
                     "job. (If the other ranks were only late, raise optstack.checkpoint.save.ARRIVAL_TIMEOUT_S.)")
             time.sleep(0.002)
     handle.wait()
+
+
+@dataclass(frozen=True)
+class Job:
+    """Who writes an optimizer's checkpoints: ``keep_last`` prunes only checkpoints of the same job.
+
+    A job is an optimizer's line of checkpoints: a fresh id on its first save, or the id of the checkpoint
+    ``load_checkpoint`` loaded into it (a resumed run continues its job). ``legacy``: loaded from a checkpoint
+    written before manifests named their job, which this job may then prune too."""
+
+    id: str
+    legacy: bool = False
+
+
+_JOBS: weakref.WeakKeyDictionary[ChainedOptimizer, Job] = weakref.WeakKeyDictionary()
+
+
+def job_of_optimizer(optimizer: ChainedOptimizer) -> Job:
+    return _JOBS.setdefault(optimizer, Job(uuid.uuid4().hex))
+
+
+def adopt_job(optimizer: ChainedOptimizer, job: Any) -> None:
+    """After a load: ``optimizer`` continues the job of the checkpoint whose manifest names ``job``."""
+    _JOBS[optimizer] = Job(job) if isinstance(job, str) and job else Job(uuid.uuid4().hex, legacy=True)
 
 
 def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
@@ -144,10 +172,24 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@overload
 def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
                     scheduler: Scheduler | None = None, model: nn.Module | None = None,
                     comm: Comm | NullComm | None = None, keep_last: int | None = None,
-                    key: bytes | str | None = None) -> Path:
+                    key: bytes | str | None = None, blocking: Literal[True] = True) -> Path: ...
+
+
+@overload
+def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
+                    scheduler: Scheduler | None = None, model: nn.Module | None = None,
+                    comm: Comm | NullComm | None = None, keep_last: int | None = None,
+                    key: bytes | str | None = None, blocking: Literal[False]) -> background.SaveHandle: ...
+
+
+def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *, step: int,
+                    scheduler: Scheduler | None = None, model: nn.Module | None = None,
+                    comm: Comm | NullComm | None = None, keep_last: int | None = None,
+                    key: bytes | str | None = None, blocking: bool = True) -> Path | background.SaveHandle:
     """Save the whole optimizer as ``root/step_<step>`` (returned), then point ``root/latest`` at it (collective).
 
     Saves the fp32 masters, every algorithm's state and the loss scaler by parameter name, and the scheduler and
@@ -158,9 +200,19 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         optimizer: the chained optimizer (any stages: replicated, ZeRO-1, layer-wise).
         scheduler, model: saved too (the model's parameters and buffers).
         comm: the ranks that hold the optimizer's state (default: the world, or this process alone).
-        keep_last: keep only this many newest checkpoints in ``root`` (None: all).
+        keep_last: keep only this many newest checkpoints of this job in ``root`` (None: all). A job is this
+            optimizer's line of checkpoints (``Job``): checkpoints other jobs write into ``root`` are never
+            pruned, and neither is the one this call returns.
         key: a secret to sign the checkpoint with (``digest.py``): every file's SHA-256 and an HMAC-SHA256 of the
             manifest, which ``load_checkpoint(..., key=...)`` checks (None: unsigned; CRC-32s only).
+        blocking: False: return a ``SaveHandle`` as soon as this rank's state is copied to host memory (pinned
+            for device tensors); the write, the checks, the commit, ``latest`` and pruning go on in a background
+            thread (over a process group of their own), while training steps. ``handle.wait()`` returns the
+            path or raises what a blocking save would; ``handle.done()``; ``handle.error``. The next save (or
+            load) waits for it first. A crash at any point leaves the previous checkpoints whole.
+
+    Returns:
+        The checkpoint's directory (``blocking=True``), or a ``SaveHandle`` for it (``blocking=False``).
 
     Another save of ``step`` (the same or another job's) may replace ``root/step_<step>`` only while no ``latest``
     names it: a save killed after its commit, before ``latest``, is replaced rather than blocking every restart.
@@ -179,71 +231,127 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     key = check_key(key)
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    if not isinstance(blocking, bool):
+        raise ValueError(f"blocking must be True or False, got {blocking!r}")
     target = Path(root) / io.checkpoint_name(step)
+    background.wait_pending()  # the previous asynchronous save first: saves commit in order
     where = f"cannot save checkpoint {target}"
     _every_rank_arrives(comm, target)
+    job = job_of_optimizer(optimizer)
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
     gathered = comm.all_gather_object((held, table))
     plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
+    writer = background.comm_for(comm) if not blocking else comm  # created before the temporary directory
     temp = together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None, "rank 0: ", path=target)
     path = comm.broadcast_object(temp.path if temp is not None else None)
-
-    def commit(files: dict[str, Any]) -> str | None:
-        """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the error."""
-        _check_written(path, files)
-        manifest = {
-            "format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size, "checksum_algorithm": "crc32",
-            "params": plan.params, "groups": plan.groups, "scaler": optimizer.scaler.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None, "model": plan.model,
-            "files": files, "packs": packs,
-        }
-        if key is not None:
-            manifest[DIGEST] = sign(manifest, key)
-        io.write_synced(path / MANIFEST, seal(manifest))
-        io.write_synced(path / GROUP_MAP, json_lines(group_map(plan.params, plan.groups)))
-        io.fsync_path(path)
-        aside = io.commit_dir(path, target)
-        try:  # committed: what fails from here on leaves a complete checkpoint behind
-            (target / io.OWNER).unlink(missing_ok=True)
-            io.fsync_path(target.parent)
-            io.write_latest(target.parent, target.name)
-            if aside is not None:
-                shutil.rmtree(aside, ignore_errors=True)
-            if keep_last is not None:
-                io.prune(target.parent, keep_last, keep=target)
-        except FAILURES as exc:
-            return io.describe_error(exc)
-        return None
-
-    failed = f"saving checkpoint {target} failed; nothing was committed, the previous checkpoints are unchanged"
-    committed = False
+    save = _Save(target, step, path, temp, plan, shards, tensors, job, keep_last, key,
+                 optimizer.scaler.state_dict(), scheduler.state_dict() if scheduler is not None else None)
+    if blocking:
+        save.run(comm)
+        return target
     try:
-        written = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, shards, tensors, key is not None),
-                           f"rank {comm.rank} could not write its files: ", path=target, storage=True)
-        everyone = comm.all_gather_object(written)
-        files = {k: v for mine, _ in everyone for k, v in mine.items()}
-        packs = {str(rank): segments for rank, (_, segments) in enumerate(everyone) if segments}
-        late = together(comm, failed, lambda: commit(files) if comm.rank == 0 else None, "rank 0 could not commit: ",
-                        path=target, storage=True)
-        committed = True
-        _agree(comm, None if late is None else (True, f"rank 0: {late}"),
-               f"checkpoint {target} IS committed (complete and loadable), but then updating '{io.LATEST}' or "
-               f"pruning failed; '{io.LATEST}' may still name an earlier checkpoint (loads take the newest "
-               "committed one regardless)", target, storage=True, committed=True)
-    except (CheckpointError, ValueError):  # agreed: every rank is here
-        if not committed:
-            if temp is not None:
-                shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
-            comm.barrier()  # so that no rank sees the error while the temporary files still exist
+        save = together(comm, where, save.on_host, f"rank {comm.rank} could not copy its state to host memory: ")
+    except BaseException:
+        save.abandon()
+        background.give_back(save.buffers)
         raise
-    finally:
-        if temp is not None:
+    return background.start(target, lambda: save.run(writer))
+
+
+@dataclass
+class _Save:
+    """One save from the write on: its plan and this rank's state (live for a blocking save, host copies for
+    an asynchronous one), run on every rank over one ``Comm`` (the caller's, or the background's)."""
+
+    target: Path
+    step: int
+    path: Path  # rank 0's temporary directory
+    temp: io.TempDir | None  # rank 0: its lock
+    plan: SavePlan
+    shards: dict[str, ParamShard]
+    tensors: dict[str, torch.Tensor]
+    job: Job
+    keep_last: int | None
+    key: bytes | None
+    scaler: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)  # host buffers to give back
+
+    def on_host(self) -> _Save:
+        """This save with every tensor copied to host memory (pinned for a device's), so training may go on."""
+        self.shards, self.tensors, self.buffers = background.on_host(self.shards, self.tensors)
+        return self
+
+    def abandon(self) -> None:
+        if self.temp is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.temp.release()
+
+    def run(self, comm: Comm | NullComm) -> Path:
+        """Write, commit, ``latest``, prune (collective over ``comm``); ``save_checkpoint``'s errors."""
+        target, path, temp, plan, key, job, keep_last = (self.target, self.path, self.temp, self.plan, self.key,
+                                                         self.job, self.keep_last)
+
+        def commit(files: dict[str, Any], packs: dict[str, Any]) -> str | None:
+            """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the
+            error."""
+            _check_written(path, files)
+            manifest = {
+                "format": FORMAT, "version": VERSION, "step": self.step,
+                "world_size": comm.size, "checksum_algorithm": "crc32", "params": plan.params, "groups": plan.groups,
+                "scaler": self.scaler, "scheduler": self.scheduler, "model": plan.model, "files": files,
+                "packs": packs, "job": job.id,
+            }
+            if key is not None:
+                manifest[DIGEST] = sign(manifest, key)
+            io.write_synced(path / MANIFEST, seal(manifest))
+            io.write_synced(path / GROUP_MAP, json_lines(group_map(plan.params, plan.groups)))
+            io.fsync_path(path)
+            aside = io.commit_dir(path, target)
+            try:  # committed: what fails from here on leaves a complete checkpoint behind
+                (target / io.OWNER).unlink(missing_ok=True)
+                io.fsync_path(target.parent)
+                io.write_latest(target.parent, target.name)
+                if aside is not None:
+                    shutil.rmtree(aside, ignore_errors=True)
+                if keep_last is not None:
+                    io.prune(target.parent, keep_last, keep=target, job=job.id, legacy=job.legacy)
+            except FAILURES as exc:
+                return io.describe_error(exc)
+            return None
+
+        failed = f"saving checkpoint {target} failed; nothing was committed, the previous checkpoints are unchanged"
+        committed = False
+        try:
+            written = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, self.shards, self.tensors,
+                                                                 key is not None),
+                               f"rank {comm.rank} could not write its files: ", path=target, storage=True)
+            everyone = comm.all_gather_object(written)
+            files = {k: v for mine, _ in everyone for k, v in mine.items()}
+            packs = {str(rank): segments for rank, (_, segments) in enumerate(everyone) if segments}
+            late = together(comm, failed, lambda: commit(files, packs) if comm.rank == 0 else None,
+                            "rank 0 could not commit: ", path=target, storage=True)
+            committed = True
+            _agree(comm, None if late is None else (True, f"rank 0: {late}"),
+                   f"checkpoint {target} IS committed (complete and loadable), but then updating '{io.LATEST}' or "
+                   f"pruning failed; '{io.LATEST}' may still name an earlier checkpoint (loads take the newest "
+                   "committed one regardless)", target, storage=True, committed=True)
+        except (CheckpointError, ValueError):  # agreed: every rank is here
             if not committed:
-                shutil.rmtree(path, ignore_errors=True)  # also after a failed collective (a rank died)
-            temp.release()
-    return target
+                if temp is not None:
+                    shutil.rmtree(path, ignore_errors=True)  # every rank has left the write: nothing writes into it
+                comm.barrier()  # so that no rank sees the error while the temporary files still exist
+            raise
+        finally:
+            if temp is not None:
+                if not committed:
+                    shutil.rmtree(path, ignore_errors=True)  # also after a failed collective (a rank died)
+                temp.release()
+            self.shards, self.tensors = {}, {}
+            background.give_back(self.buffers)  # for the next asynchronous save
+        return target
 
 
 def _check_written(temp: Path, files: Mapping[str, Mapping[str, Any]]) -> None:

@@ -8,7 +8,7 @@ coordination goes over ``Comm``, so collectives stay in ``distributed/comm.py``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,12 +122,25 @@ def write_chunks(directory: Path, chunks: list[Chunk]) -> None:
          planner=_ChunkSavePlanner([c for c in chunks if c.tensor.numel() > 0]))
 
 
-def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]]) -> None:
-    """Fill each chunk's destination with its range, from the DCP directory in ``checkpoint`` of its rank."""
+def read_chunks(checkpoint: Path, by_rank: Mapping[int, list[Chunk]],
+                known: MutableMapping[Path, Metadata] | None = None) -> None:
+    """Fill each chunk's destination with its range, from the DCP directory in ``checkpoint`` of its rank.
+
+    ``known``: DCP metadata already read and checked, by path (each file is checked once per load); what this
+    reads is added."""
+    known = {} if known is None else known
     for rank, chunks in sorted(by_rank.items()):
         if wanted := [c for c in chunks if c.tensor.numel() > 0]:
             directory = checkpoint / rank_dir_name(rank)
-            reader = _Reader(directory, load_metadata_file(directory / METADATA))
+            metadata = known.get(directory / METADATA)
+            if metadata is None:
+                metadata = known[directory / METADATA] = load_metadata_file(directory / METADATA)
+            for index, info in metadata.storage_data.items():
+                if descriptors := getattr(info, "transform_descriptors", None):  # optstack writes none
+                    raise ValueError(f"{directory / METADATA}: item {index.fqn!r} has transforms {descriptors}; "
+                                     "optstack checkpoints hold plain items only (the file was altered or "
+                                     "written by something else)")
+            reader = _Reader(directory, metadata)
             try:
                 _dcp(dcp.load, storage_reader=reader, planner=_ChunkLoadPlanner(wanted))
             except CheckpointException as exc:  # a BaseException: as a ValueError, with DCP's causes

@@ -88,10 +88,8 @@ class TrainState:
                 if not isinstance(data.get(field), kinds) or isinstance(data.get(field), bool):
                     raise ValueError(f"{field} is {data.get(field)!r}, expected {'/'.join(k.__name__ for k in kinds)}")
             best = data.pop("best_val_loss")
-            return cls(**data | {
-                "data_rng": _unb64(data["data_rng"]), "torch_rng": _unb64(data["torch_rng"]),
-                "best_val_loss": math.inf if best is None else float(best),
-            })
+            rngs = {field: _rng_state(field, data[field]) for field in ("data_rng", "torch_rng")}
+            return cls(**data | rngs | {"best_val_loss": math.inf if best is None else float(best)})
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"train state {where!r} is damaged or from another optstack ({error}); "
                              "start a new run with another --out") from None
@@ -99,6 +97,17 @@ class TrainState:
 
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(tensor_bytes(t)).decode()
+
+
+def _rng_state(field: str, text: str) -> torch.Tensor:
+    """A generator state from its base64 form, checked by setting it on a throwaway generator (the resume sets
+    it on the real ones: a bad state must fail here, naming the file, not there with a bare traceback)."""
+    try:
+        state = _unb64(text)
+        torch.Generator().set_state(state)
+    except (ValueError, RuntimeError) as error:
+        raise ValueError(f"{field} is not a torch generator state ({str(error).splitlines()[0][:120]})") from None
+    return state
 
 
 def _unb64(text: str) -> torch.Tensor:

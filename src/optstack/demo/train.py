@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optstack.checkpoint import load_checkpoint, save_checkpoint
+from optstack.checkpoint import SaveHandle, load_checkpoint, save_checkpoint
 from optstack.checkpoint.io import checkpoint_name
 from optstack.demo.config import TrainConfig, config_to_dict, to_toml
 from optstack.demo.data import Corpus, load_corpus, unigram_entropy
@@ -330,6 +330,7 @@ def train(
     if saved is not None and (last_row := next(reversed(run.read_metrics()), None)) is not None:
         last_loss, val_loss = last_row["loss"], last_row["val_loss"]  # what a resume that takes no step reports
     stopped = False
+    saves = _Saves(run, comm)
     with _GracefulStop() as stop:
         try:
             for step in range(start + 1, steps + 1):
@@ -381,11 +382,13 @@ def train(
                     state = TrainState(step=step, model=dataclasses.asdict(cfg.model), data_rng=data_gen.get_state(),
                                        torch_rng=torch.get_rng_state(), best_val_loss=best_val, skipped_steps=skipped,
                                        train_seconds=train_time, world_size=comm.size)
-                    _save(run, state, cfg, model, optimizer, scheduler, comm)
+                    saves.save(state, cfg, model, optimizer, scheduler)
                 if stopped:
                     break
+            saves.finish()
         except KeyboardInterrupt:  # a second Ctrl-C: the step in progress is not saved
             bar.close()
+            saves.finish()  # the save in flight commits: it is the checkpoint the message names
             ckpt = run.latest_checkpoint()
             raise KeyboardInterrupt(
                 f"interrupted at step {step}; the latest checkpoint is {ckpt.name}; continue with: "
@@ -402,7 +405,7 @@ def train(
     optimizer.finish_param_sync()  # the sample is generated from the final parameters
     labels = [group_label(i, g, cfg.optimizer.algorithm) for i, g in enumerate(optimizer.param_groups)]
     return _finish(run, cfg, gpt, device, start, step, last_loss, val_loss, best_val, baseline.nats, train_time,
-                   tokens_per_step, num_params, skipped, comm, echo, labels)
+                   tokens_per_step, num_params, skipped, comm, echo, labels, saves.note())
 
 
 def _group_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -414,23 +417,52 @@ def _group_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _save(run: RunDir, state: TrainState, cfg: TrainConfig, model: nn.Module, optimizer: Any, scheduler: Any,
-          comm: Comm | NullComm) -> None:
-    """The train state (rank 0, first), then the collective checkpoint; ``latest`` moves only at its commit."""
-    target = run.checkpoints / checkpoint_name(state.step)
-    error = None
-    if comm.rank == 0:
-        try:
-            run.write_train_state(target, state)
-        except OSError as exc:
-            error = f"cannot write the train state of {target}: {exc}"
-    error = comm.broadcast_object(error)  # every rank learns of rank 0's failure instead of waiting on it
-    if error:
-        raise RuntimeError(error)
-    save_checkpoint(run.checkpoints, optimizer, step=state.step, scheduler=scheduler, model=model, comm=comm,
-                    keep_last=cfg.train.keep_checkpoints)
-    if comm.rank == 0:
-        run.prune_train_states()
+class _Saves:
+    """The run's checkpoints, saved asynchronously: the train state (rank 0, first), then
+    ``save_checkpoint(..., blocking=False)``, which returns once the state is in host memory; the next save
+    (or ``finish``) waits for the one in flight, then drops the train states of pruned checkpoints."""
+
+    def __init__(self, run: RunDir, comm: Comm | NullComm) -> None:
+        self.run, self.comm = run, comm
+        self.pending: SaveHandle | None = None
+        self.count, self.blocked = 0, 0.0  # saves, and seconds the loop waited for them
+
+    def save(self, state: TrainState, cfg: TrainConfig, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+        start = time.perf_counter()
+        self._settle()
+        target = self.run.checkpoints / checkpoint_name(state.step)
+        error = None
+        if self.comm.rank == 0:
+            try:
+                self.run.write_train_state(target, state)
+            except OSError as exc:
+                error = f"cannot write the train state of {target}: {exc}"
+        error = self.comm.broadcast_object(error)  # every rank learns of rank 0's failure instead of waiting on it
+        if error:
+            raise RuntimeError(error)
+        self.pending = save_checkpoint(self.run.checkpoints, optimizer, step=state.step, scheduler=scheduler,
+                                       model=model, comm=self.comm, keep_last=cfg.train.keep_checkpoints,
+                                       blocking=False)
+        self.count += 1
+        self.blocked += time.perf_counter() - start
+
+    def finish(self) -> None:
+        start = time.perf_counter()
+        self._settle()
+        self.blocked += time.perf_counter() - start
+
+    def _settle(self) -> None:
+        """Wait for the save in flight (its error is every rank's), then prune the train states."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.wait()
+        if self.comm.rank == 0:
+            self.run.prune_train_states()
+
+    def note(self) -> str:
+        return (f"; {self.count} checkpoint{'s' * (self.count != 1)} saved in the background, training blocked "
+                f"{self.blocked:.2f} s by them" if self.count else "")
 
 
 def _restore(run: RunDir, path: Path, saved: TrainState, model: nn.Module, optimizer: Any, scheduler: Any,
@@ -451,7 +483,7 @@ def _restore(run: RunDir, path: Path, saved: TrainState, model: nn.Module, optim
 def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, start: int, step: int,
             last_loss: float, val_loss: float | None, best_val: float, baseline: float, train_time: float,
             tokens_per_step: int, num_params: int, skipped: int, comm: Comm | NullComm,
-            echo: Callable[[str], None], group_labels: list[str]) -> TrainSummary:
+            echo: Callable[[str], None], group_labels: list[str], checkpoints: str = "") -> TrainSummary:
     sample = ""
     if comm.rank == 0:
         if plots_available():
@@ -478,7 +510,7 @@ def _finish(run: RunDir, cfg: TrainConfig, model: GPT, device: torch.device, sta
     best = f"{summary.best_val_loss:.4f}" if summary.best_val_loss is not None else "n/a"
     echo(f"done: steps {start}->{step}, {train_time:.1f} s of training in all ({summary.tokens_per_s:,.0f} tokens/s); "
          f"best val loss {best} nats/byte ({_bits(summary.best_val_loss)}) vs unigram baseline "
-         f"{baseline:.4f} ({_bits(baseline)}); run dir {run.path}")
+         f"{baseline:.4f} ({_bits(baseline)}){checkpoints}; run dir {run.path}")
     return summary
 
 
