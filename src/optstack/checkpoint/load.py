@@ -43,7 +43,7 @@ from optstack.checkpoint.format import (
 )
 from optstack.checkpoint.pack import check_packs, read_packed
 from optstack.checkpoint.safe import METADATA, load_metadata_file
-from optstack.checkpoint.save import adopt_job, check_optimizer, local_state, together
+from optstack.checkpoint.save import adopt_job, check_optimizer, load_into, local_state, together
 from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
 from optstack.checkpoint.storage import Chunk, rank_dir_name
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -281,6 +281,6 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
         scheduler.load_state_dict(manifest["scheduler"])
     with torch.no_grad():
         for key, tensor in tensors.items():
-            tensor.copy_(staged_model[key])
+            load_into(tensor, staged_model[key])  # a DTensor takes its shard
     adopt_job(optimizer, manifest.get("job"))  # a resumed run continues the job it resumes: its keep_last
     return CheckpointInfo(directory, manifest.get("step"), manifest["version"], manifest["world_size"])

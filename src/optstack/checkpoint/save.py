@@ -53,7 +53,8 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "agree", "together", "model_tensors", "local_state", "check_optimizer"]
+__all__ = ["save_checkpoint", "agree", "together", "model_tensors", "local_state", "check_optimizer", "load_into",
+           "whole_values"]
 
 T = TypeVar("T")
 
@@ -148,6 +149,7 @@ def local_state(optimizer: ChainedOptimizer, model: nn.Module | None, fingerprin
     """This rank's shards of all stages and their table, the model's tensors and theirs (None: no model)."""
     shards = {name: shard for per_stage in collect(optimizer.stages) for name, shard in per_stage.items()}
     tensors = model_tensors(model) if model is not None else {}
+    # (a DTensor's shape is the whole tensor's: the table is the same on every rank)
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
     return shards, describe(shards, fingerprints), tensors, table
 
@@ -160,16 +162,32 @@ def check_optimizer(optimizer: Any) -> ChainedOptimizer:
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict tensors as detached views, named as by ``optstack.names.model_state``."""
-    tensors = model_state(model)
-    for name, tensor in tensors.items():
-        if isinstance(tensor, DTensor):
-            raise ValueError(
-                f"model tensor {name!r} is a DTensor (placements {tuple(tensor.placements)}); this checkpoint writes "
-                "whole model tensors. Leave model= out (the optimizer's state holds the trainable parameters' values) "
-                "or save the model with DCP: dcp.save({'model': model.state_dict(), 'optim': "
-                "OptimizerState(model, optimizer)}, checkpoint_id=...)")
-    return tensors
+    """The model's state-dict tensors as detached views, named as by ``optstack.names.model_state``; a DTensor
+    (FSDP2, tensor parallelism) stays one: ``whole_values`` gathers it for a save, ``load_into`` cuts a loaded
+    whole tensor back to this rank's shard."""
+    return model_state(model)
+
+
+def whole_values(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every DTensor gathered whole (collective over its mesh, in name order on every rank, so
+    every rank calls the same gathers): a checkpoint holds whole model tensors, which load at any sharding. Each
+    rank holds the whole of every sharded tensor until it is written: for models too large for that, save the
+    model with DCP (``dcp.save({"model": model.state_dict(), ...})``) and the optimizer here."""
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+
+
+def load_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy a loaded whole tensor into a model tensor: a DTensor takes its shard of it (no communication)."""
+    if isinstance(target, DTensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        if target.device_mesh.get_coordinate() is None:
+            return  # this rank holds none of it
+        whole = distribute_tensor(whole.to(target.device_mesh.device_type), target.device_mesh,
+                                  target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(whole)
+    else:
+        target.copy_(whole)
 
 
 @overload
@@ -241,6 +259,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
+    tensors = whole_values(tensors)  # collective where the model is sharded (FSDP2, tensor parallel)
     gathered = comm.all_gather_object((held, table))
     plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
     writer = background.comm_for(comm) if not blocking else comm  # created before the temporary directory
