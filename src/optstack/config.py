@@ -22,8 +22,8 @@ from optstack.offload import offloaded
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import MakeOptimizer
 
-__all__ = ["AdamConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig", "MuonConfig",
-           "OffloadConfig",
+__all__ = ["AdamConfig", "AdaptiveMuonConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig",
+           "MuonConfig", "OffloadConfig",
            "OptimizerConfig", "SGDConfig", "check_combination", "dtype_from_name"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -261,6 +261,23 @@ class MuonConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdaptiveMuonConfig:
+    """The second moment of the adaptive Muons (``normuon``, ``adamuon``, ``adaptive_muon``:
+    ``algorithms/adaptive_muon.py``); momentum, Newton-Schulz and scale come from ``muon``. ``moment2_method``
+    is read by ``adaptive_muon`` only (the other two names fix it)."""
+
+    moment2_method: Literal["normuon", "adamuon"] = "normuon"
+    beta2: float = 0.95
+    eps: float = 1e-8
+    sign_stabilised: bool = True
+    preserve_norm: bool = True
+
+    def __post_init__(self) -> None:
+        _validate("adaptive_muon.", self, moment2_method=_one_of("normuon", "adamuon"), beta2=_BETA, eps=_POSITIVE,
+                  sign_stabilised=_flag, preserve_norm=_flag)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     """How optimizer state is spread across data-parallel ranks: ``sharding`` ``replicated`` (every rank holds
     everything), ``zero1`` (each rank owns an equal slice of every bucket; ``overlap_param_gather`` needs it) or
@@ -374,6 +391,7 @@ class OptimizerConfig:
     sgd: SGDConfig = field(default_factory=SGDConfig)
     lion: LionConfig = field(default_factory=LionConfig)
     muon: MuonConfig = field(default_factory=MuonConfig)
+    adaptive_muon: AdaptiveMuonConfig = field(default_factory=AdaptiveMuonConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     masters: MastersConfig = field(default_factory=MastersConfig)
