@@ -18,7 +18,8 @@ def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_builtin_names() -> None:
-    assert algorithm_names() == ["adam", "adamuon", "adamw", "adaptive_muon", "lion", "muon", "normuon", "sgd"]
+    assert algorithm_names() == ["adam", "adamuon", "adamw", "adaptive_muon", "lion", "muon", "normuon",
+                                 "schedule_free_adamw", "sgd"]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,8 @@ def test_unknown_name_lists_known_names_and_plugin_forms() -> None:
     with pytest.raises(ValueError) as info:
         get_algorithm("adamm")
     message = str(info.value)
-    assert "'adamm'" in message and "adam, adamuon, adamw, adaptive_muon, lion, muon, normuon, sgd" in message
+    known = "adam, adamuon, adamw, adaptive_muon, lion, muon, normuon, schedule_free_adamw, sgd"
+    assert "'adamm'" in message and known in message
     assert "'torch.optim.<Class>'" in message and "'package.module:Class'" in message
 
 

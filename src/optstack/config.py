@@ -23,7 +23,7 @@ from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler,
 from optstack.protocol import MakeOptimizer
 
 __all__ = ["AdamConfig", "AdaptiveMuonConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig",
-           "MuonConfig", "OffloadConfig",
+           "MuonConfig", "OffloadConfig", "ScheduleFreeConfig",
            "OptimizerConfig", "SGDConfig", "check_combination", "dtype_from_name"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -278,6 +278,25 @@ class AdaptiveMuonConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScheduleFreeConfig:
+    """Schedule-Free AdamW (``schedule_free_adamw``, ``algorithms/schedule_free.py``): ``beta1`` interpolates
+    between the fast sequence and the average, ``beta2`` is Adam's; the learning rate is constant after
+    ``warmup_steps`` (build the optimizer without ``lr_schedule``), the average weighted by
+    ``(k + 1) ** r * lr_max ** weight_lr_power``."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    r: float = 0.0
+    weight_lr_power: float = 2.0
+
+    def __post_init__(self) -> None:
+        _validate("schedule_free.", self, beta1=_number(0.0, 1.0, lo_open=True, hi_open=True), beta2=_BETA,
+                  eps=_NON_NEGATIVE, warmup_steps=_int(0), r=_NON_NEGATIVE, weight_lr_power=_NON_NEGATIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     """How optimizer state is spread across data-parallel ranks: ``sharding`` ``replicated`` (every rank holds
     everything), ``zero1`` (each rank owns an equal slice of every bucket; ``overlap_param_gather`` needs it) or
@@ -392,6 +411,7 @@ class OptimizerConfig:
     lion: LionConfig = field(default_factory=LionConfig)
     muon: MuonConfig = field(default_factory=MuonConfig)
     adaptive_muon: AdaptiveMuonConfig = field(default_factory=AdaptiveMuonConfig)
+    schedule_free: ScheduleFreeConfig = field(default_factory=ScheduleFreeConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     masters: MastersConfig = field(default_factory=MastersConfig)

@@ -274,6 +274,18 @@ class ChainedOptimizer(torch.optim.Optimizer):
         for stage in self._stages:
             stage.finish_param_sync()
 
+    def train(self) -> None:
+        """Training weights in the parameters, for algorithms that swap them (Schedule-Free: ``y``); a no-op for
+        the others. Collective (each stage publishes as after a step)."""
+        for stage in self._stages:
+            stage.swap_weights("train")
+
+    def eval(self) -> None:
+        """The weights to evaluate in the parameters, for algorithms that swap them (Schedule-Free: the average
+        ``x``); a no-op for the others. Call ``train()`` before the next step. Collective."""
+        for stage in self._stages:
+            stage.swap_weights("eval")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the data-parallel wrappers' buffers, and each parameter's ``.grad``."""
         for sync in self._grad_syncs:

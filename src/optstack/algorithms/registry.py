@@ -1,7 +1,7 @@
 """The algorithm registry: optimizer classes by name, and plug-in of any ``torch.optim.Optimizer`` subclass.
 
 Built-in: ``adamw``, ``adam`` (L2 weight decay, as ``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``, ``normuon``,
-``adamuon`` and ``adaptive_muon`` (its ``moment2_method`` from the config); any other
+``adamuon``, ``adaptive_muon`` (its ``moment2_method`` from the config) and ``schedule_free_adamw``; any other
 class as ``"torch.optim.<Class>"`` or ``"package.module:Class"``. Each name also says how its constructor kwargs
 come from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, plus what its module's ``kwargs_from_config``
 reads from its section (a plug-in gets only the two). Adding an optimizer is a file and a ``register`` line.
@@ -42,6 +42,9 @@ class Capabilities:
         host_kernel: it has a host kernel fast enough for offloaded state (CPU offload).
         state: its per-element state tensors, each shaped like the parameter (memory estimates).
         reads_loss: its step calls the closure (reads a loss).
+        swaps_weights: its optimizer has ``train()`` / ``eval()`` that swap the parameters between the sequence
+            it steps and the weights to evaluate (Schedule-Free); ``ChainedOptimizer.train`` / ``eval`` forward
+            them, and each stage publishes the swapped values as after a step.
     """
 
     elementwise: bool = True
@@ -50,6 +53,7 @@ class Capabilities:
     host_kernel: bool = False
     state: tuple[str, ...] = ()
     reads_loss: bool = False
+    swaps_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.elementwise and self.whole_matrices:
@@ -243,6 +247,9 @@ def _register_builtins() -> None:
     register("adamuon", adaptive, family="muon", defaults={"moment2_method": "adamuon"}, kwargs=adaptive_kwargs,
              capabilities=both)
     register("adaptive_muon", adaptive, family="muon", kwargs=adaptive_kwargs, capabilities=both)
+    register("schedule_free_adamw", "optstack.algorithms.schedule_free:ScheduleFreeAdamW", family="other",
+             kwargs="optstack.algorithms.schedule_free:kwargs_from_config",
+             capabilities=Capabilities(state=("z", "exp_avg_sq"), swaps_weights=True))
 
 
 _register_builtins()

@@ -239,6 +239,19 @@ class Stage:
         """Wait for parameter gathers still in flight (with overlap they run during the next forward)."""
         self.placement.finish()
 
+    def swap_weights(self, mode: str) -> None:
+        """``mode`` "train" or "eval": call the inner optimizer's ``train()`` / ``eval()`` where its algorithm
+        swaps weights (Schedule-Free; a no-op otherwise), then publish the stepped values as a step does, so
+        every rank's model holds them. Collective where publishing is."""
+        swap = getattr(self.optimizer, mode, None)
+        if not callable(swap):
+            return
+        self.reload_states()
+        self.placement.finish()
+        swap()
+        self._publish()
+        self.placement.finish()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the stepped tensors' gradients and those of every model parameter of the groups."""
         self._ready = []  # else a gradient set to None would stay alive here until the next step
