@@ -507,10 +507,11 @@ def check_combination(config: OptimizerConfig, spec_of: Callable[[str], Algorith
             raise ValueError(f"adam.{name}='8bit' quantizes Adam's moments, but algorithm={algorithm!r} keeps none "
                              "(the setting would be ignored); use an Adam-family algorithm (or Muon, whose "
                              f"scalar parameters AdamW steps), or leave adam.{name} at 'fp32'")
-    if distributed.sharding == "layerwise" and spec().family != "muon":
-        raise ValueError("distributed.sharding='layerwise' needs a Muon-family algorithm (it assigns whole matrices "
-                         f"to ranks for Newton-Schulz), got algorithm={algorithm!r}, whose state would silently stay "
-                         "replicated; use distributed.sharding='zero1' to shard it, or algorithm='muon'")
+    if distributed.sharding == "layerwise" and not spec().capabilities.whole_matrices:
+        raise ValueError("distributed.sharding='layerwise' needs a Muon-family algorithm (one whose capabilities "
+                         "declare whole_matrices: muon, normuon, adamuon, or one registered so; it assigns whole "
+                         f"matrices to ranks for Newton-Schulz), got algorithm={algorithm!r}, whose state would "
+                         "silently stay replicated; use distributed.sharding='zero1' to shard it, or algorithm='muon'")
 
 
 def _check_offloadable(spec: AlgorithmSpec) -> None:
