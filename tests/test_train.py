@@ -155,3 +155,17 @@ def test_demo_clips_at_one_explicitly(capsys: pytest.CaptureFixture[str]) -> Non
     assert load_config(overrides=[parse_override("optimizer.clip_grad=0")]).optimizer.clip_grad == 0.0
     assert main(["train", "--print-config"]) == 0
     assert "\nclip_grad = 1.0\n" in capsys.readouterr().out
+
+
+def test_schedule_free_evaluates_the_averaged_weights_and_resumes_exactly(tmp_path: Path) -> None:
+    # eval() before each evaluation puts x in the model, train() puts y back; the checkpoint (saved after)
+    # resumes into the same run
+    common = ["--optimizer", "schedule_free_adamw", "--eval-every", "6", "--set", "schedule.decay_steps=12"]
+    assert run(tmp_path / "a", "--steps", "12", *common) == 0
+    assert run(tmp_path / "b", "--steps", "6", *common) == 0
+    assert run(tmp_path / "b", "--steps", "12", "--resume") == 0
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert [r["step"] for r in a if r["val_loss"] is not None] == [6, 12]
+    keys = ("loss", "val_loss", "grad_norm")
+    assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a]
+    assert a[-1]["loss"] < a[0]["loss"] - 0.5
