@@ -171,3 +171,10 @@ def test_bad_settings_and_placements_are_refused() -> None:
     # sharded by zero1 instead
     with pytest.raises(ValueError, match="sharding='layerwise'.*schedule_free_adamw.*sharding='zero1'"):
         OptimizerConfig(algorithm="schedule_free_adamw", distributed=DistributedConfig(sharding="layerwise"))
+
+
+def test_offload_is_refused_naming_the_algorithm() -> None:
+    from optstack.config import OffloadConfig
+
+    with pytest.raises(ValueError, match="host kernel, but 'schedule_free_adamw' has none"):
+        OptimizerConfig(algorithm="schedule_free_adamw", offload=OffloadConfig(enabled=True, fraction=1.0))
