@@ -123,10 +123,15 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-remainders"])
 def test_eval_is_reachable_from_the_built_optimizer_and_publishes_to_the_model(precision: str) -> None:
+    from optstack.config import MastersConfig
+
+    remainders = precision == "bf16-remainders"
+    precision = "bf16" if remainders else precision
     config = OptimizerConfig(algorithm="schedule_free_adamw", lr=0.1, weight_decay=0.0, precision=precision,
-                             schedule_free=ScheduleFreeConfig(warmup_steps=2))
+                             schedule_free=ScheduleFreeConfig(warmup_steps=2),
+                             masters=MastersConfig(store_remainders=remainders))
     model = _model().to(torch.bfloat16 if precision == "bf16" else torch.float32)
     built = build_optimizer(config, model)
     plain = _model()

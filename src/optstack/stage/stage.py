@@ -248,6 +248,7 @@ class Stage:
             return
         self.reload_states()
         self.placement.finish()
+        self.precision.materialize()  # a master held as a remainder is whole while the swap writes it
         swap()
         self._publish()
         self.placement.finish()
