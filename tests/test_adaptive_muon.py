@@ -184,3 +184,25 @@ def test_config_section_is_validated_and_vectors_are_refused() -> None:
         AdaptiveMuonConfig(beta2=1.5)
     with pytest.raises(ValueError, match="Muon needs 2-D parameters.*Route it to AdamW"):
         AdaptiveMuon([torch.nn.Parameter(torch.zeros(4))])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stacks_cut_into_chunks_keep_each_matrix_moment(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stack larger than the chunk limit is split along its batch dim: each part's rows of v go with it.
+    from optstack.algorithms import adaptive_muon
+
+    monkeypatch.setattr(adaptive_muon, "_MAX_STACK_ELEMENTS", 2 * 16 * 32)  # at most 2 matrices per chunk
+    params = _params([(5, 16, 32), (16, 32)], 8)
+    refs = [p.detach().clone() for p in params]
+    m1, m2 = [torch.zeros_like(p) for p in refs], [_moment2(p, method) for p in refs]
+    opt = AdaptiveMuon(params, moment2_method=method, **HYPER)
+    for t in range(5):
+        grads = _grads(params, 30 + t)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        for p, g, m, v in zip(refs, grads, m1, m2, strict=True):
+            adaptive_muon_reference(p, g, m, v, coefficients="quintic", moment2_method=method, **HYPER)
+    for p, r, v in zip(params, refs, m2, strict=True):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["moment2_buffer"], v, rtol=1e-6, atol=1e-9)
