@@ -33,7 +33,7 @@ modes are Muon's only (refused here: the normalisation would have to follow the 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -160,11 +160,6 @@ class AdaptiveMuon(Muon):
         except ValueError:
             self.param_groups.pop()
             raise
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One step over every parameter that has a gradient; returns the closure's loss (or None)."""
-        return super().step(closure)
 
     def exported_state(self, param: Tensor) -> dict[str, Any]:
         """``self.state[param]`` with a per-row ``moment2_buffer`` spread over its row (element-wise, the
