@@ -18,7 +18,8 @@ def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_builtin_names() -> None:
-    assert algorithm_names() == ["adam", "adamw", "lion", "muon", "sgd"]
+    assert algorithm_names() == ["adam", "adamuon", "adamw", "adaptive_muon", "lion", "muon", "normuon",
+                                 "schedule_free_adamw", "sgd"]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,8 @@ def test_unknown_name_lists_known_names_and_plugin_forms() -> None:
     with pytest.raises(ValueError) as info:
         get_algorithm("adamm")
     message = str(info.value)
-    assert "'adamm'" in message and "adam, adamw, lion, muon, sgd" in message
+    known = "adam, adamuon, adamw, adaptive_muon, lion, muon, normuon, schedule_free_adamw, sgd"
+    assert "'adamm'" in message and known in message
     assert "'torch.optim.<Class>'" in message and "'package.module:Class'" in message
 
 
@@ -193,3 +195,21 @@ def test_a_lazy_kwargs_path_that_is_not_a_function_fails_on_lookup() -> None:
     register("mine", torch.optim.RMSprop, family="other", kwargs="optstack.algorithms.lion:__all__")
     with pytest.raises(ValueError, match="is not a function of the config"):
         get_algorithm("mine")
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_a_registered_whole_matrix_algorithm_gets_layerwise_and_refuses_vectors_naming_the_fix() -> None:
+    from optstack import OptimizerConfig, build_optimizer, wrap_data_parallel
+    from optstack.config import DistributedConfig
+    from optstack.rules import Name, Rule
+
+    register("whole_sgd", torch.optim.SGD, family="other",
+             capabilities=registry.Capabilities(elementwise=False, whole_matrices=True))
+    config = OptimizerConfig(algorithm="whole_sgd", distributed=DistributedConfig(sharding="layerwise"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    built = build_optimizer(config, wrap_data_parallel(config, model))
+    assert [type(s.optimizer).__name__ for s in built.optimizer.stages] == ["SGD", "AdamW"]  # vectors routed
+    with pytest.raises(ValueError, match=r"algorithm 'whole_sgd' needs whole matrices of 2 or 3 dims.*parameter "
+                                         r"'0.bias' has shape \(6,\).*Rule\(Ndim\(lt=2\), algorithm=\"adamw\"\)"):
+        build_optimizer(OptimizerConfig(algorithm="whole_sgd"), torch.nn.Sequential(torch.nn.Linear(4, 6)),
+                        rules=[Rule(Name("*"), algorithm="whole_sgd")])

@@ -180,3 +180,17 @@ def test_checkpoints_are_saved_in_the_background(tmp_path: Path, capsys: pytest.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest", "step_00000010", "step_00000010.train_state.json", "step_00000020",
         "step_00000020.train_state.json"]
+
+
+def test_schedule_free_evaluates_the_averaged_weights_and_resumes_exactly(tmp_path: Path) -> None:
+    # eval() before each evaluation puts x in the model, train() puts y back; the checkpoint (saved after)
+    # resumes into the same run
+    common = ["--optimizer", "schedule_free_adamw", "--eval-every", "6", "--set", "schedule.decay_steps=12"]
+    assert run(tmp_path / "a", "--steps", "12", *common) == 0
+    assert run(tmp_path / "b", "--steps", "6", *common) == 0
+    assert run(tmp_path / "b", "--steps", "12", "--resume") == 0
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert [r["step"] for r in a if r["val_loss"] is not None] == [6, 12]
+    keys = ("loss", "val_loss", "grad_norm")
+    assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a]
+    assert a[-1]["loss"] < a[0]["loss"] - 0.5

@@ -22,8 +22,8 @@ from optstack.offload import offloaded
 from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler, NoScaler
 from optstack.protocol import MakeOptimizer
 
-__all__ = ["AdamConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig", "MuonConfig",
-           "OffloadConfig",
+__all__ = ["AdamConfig", "AdaptiveMuonConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig",
+           "MuonConfig", "OffloadConfig", "ScheduleFreeConfig",
            "OptimizerConfig", "SGDConfig", "check_combination", "dtype_from_name"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -261,6 +261,42 @@ class MuonConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdaptiveMuonConfig:
+    """The second moment of the adaptive Muons (``normuon``, ``adamuon``, ``adaptive_muon``:
+    ``algorithms/adaptive_muon.py``); momentum, Newton-Schulz and scale come from ``muon``. ``moment2_method``
+    is read by ``adaptive_muon`` only (the other two names fix it)."""
+
+    moment2_method: Literal["normuon", "adamuon"] = "normuon"
+    beta2: float = 0.95
+    eps: float = 1e-8
+    sign_stabilised: bool = True
+    preserve_norm: bool = True
+
+    def __post_init__(self) -> None:
+        _validate("adaptive_muon.", self, moment2_method=_one_of("normuon", "adamuon"), beta2=_BETA, eps=_POSITIVE,
+                  sign_stabilised=_flag, preserve_norm=_flag)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleFreeConfig:
+    """Schedule-Free AdamW (``schedule_free_adamw``, ``algorithms/schedule_free.py``): ``beta1`` interpolates
+    between the fast sequence and the average, ``beta2`` is Adam's; the learning rate is constant after
+    ``warmup_steps`` (build the optimizer without ``lr_schedule``), the average weighted by
+    ``(k + 1) ** r * lr_max ** weight_lr_power``."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    r: float = 0.0
+    weight_lr_power: float = 2.0
+
+    def __post_init__(self) -> None:
+        _validate("schedule_free.", self, beta1=_number(0.0, 1.0, lo_open=True, hi_open=True), beta2=_BETA,
+                  eps=_NON_NEGATIVE, warmup_steps=_int(0), r=_NON_NEGATIVE, weight_lr_power=_NON_NEGATIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     """How optimizer state is spread across data-parallel ranks: ``sharding`` ``replicated`` (every rank holds
     everything), ``zero1`` (each rank owns an equal slice of every bucket; ``overlap_param_gather`` needs it) or
@@ -374,6 +410,8 @@ class OptimizerConfig:
     sgd: SGDConfig = field(default_factory=SGDConfig)
     lion: LionConfig = field(default_factory=LionConfig)
     muon: MuonConfig = field(default_factory=MuonConfig)
+    adaptive_muon: AdaptiveMuonConfig = field(default_factory=AdaptiveMuonConfig)
+    schedule_free: ScheduleFreeConfig = field(default_factory=ScheduleFreeConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     masters: MastersConfig = field(default_factory=MastersConfig)
@@ -469,10 +507,11 @@ def check_combination(config: OptimizerConfig, spec_of: Callable[[str], Algorith
             raise ValueError(f"adam.{name}='8bit' quantizes Adam's moments, but algorithm={algorithm!r} keeps none "
                              "(the setting would be ignored); use an Adam-family algorithm (or Muon, whose "
                              f"scalar parameters AdamW steps), or leave adam.{name} at 'fp32'")
-    if distributed.sharding == "layerwise" and spec().family != "muon":
-        raise ValueError("distributed.sharding='layerwise' needs a Muon-family algorithm (it assigns whole matrices "
-                         f"to ranks for Newton-Schulz), got algorithm={algorithm!r}, whose state would silently stay "
-                         "replicated; use distributed.sharding='zero1' to shard it, or algorithm='muon'")
+    if distributed.sharding == "layerwise" and not spec().capabilities.whole_matrices:
+        raise ValueError("distributed.sharding='layerwise' needs a Muon-family algorithm (one whose capabilities "
+                         "declare whole_matrices: muon, normuon, adamuon, or one registered so; it assigns whole "
+                         f"matrices to ranks for Newton-Schulz), got algorithm={algorithm!r}, whose state would "
+                         "silently stay replicated; use distributed.sharding='zero1' to shard it, or algorithm='muon'")
 
 
 def _check_offloadable(spec: AlgorithmSpec) -> None:

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from optstack.clip import check_norm_type, clip_coefficient
 from optstack.precision.scaler import LossScaler, NoScaler
 from optstack.protocol import StepResult, algorithm_name, phase
+from optstack.qk_clip import row_factors_of
 from optstack.stage import Stage
 from optstack.stage.sharded import is_sharded, local_part
 from optstack.torch_state import OptimizerState, check_names, check_shapes
@@ -288,6 +289,33 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """Wait for every stage's overlapped parameter gathers (before evaluation or saving)."""
         for stage in self._stages:
             stage.finish_param_sync()
+
+    def clip_qk(self, max_logits: Mapping[tuple[str, str], torch.Tensor], *, threshold: float,
+                alpha: float = 0.5) -> float:
+        """QK-clip (``optstack.qk_clip``; Kimi's MuonClip, Megatron's ``clip_qk``), after ``step()``: for each
+        ``(query weight name, key weight name)`` pair, the heads whose largest logit (``max_logits[pair]``, shape
+        ``(heads,)``, already reduced over the data-parallel ranks) exceeds ``threshold`` get their query rows
+        scaled by ``(threshold / S) ** alpha`` and key rows by ``(threshold / S) ** (1 - alpha)``, in the weights
+        the optimizer holds (masters, shards), then published to the model. Collective. Returns the largest logit.
+        """
+        shapes = {n: tuple(p.shape) for g in self.param_groups for n, p in zip(g["param_names"], g["params"],
+                                                                              strict=True)}
+        factors = row_factors_of(max_logits, shapes, threshold, alpha)
+        for stage in self._stages:
+            stage.scale_rows(factors)
+        return max((float(t.max()) for t in max_logits.values()), default=0.0)
+
+    def train(self) -> None:
+        """Training weights in the parameters, for algorithms that swap them (Schedule-Free: ``y``); a no-op for
+        the others. Collective (each stage publishes as after a step)."""
+        for stage in self._stages:
+            stage.swap_weights("train")
+
+    def eval(self) -> None:
+        """The weights to evaluate in the parameters, for algorithms that swap them (Schedule-Free: the average
+        ``x``); a no-op for the others. Call ``train()`` before the next step. Collective."""
+        for stage in self._stages:
+            stage.swap_weights("eval")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the data-parallel wrappers' buffers, and each parameter's ``.grad``."""

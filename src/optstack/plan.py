@@ -136,6 +136,19 @@ def placement_of(capabilities: Capabilities, sharding: str, *, wrapped: bool, dt
     return "zero1" if sharding == "zero1" and capabilities.elementwise else "replicated"
 
 
+def _check_capabilities(spec: ParamSpec, algorithm: str, config: Any) -> None:
+    """Refuse a parameter that its algorithm's capabilities cannot take (a whole-matrix algorithm given a vector
+    or a 4-D kernel), naming the parameter, the algorithm and the rule that routes it elsewhere."""
+    caps = get_algorithm(algorithm).capabilities
+    if caps.whole_matrices and len(spec.shape) not in caps.matrix_ndims:
+        scalar = config.muon.scalar_algorithm
+        rule = (f'Rule(Ndim(lt={min(caps.matrix_ndims)}), algorithm="{scalar}")' if len(spec.shape) < 2
+                else f'Rule(Name("{spec.name}"), algorithm="{scalar}")')
+        raise ValueError(f"algorithm {algorithm!r} needs whole matrices of {' or '.join(map(str, caps.matrix_ndims))}"
+                         f" dims (its capabilities); parameter {spec.name!r} has shape {spec.shape}. Route it to an "
+                         f"element-wise algorithm with a rule, e.g. {rule}")
+
+
 def pack_owners(costs: Sequence[float], ranks: int) -> list[int]:
     """Owner rank of each item: the makespan of largest-first-to-least-loaded (the optimum within the largest
     cost), then the items packed largest first into as few ranks as that makespan allows (first fit), so that
@@ -302,6 +315,7 @@ class ParamPlan:
             g = group_index[GroupKey.of(r)]
             key = keys[g]
             rows.append((spec, g, (dict(key.settings).get("algorithm", config.algorithm), key.is_expert)))
+            _check_capabilities(spec, rows[-1][2][0], config)
         notes: list[str] = []
         whole_bucket_sizes: dict[bool, int | None] = {}  # expert -> the bucket size of its whole-shard buffers
         whys = {kind: _why(kind[0], placements[kind], sharding, wrapped, dtensor) for kind in kinds}

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from optstack import OptimizerConfig, build_optimizer
+from optstack.algorithms.registry import get_algorithm
 from optstack.config import DistributedConfig
 from optstack.distributed.comm import world_comm
 
@@ -122,7 +123,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-@pytest.mark.parametrize("algorithm", ["adamw", "sgd", "lion", "muon"])
+@pytest.mark.parametrize("algorithm", ["adamw", "sgd", "lion", "muon", "normuon", "adamuon"])
 def test_fsdp2_fp32_matches_one_process(world2, algorithm: str) -> None:
     for out in world2.run(parallel_vs_single, algorithm, "fp32"):
         assert out["placements"] == ["(Shard(dim=0),)"]
@@ -274,7 +275,8 @@ def checkpoint_moves(root: str, algorithm: str, default_planner: bool = False) -
     save_checkpoint(f"{root}/a", opt, step=2)
     dcp.save({"model": fsdp.state_dict(), "optim": OptimizerState(fsdp, opt)}, checkpoint_id=f"{root}/dcp")
 
-    sharding = "layerwise" if algorithm == "muon" else "zero1"  # Muon needs whole matrices: layer-wise
+    # Muon-family algorithms need whole matrices: layer-wise
+    sharding = "layerwise" if get_algorithm(algorithm).family == "muon" else "zero1"
     zero1_config = OptimizerConfig(**{**config.__dict__, "distributed": DistributedConfig(sharding=sharding)})
     zero1 = wrap_data_parallel(zero1_config, fresh())
     opt = build_optimizer(zero1_config, zero1).optimizer
@@ -303,7 +305,7 @@ def checkpoint_moves(root: str, algorithm: str, default_planner: bool = False) -
             for name, m in ((f"fsdp->{sharding}->fsdp", again), ("fsdp->single", single), ("fsdp-dcp->tp", tp))}
 
 
-@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+@pytest.mark.parametrize("algorithm", ["adamw", "muon", "normuon", "adamuon"])
 def test_checkpoint_moves_between_fsdp2_zero1_one_process_and_tp(world2, tmp_path, algorithm: str) -> None:
     for out in world2.run(checkpoint_moves, str(tmp_path), algorithm):
         assert max(out.values()) <= 2e-6, out  # fp32 round-off of six steps (a lost state is ~1e-1)

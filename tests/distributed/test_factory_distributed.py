@@ -81,6 +81,9 @@ CASES = [
     {"algorithm": "adamw", "lr": 1e-2, "sharding": "zero1", "overlap_param_gather": True},
     {"algorithm": "sgd", "lr": 1e-2, "sharding": "zero1"},
     {"algorithm": "muon", "lr": 1e-2, "sharding": "layerwise", "clip_grad": 0.0},
+    # the adaptive Muons need whole matrices (their capabilities): owners under ZeRO-1, layer-wise
+    *({"algorithm": name, "lr": 1e-2, "sharding": sharding, "clip_grad": 0.0}
+      for name in ("normuon", "adamuon") for sharding in ("zero1", "layerwise")),
 ]
 
 

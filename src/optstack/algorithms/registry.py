@@ -1,11 +1,12 @@
 """The algorithm registry: optimizer classes by name, and plug-in of any ``torch.optim.Optimizer`` subclass.
 
-Built-in: ``adamw``, ``adam`` (L2 weight decay, as ``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``; any other
+Built-in: ``adamw``, ``adam`` (L2 weight decay, as ``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``, ``normuon``,
+``adamuon``, ``adaptive_muon`` (its ``moment2_method`` from the config) and ``schedule_free_adamw``; any other
 class as ``"torch.optim.<Class>"`` or ``"package.module:Class"``. Each name also says how its constructor kwargs
 come from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, plus what its module's ``kwargs_from_config``
 reads from its section (a plug-in gets only the two). Adding an optimizer is a file and a ``register`` line.
-``muon`` is registered by import path, imported on first lookup (no Newton-Schulz import before). The config is
-typed ``Any``: ``optstack.config`` builds on this registry, which must not import it back.
+``muon`` and the adaptive Muons are registered by import path, imported on first lookup (no Newton-Schulz import
+before). The config is typed ``Any``: ``optstack.config`` builds on this registry, which must not import it back.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Capabilities:
         host_kernel: it has a host kernel fast enough for offloaded state (CPU offload).
         state: its per-element state tensors, each shaped like the parameter (memory estimates).
         reads_loss: its step calls the closure (reads a loss).
+        swaps_weights: its optimizer has ``train()`` / ``eval()`` that swap the parameters between the sequence
+            it steps and the weights to evaluate (Schedule-Free); ``ChainedOptimizer.train`` / ``eval`` forward
+            them, and each stage publishes the swapped values as after a step.
     """
 
     elementwise: bool = True
@@ -49,6 +53,7 @@ class Capabilities:
     host_kernel: bool = False
     state: tuple[str, ...] = ()
     reads_loss: bool = False
+    swaps_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.elementwise and self.whole_matrices:
@@ -233,6 +238,18 @@ def _register_builtins() -> None:
     register("lion", lion.Lion, family="lion", kwargs=lion.kwargs_from_config)
     register("muon", "optstack.algorithms.muon:Muon", family="muon",
              kwargs="optstack.algorithms.muon:kwargs_from_config")
+    whole = Capabilities(elementwise=False, whole_matrices=True, state=("momentum_buffer",))
+    both = dataclasses.replace(whole, state=("momentum_buffer", "moment2_buffer"))
+    adaptive, adaptive_kwargs = "optstack.algorithms.adaptive_muon:AdaptiveMuon", \
+        "optstack.algorithms.adaptive_muon:kwargs_from_config"
+    register("normuon", adaptive, family="muon", defaults={"moment2_method": "normuon"}, kwargs=adaptive_kwargs,
+             capabilities=whole)
+    register("adamuon", adaptive, family="muon", defaults={"moment2_method": "adamuon"}, kwargs=adaptive_kwargs,
+             capabilities=both)
+    register("adaptive_muon", adaptive, family="muon", kwargs=adaptive_kwargs, capabilities=both)
+    register("schedule_free_adamw", "optstack.algorithms.schedule_free:ScheduleFreeAdamW", family="other",
+             kwargs="optstack.algorithms.schedule_free:kwargs_from_config",
+             capabilities=Capabilities(state=("z", "exp_avg_sq"), swaps_weights=True))
 
 
 _register_builtins()

@@ -359,7 +359,9 @@ def train(
                 val_loss = None
                 if step % cfg.train.eval_every == 0 or step == steps:
                     optimizer.finish_param_sync()  # every parameter current before evaluation reads them
+                    optimizer.eval()  # Schedule-Free: evaluate the averaged weights (a no-op for the others)
                     val_loss = _evaluate(gpt, corpus, cfg, device, comm)
+                    optimizer.train()
                     best_val = min(best_val, val_loss)
                     say(f"step {step}/{steps}: loss {last_loss:.4f}, val loss {val_loss:.4f}, "
                         f"{tokens_per_step / dt:,.0f} tokens/s")

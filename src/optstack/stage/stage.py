@@ -250,6 +250,50 @@ class Stage:
         """Wait for parameter gathers still in flight (with overlap they run during the next forward)."""
         self.placement.finish()
 
+    def swap_weights(self, mode: str) -> None:
+        """``mode`` "train" or "eval": call the inner optimizer's ``train()`` / ``eval()`` where its algorithm
+        swaps weights (Schedule-Free; a no-op otherwise), then publish the stepped values as a step does, so
+        every rank's model holds them. Collective where publishing is."""
+        swap = getattr(self.optimizer, mode, None)
+        if not callable(swap):
+            return
+        self.reload_states()
+        self.placement.finish()
+        self.precision.materialize()  # a master held as a remainder is whole while the swap writes it
+        swap()
+        self._publish()
+        self.placement.finish()
+
+    def scale_rows(self, factors: Mapping[str, torch.Tensor]) -> None:
+        """Multiply each row of the named 2-D parameters' stepped values (fp32 masters, or the parameters) by
+        ``factors[name]`` (shape ``(rows,)``), on whatever range of the parameter this rank holds, then publish as
+        a step does. Collective where publishing is: every rank passes the same names (QK-clip, ``qk_clip.py``).
+
+        Raises:
+            ValueError: DTensor placements (their local pieces are not flat ranges); nothing changes then.
+        """
+        mine = {n for g in self.param_groups for n in g["param_names"]} & set(factors)
+        if not mine:
+            return
+        if self.placement.kind.startswith("dtensor"):
+            raise ValueError(f"{self.name}: scaling rows (QK-clip) of {sorted(mine)[0]!r} is not supported for "
+                             "DTensor parameters (FSDP2 / tensor parallel) yet; use optstack's data-parallel wrapper "
+                             "(sharding 'replicated', 'zero1' or 'layerwise')")
+        self.reload_states()
+        self.placement.finish()
+        self.precision.materialize()
+        with torch.no_grad():
+            for piece, stepped in zip(self.pieces, self._stepped, strict=True):
+                factor = factors.get(piece.name)
+                if factor is None or piece.end == piece.start:
+                    continue
+                cols = piece.param.shape[-1]
+                rows = torch.arange(piece.start, piece.end, device=factor.device) // cols
+                flat = stepped.view(-1)
+                flat.mul_(factor[rows].to(device=flat.device, dtype=flat.dtype))
+        self._publish()
+        self.placement.finish()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the stepped tensors' gradients and those of every model parameter of the groups."""
         self._ready = []  # else a gradient set to None would stay alive here until the next step
