@@ -45,7 +45,8 @@ from optstack.distributed.param_gather import (
 from optstack.names import named_parameters
 from optstack.plan import ParamPlan, first_difference
 
-__all__ = ["DataParallel", "GradSync", "check_launched_world", "is_expert_param", "wrapper_holding"]
+__all__ = ["DataParallel", "GradSync", "check_launched_world", "is_expert_param", "wrapper_holding",
+           "wrappers_owning"]
 
 # gloo (loopback, 2 ranks): a reduce-scatter alone costs more than an all-reduce (benchmarks/bench_collectives.py).
 _SHARDED_REDUCTION_BY_BACKEND: dict[str, Literal["all_reduce", "reduce_scatter"]] = {"gloo": "all_reduce"}
@@ -699,12 +700,19 @@ class DataParallel(nn.Module):
 _LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
 
 
-def wrapper_holding(param: torch.Tensor) -> DataParallel | None:
-    """The live wrapper whose buffers hold ``param`` (its gradients go there, not to ``param.grad``), or None."""
+def wrapper_holding(*params: torch.Tensor) -> DataParallel | None:
+    """The live wrapper whose buffers hold every one of ``params`` (their gradients go there, not to
+    ``param.grad``), or None."""
     for ddp in list(_LIVE):
-        if id(param) in ddp._slot_of_param:
+        if params and all(id(p) in ddp._slot_of_param for p in params):
             return ddp
     return None
+
+
+def wrappers_owning(buffers: Sequence[ParamAndGradBuffer]) -> list[DataParallel]:
+    """The live wrappers owning any of ``buffers`` (Megatron's ``partition_buckets`` gets only buffers)."""
+    ids = {id(b) for b in buffers}
+    return [ddp for ddp in list(_LIVE) if any(id(b) in ids for b in ddp.param_and_grad_buffers)]
 
 
 def unwrapped_use_error(name: str, what: str) -> str:

@@ -1,7 +1,7 @@
 """Megatron's bucket groups over a ``DistributedDataParallel``'s buckets: ``BucketGroup`` (reductions started and
-finished together; the layer-wise optimizer's parameter gathers with ``overlap_param_gather``), ``partition_buckets``,
-and the registry of live wrappers through which both find the wrapper of given buffers or parameters
-(``wrapper_holding``).
+finished together; the layer-wise optimizer's parameter gathers with ``overlap_param_gather``) and
+``partition_buckets``, which finds the wrapper of given buffers through the core's live wrappers
+(``distributed.ddp.wrappers_owning``).
 
 The wrapper is ``optstack.megatron.ddp.DistributedDataParallel``, which builds the groups; it is typed here as its
 core base ``DataParallel`` so that the import runs one way (the wrapper imports this module).
@@ -9,28 +9,15 @@ core base ``DataParallel`` so that the import runs one way (the wrapper imports 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
 from optstack.distributed.buffers import Bucket, ParamAndGradBuffer
-from optstack.distributed.ddp import DataParallel
+from optstack.distributed.ddp import DataParallel, wrappers_owning
 from optstack.megatron.param_and_grad_buffer import BucketView
 
 __all__ = ["BucketGroup", "GradSyncError", "partition_buckets"]
-
-# Live wrappers, so partition_buckets (Megatron's signature: buffers only) finds the wrapper of its buffers.
-_WRAPPERS: weakref.WeakSet[DataParallel] = weakref.WeakSet()
-
-
-def wrapper_holding(params: list[torch.Tensor]) -> DataParallel | None:
-    """The live ``DistributedDataParallel`` whose buffers hold every parameter of ``params`` (None if none)."""
-    for ddp in list(_WRAPPERS):
-        if params and all(id(p) in ddp._main_grad_views for p in params):
-            return ddp
-    return None
-
 
 class GradSyncError(RuntimeError, AssertionError):
     """A gradient sync asked for out of order (Megatron asserts; an ``AssertionError`` too, for its callers)."""
@@ -243,8 +230,7 @@ def partition_buckets(buffers: list[ParamAndGradBuffer], force_single_bucket_gro
         ValueError: ``buffers`` empty or not all of one live ``DistributedDataParallel``.
     """
     buffers = [getattr(b, "core", b) for b in buffers]  # BufferView or the core buffer
-    owners = {id(ddp): ddp for ddp in list(_WRAPPERS)
-              if any(b is own for b in buffers for own in ddp.param_and_grad_buffers)}
+    owners = {id(ddp): ddp for ddp in wrappers_owning(buffers)}
     if not buffers or len(owners) != 1:
         raise ValueError(f"partition_buckets: buffers must be a non-empty list of one DistributedDataParallel's "
                          f"buffers (model.buffers), got {len(buffers)} buffers of {len(owners)} wrappers")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from optstack.megatron.bucket_groups import wrapper_holding
+from optstack.distributed.ddp import wrapper_holding
 from optstack.megatron.norm_groups import norm_group_kwargs
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import LossScaler
@@ -74,7 +74,7 @@ def _whole_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str
     """``_plain_groups`` for a stage stepping whole parameters: a data-parallel wrapper holding them that shards
     its gradients is told to reduce them whole (else no rank's ``p.grad`` would hold the reduced gradient)."""
     groups = _plain_groups(optimizer, owner)
-    ddp = wrapper_holding([p for g in groups for p in g["params"]])
+    ddp = wrapper_holding(*[p for g in groups for p in g["params"]])
     if ddp is not None and ddp.shard_grads:
         ddp.require_whole_grads()
     return groups

@@ -35,7 +35,7 @@ from torch import nn
 from optstack.distributed.buffers import Bucket, ParamAndGradBuffer
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
-from optstack.megatron.bucket_groups import _WRAPPERS, BucketGroup, GradSyncError
+from optstack.megatron.bucket_groups import BucketGroup, GradSyncError
 from optstack.megatron.ddp_config import (
     DistributedDataParallelConfig,
     _instance_groups,
@@ -209,7 +209,6 @@ class DistributedDataParallel(DataParallel):
                 for later, earlier in zip(kind[1:], kind[:-1], strict=True):
                     later.next_param_gather_bucket_group = earlier
             self.enable_forward_pre_hook()
-        _WRAPPERS.add(self)
 
     def _view_of(self, buffer: ParamAndGradBuffer) -> BufferView:
         return self._views[id(buffer)]
