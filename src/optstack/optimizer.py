@@ -269,6 +269,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 stage.step(grad_scale=inv_scale * coeff, piece_scales=ratios)
         return StepResult(applied=True, grad_norm=grad_norm, num_zeros=num_zeros, loss_scale=self._scaler.scale)
 
+    @property
+    def grad_syncs(self) -> list[Any]:
+        """The gradient syncs (data-parallel wrappers) this optimizer finishes before reading gradients."""
+        return list(self._grad_syncs)
+
+    def global_stats(self) -> tuple[list[float], bool]:
+        """``(per norm group, the global one first: sum |g|^p or max for inf; any gradient non-finite)``, reduced
+        over every stage's groups (collective): what the step clips and skips by."""
+        return self._global_stats()
+
     def _global_stats(self) -> tuple[list[float], bool]:
         """(per norm group, the global one first: the sum over stages of sum |g|^p, or the max for inf; whether
         any gradient is non-finite): one host sync for all stages."""

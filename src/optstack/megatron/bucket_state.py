@@ -44,7 +44,7 @@ class BucketRanges:
         stage = self._stage
         mine = {id(p) for g in (stage.param_groups if stage is not None else []) for p in g["params"]}
         views: list[BufferView] = []
-        for ddp in (s for s in self._chain._grad_syncs if isinstance(s, DataParallel)):
+        for ddp in (s for s in self._chain.grad_syncs if isinstance(s, DataParallel)):
             for buffer in ddp.param_and_grad_buffers:
                 if any(id(p) in mine for p in buffer.params):
                     view_of = getattr(ddp, "_view_of", None)

@@ -93,7 +93,7 @@ class ChainedOptimizer(MegatronOptimizer):
             self._chain = shared  # built together (get_megatron_optimizer): one chain already
         else:
             scaler = chains[0].scaler if chains else NoScaler()
-            syncs = list({id(s): s for c in chains for s in c._grad_syncs}.values())
+            syncs = list({id(s): s for c in chains for s in c.grad_syncs}.values())
             self._chain = _core_chain(stages, config if config is not None else _NO_CLIP, scaler, syncs)
 
     @staticmethod

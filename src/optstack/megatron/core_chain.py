@@ -129,6 +129,6 @@ def _reload(stages: Sequence[Stage], state_dict: Mapping[str, torch.Tensor] | No
 def _prepare(chain: CoreChained) -> bool:
     """Megatron's ``prepare_grads`` over a core chain: finish the gradient syncs, make the gradients ready (the
     stepped tensors' ``.grad``); whether any is non-finite on any rank."""
-    for sync in chain._grad_syncs:
+    for sync in chain.grad_syncs:
         sync.finish_grad_sync()
-    return chain._global_stats()[1]
+    return chain.global_stats()[1]

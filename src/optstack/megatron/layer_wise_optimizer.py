@@ -196,7 +196,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         for stage in self.stages:
             placement = stage.placement
             if isinstance(placement, LayerWise):
-                for param, owner in zip(placement._all, placement.owners, strict=True):
+                for param, owner in zip(placement.params, placement.owners, strict=True):
                     placement.dp.broadcast(param.data, owner)
 
     @torch.no_grad()
@@ -262,7 +262,7 @@ def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool, to_b
     stage = optimizer._stage if isinstance(optimizer, MegatronOptimizer) else None
     if stage is None:
         return optimizer
-    syncs = [s for s in optimizer._chain._grad_syncs if isinstance(s, DataParallel)]
+    syncs = [s for s in optimizer._chain.grad_syncs if isinstance(s, DataParallel)]
     kind = stage.placement.kind
     in_layer_wise_chain = any(s.placement.kind == "layerwise" for s in optimizer._chain.stages)
     if len(syncs) > 1 or (syncs and syncs[0].shard_grads) or isinstance(stage.placement, BucketSyncedLayerWise) \

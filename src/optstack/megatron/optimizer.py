@@ -183,7 +183,7 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
     if norm_groups:  # MTP parameters: the same chain, their gradients clipped by their group's own norm
         chain = CoreChained(chain.stages, scaler=chain.scaler, clip_grad=chain.clip_grad, norm_type=chain.norm_type,
                             grad_norm_skip_threshold=chain.grad_norm_skip_threshold,
-                            log_num_zeros_in_grad=chain.log_num_zeros_in_grad, grad_syncs=chain._grad_syncs,
+                            log_num_zeros_in_grad=chain.log_num_zeros_in_grad, grad_syncs=chain.grad_syncs,
                             defaults=chain.defaults, **norm_groups)
         built = dataclasses.replace(built, optimizer=chain)
     members: list[MegatronOptimizer] = []

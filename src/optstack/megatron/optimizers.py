@@ -153,7 +153,7 @@ class MegatronOptimizer(GradNormGroups):
             self._own = CoreChained(self.stages, scaler=self._chain.scaler, clip_grad=self._chain.clip_grad,
                                     grad_norm_skip_threshold=self._chain.grad_norm_skip_threshold,
                                     log_num_zeros_in_grad=self._chain.log_num_zeros_in_grad,
-                                    grad_syncs=self._chain._grad_syncs, norm_groups=self._chain.norm_groups,
+                                    grad_syncs=self._chain.grad_syncs, norm_groups=self._chain.norm_groups,
                                     norm_group_of=self._chain.norm_group_of)
         return self._own
 

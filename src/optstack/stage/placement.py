@@ -256,6 +256,11 @@ class LayerWise(Placement):
         return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True) if next(owner) == self.dp.rank]
                 for gn, gp in zip(names, params, strict=True)]
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter of the stage, in the order of ``owners``."""
+        return list(self._all)
+
     def cannot_add(self) -> str | None:
         return "the layer-wise placement assigns owner ranks to all parameters at construction"
 
