@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:
-    from optstack.optimizer import ChainedOptimizer
+
+class ChainedOptimizer(Protocol):
+    """What these views read of the optimizer that holds them (``optimizer.ChainedOptimizer``; named by its
+    shape so that this module, which it imports, imports nothing back)."""
+
+    _extra: dict[int, dict[Any, Any]]
+    _other: dict[Any, Any]
+    _stage_of: Mapping[int, Any]
+    _has_state: bool
+
+    def _live_entry(self, param: torch.Tensor) -> dict[str, Any]: ...
 
 __all__ = ["OptimizerState", "ParamState", "check_names", "check_shapes", "is_placeholder_name"]
 

@@ -546,6 +546,11 @@ class DataParallel(nn.Module):
         self._written = set(self._accum_views)
 
     @property
+    def wrapped_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The wrapped module's trainable ``(name, parameter)`` pairs, in module order (fixed at construction)."""
+        return list(self._named)
+
+    @property
     def grad_sync(self) -> GradSync:
         """Where this step's gradients are: ``ZEROED``, ``FILLING`` / ``ADDING`` (written, not yet all reduced) or
         ``REDUCED``."""

@@ -309,7 +309,7 @@ class DistributedDataParallel(DataParallel):
         parameter's gradient in the buffer, which the optimizer reads; ``main_grad`` is the buffer view again."""
         views = self._main_grad_views
         with torch.no_grad():
-            for name, param in self._named:
+            for name, param in self.wrapped_parameters:
                 view = views.get(id(param))
                 given = getattr(param, "main_grad", view)
                 if view is None or given is view:
