@@ -256,8 +256,9 @@ class MuonConfig:
                   scale_mode=_one_of("spectral", "unit_rms_norm", "shape_scaling"), extra_scale_factor=_POSITIVE,
                   matmul_precision=_one_of("highest", "high", "medium"), split_qkv=_flag,
                   scalar_algorithm=_registry_name, tp_mode=_one_of("duplicated", "blockwise", "distributed"))
-        if self.scalar_algorithm == "muon":
-            raise ValueError("muon.scalar_algorithm must not be 'muon' (it takes what Muon cannot)")
+        if self.scalar_algorithm == "muon" or get_algorithm(self.scalar_algorithm).capabilities.whole_matrices:
+            raise ValueError(f"muon.scalar_algorithm must not be {self.scalar_algorithm!r} (it takes what Muon cannot: "
+                             "vectors, embeddings; that algorithm steps whole matrices); e.g. 'adamw'")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -337,11 +337,14 @@ def _check_flags_survived(source: nn.Module | list[Any], named: Sequence[tuple[s
             + lost.format(name="<embedding>.weight", setting=f"max_lr={config.decoupled_lr}"))
     modules = [source] if isinstance(source, nn.Module) else [c for c in source if isinstance(c, nn.Module)]
     embeddings = {id(m.weight) for chunk in modules for m in chunk.modules() if isinstance(m, nn.Embedding)}
+    # an algorithm stepping whole matrices (Muon and its kin) is no place for an embedding table
     to_muon = [name for name, p in named if id(p) in embeddings and get_algorithm(
-        resolved[name].settings.get("algorithm", config.algorithm)).family == "muon"]
+        resolved[name].settings.get("algorithm", config.algorithm)).capabilities.whole_matrices]
     if to_muon:
+        algorithm = resolved[to_muon[0]].settings.get("algorithm", config.algorithm)
+        target = "Muon" if get_algorithm(algorithm).family == "muon" else f"{algorithm!r} (whole matrices)"
         raise ValueError(
-            f"parameter {to_muon[0]!r} is an nn.Embedding's weight, and it would go to Muon: no parameter of this "
+            f"parameter {to_muon[0]!r} is an nn.Embedding's weight, and it would go to {target}: no parameter of this "
             "FSDP2 / DTensor model carries is_embedding_or_output_parameter, the flag that routes embeddings and "
             "the output layer to AdamW. " + lost.format(name=to_muon[0], setting="algorithm='adamw'"))
 
