@@ -431,26 +431,22 @@ def _build_stages(
         elif placement == "zero1":
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif placement in ("zero1_whole", "zero1_owners", "layerwise") \
-                and config.distributed.sharding == "zero1" and ddp.shard_grads and ddp.holds_whole(params):
-            # whole matrices in their owners' reduce-scatter shards: ZeRO-1 over whole matrices
-            stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
-                                overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif placement in ("zero1_whole", "zero1_owners", "layerwise") and ddp.shard_grads \
-                and not ddp.reduces_whole(params):
-            # the wrapper reduce-scatters these matrices' gradients (the plan's choice, or a wrapper built by
-            # hand that cuts them): owners gather their matrices' pieces from the shards; the wrapper is left
-            # as it was built
-            owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage and p.owner is not None}
-            usable = placement != "zero1_whole" and plan.topology.instances == 1 and len(owners) == len(params)
-            stage = owners_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
-                                 owners=owners if usable else None)
         elif placement in ("zero1_whole", "zero1_owners", "layerwise"):
-            # whole reduced gradients on every rank: owners step whole matrices, then broadcast
-            owners = {p.name: p.owner for p in plan.params if p.stage == index_of_stage and p.owner is not None}
-            usable = placement != "zero1_whole" and (placement == "layerwise" or plan.topology.instances == 1)
-            stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
-                                    owners=owners if usable and len(owners) == len(params) else None)
+            # owners step whole matrices; the plan's owners serve a stage over the group they were balanced over
+            owners = plan.stage_owners(index_of_stage)
+            same_group = plan.topology.instances == 1
+            if config.distributed.sharding == "zero1" and ddp.shard_grads and ddp.holds_whole(params):
+                # whole matrices in their owners' reduce-scatter shards: ZeRO-1 over whole matrices
+                stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
+                                    overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
+            elif ddp.shard_grads and not ddp.reduces_whole(params):
+                # reduce-scattered gradients (the plan's choice, or a hand-built wrapper cutting the matrices):
+                # owners gather their matrices' pieces from the shards; the wrapper stays as it was built
+                stage = owners_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
+                                     owners=owners if same_group or placement == "zero1_owners" else None)
+            else:  # whole reduced gradients on every rank: owners step whole matrices, then broadcast
+                stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
+                                        owners=owners if same_group or placement == "layerwise" else None)
         else:
             if not ddp.reduces_whole(params):
                 ddp.require_whole_grads()  # a hand-built sharding wrapper under a replicated stage

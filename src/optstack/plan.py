@@ -152,12 +152,8 @@ def _check_capabilities(spec: ParamSpec, algorithm: str, config: Any) -> None:
 def pack_owners(costs: Sequence[float], ranks: int) -> list[int]:
     """Owner rank of each item: the makespan of largest-first-to-least-loaded (the optimum within the largest
     cost), then the items packed largest first into as few ranks as that makespan allows (first fit), so that
-    the ranks holding work hold about equal work; where first fit needs more ranks, the greedy assignment."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
-    for index, cost in enumerate(costs):
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
-            raise ValueError(f"costs[{index}] must be a finite number >= 0, got {cost!r}")
+    the ranks holding work hold about equal work; where first fit needs more ranks, the greedy assignment.
+    ``assign_params`` checks the arguments."""
     greedy = assign_params(list(costs), ranks)
     loads = [0.0] * ranks
     for cost, owner in zip(costs, greedy, strict=True):
@@ -366,6 +362,13 @@ class ParamPlan:
             if (stage.algorithm, stage.expert) == (algorithm, expert):
                 return stage.placement
         raise ValueError(f"the plan has no stage of {algorithm!r} (expert={expert})")
+
+    def stage_owners(self, stage: int) -> dict[str, int] | None:
+        """Parameter name -> owner rank for a stage the plan placed with owners of its own choosing (``layerwise``
+        over the data-parallel group, ``zero1_owners`` over the shard group), else None."""
+        if self.stages[stage].placement not in ("layerwise", "zero1_owners"):
+            return None
+        return {p.name: p.owner for p in self.params if p.stage == stage and p.owner is not None}
 
     def whole_shard_names(self) -> frozenset[str]:
         """Parameters laid out whole inside one rank's shard (whole-shard buffers)."""

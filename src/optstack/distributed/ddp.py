@@ -94,6 +94,12 @@ class GradSync(enum.Enum):
     REDUCED = "reduced"
 
 
+#: no gradient written since the buffers were zeroed or reduced (``finish_grad_sync`` has nothing to do)
+_SETTLED = frozenset({GradSync.ZEROED, GradSync.REDUCED})
+#: views not yet written this step are zero only logically (lazy zeroing)
+_LAZY = frozenset({GradSync.ZEROED, GradSync.FILLING})
+
+
 class DataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over contiguous gradient buffers (module docstring).
 
@@ -242,7 +248,7 @@ class DataParallel(nn.Module):
         if self._handles[pos] is not None or (self._sync_enabled and id(param) in self._ready):
             raise RuntimeError(f"parameter {buf.name_of(param)!r} got a second gradient before finish_grad_sync(); "
                                "accumulate micro-batches inside no_sync() and call finish_grad_sync() once per step")
-        if self._sync is GradSync.ZEROED or self._sync is GradSync.REDUCED:  # the first gradient of a step
+        if self._sync in _SETTLED:  # the first gradient of a step
             self._begin_step(in_hook=True)
         self._write_grad(param, param.grad)
         param.grad = None
@@ -398,7 +404,7 @@ class DataParallel(nn.Module):
         if id(param) in self._ready or self._handles[pos] is not None:
             raise RuntimeError(f"parameter {buf.name_of(param)!r} was already marked ready this step; call "
                                "finish_grad_sync() first")
-        if self._sync is GradSync.ZEROED or self._sync is GradSync.REDUCED:
+        if self._sync in _SETTLED:
             self._begin_step(in_hook=False)  # written directly: scale at launch
         self._ready.add(id(param))
         self._pending[pos] -= 1
@@ -408,7 +414,7 @@ class DataParallel(nn.Module):
     def start_grad_sync(self, *, through: int | None = None, force_all_reduce: bool = False) -> None:
         """Launch the reductions of the buckets not launched yet (in launch order, up to position ``through``
         of ``bucket_order`` when given), whether or not their gradients were marked ready."""
-        if self._sync is GradSync.ZEROED or self._sync is GradSync.REDUCED:
+        if self._sync in _SETTLED:
             self._begin_step(in_hook=False)
         last = len(self._order) - 1 if through is None else through
         self._force_all_reduce = force_all_reduce
@@ -573,7 +579,7 @@ class DataParallel(nn.Module):
         if entry is None:
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
                              "wrapped module")
-        if self._sync is GradSync.ZEROED or self._sync is GradSync.FILLING:
+        if self._sync in _LAZY:
             self._zero_unwritten([param])  # its gradient is zero until written
         local = entry[1].local_grad(param)
         return local if local is not None else entry[1].grad_view(param)
