@@ -5,6 +5,8 @@ from the buffers; the same training as one process stepping Muon on the whole ba
 
 from __future__ import annotations
 
+import contextlib
+
 STEPS = 3
 
 
@@ -31,6 +33,19 @@ def _config(overlap: bool):
 
     return OptimizerConfig(optimizer="muon", lr=2e-2, weight_decay=0.01, clip_grad=0.5, overlap_param_gather=overlap,
                            use_layer_wise_distributed_optimizer=True)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """References run with the ranks' single thread: a multi-threaded matmul rounds differently (CI's 2 cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _flat(model) -> list[float]:
@@ -159,7 +174,9 @@ def test_megatrons_own_wiring_over_the_laid_out_wrapper(world2):
 
     first, second = world2.run(_direct)
     assert first == second
-    torch.testing.assert_close(torch.tensor(first), torch.tensor(_direct_reference()), rtol=1e-5, atol=1e-6)
+    with _one_thread():
+        reference = _direct_reference()
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(reference), rtol=1e-5, atol=1e-6)
 
 
 def _one_process() -> list[float]:
@@ -186,7 +203,8 @@ def _one_process() -> list[float]:
 def test_laid_out_layer_wise_matches_one_process(world2):
     import torch
 
-    reference = torch.tensor(_one_process())
+    with _one_thread():
+        reference = torch.tensor(_one_process())
     for overlap, bucket_size in ((False, None), (True, 500)):
         first, second = world2.run(_laid_out, overlap, bucket_size)
         assert first["params"] == second["params"]  # the buckets' all-gather gave every rank every parameter
@@ -234,12 +252,18 @@ def test_laid_out_layer_wise_in_two_instances_matches_one_process(world4):
     model = _model()
     opt = get_megatron_optimizer(dataclasses.replace(_config(False), use_layer_wise_distributed_optimizer=False),
                                  [model])
-    for step in range(STEPS):
-        opt.zero_grad()
-        for rank in range(4):
-            x, y = _batch(rank, step)
-            (torch.nn.MSELoss()(model(x), y) / 4).backward()
-        assert opt.step()[0]
+    params = list(model.parameters())
+    with _one_thread():
+        for step in range(STEPS):
+            opt.zero_grad()
+            grads = []
+            for rank in range(4):
+                x, y = _batch(rank, step)
+                grads.append(torch.autograd.grad(torch.nn.MSELoss()(model(x), y) / 4, params))
+            # summed in the ranks' order: each instance's pair, then across the two instances
+            for p, g0, g1, g2, g3 in zip(params, *grads):
+                p.grad = (g0 + g1) + (g2 + g3)
+            assert opt.step()[0]
     reference = torch.tensor(_flat(model))
     outs = world4.run(_instances, 2)
     for out in outs:
