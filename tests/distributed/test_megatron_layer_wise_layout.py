@@ -261,7 +261,7 @@ def test_laid_out_layer_wise_in_two_instances_matches_one_process(world4):
                 x, y = _batch(rank, step)
                 grads.append(torch.autograd.grad(torch.nn.MSELoss()(model(x), y) / 4, params))
             # summed in the ranks' order: each instance's pair, then across the two instances
-            for p, g0, g1, g2, g3 in zip(params, *grads):
+            for p, g0, g1, g2, g3 in zip(params, *grads, strict=True):
                 p.grad = (g0 + g1) + (g2 + g3)
             assert opt.step()[0]
     reference = torch.tensor(_flat(model))
