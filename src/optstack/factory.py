@@ -448,8 +448,7 @@ def _build_stages(
                 stage = layerwise_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
                                         owners=owners if same_group or placement == "layerwise" else None)
         else:
-            if not ddp.reduces_whole(params):
-                ddp.require_whole_grads()  # a hand-built sharding wrapper under a replicated stage
+            # (over a hand-built sharding wrapper it gathers the reduced shards: the wrapper stays as built)
             stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert,
                                      precision=precision if masters else Direct())
         stages.append(stage)

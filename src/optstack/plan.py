@@ -278,7 +278,7 @@ class ParamPlan:
     def build(cls, config: Any, specs: Sequence[ParamSpec], resolved: Mapping[str, Resolved], topology: Topology,
               *, keys: Sequence[GroupKey] | None = None, wrapped: bool = True, dtensor: bool = False,
               bucketing: Bucketing | None = None, shard_align: int = 128, param_align: int = 64,
-              grad_dtype: torch.dtype | None = None) -> ParamPlan:
+              grad_dtype: torch.dtype | None = None, bucket_size: int | None | str = "config") -> ParamPlan:
         """Plan ``specs`` (model order) with their ``resolved`` settings for ``config`` on ``topology``.
 
         Args:
@@ -286,6 +286,8 @@ class ParamPlan:
             wrapped: the model is (to be) wrapped by optstack's data-parallel wrapper: buffers are planned.
             dtensor: the parameters are DTensors (FSDP2 / tensor parallel): DTensor placements, no buffers.
             bucketing, shard_align, param_align, grad_dtype: the wrapper's layout settings (``DataParallel``).
+            bucket_size: elements per bucket, None for one bucket per buffer; "config":
+                ``config.distributed.bucket_size`` (None there: 40M).
 
         Raises:
             ValueError: a spec without resolved settings, or an unknown algorithm (listing the known ones).
@@ -293,7 +295,8 @@ class ParamPlan:
         keys = tuple(group_keys(resolved) if keys is None else keys)
         group_index = {k: i for i, k in enumerate(keys)}
         sharding = config.distributed.sharding
-        bucket_size = config.distributed.bucket_size if config.distributed.bucket_size is not None else 40_000_000
+        if bucket_size == "config":
+            bucket_size = config.distributed.bucket_size if config.distributed.bucket_size is not None else 40_000_000
         # stages: one per (algorithm, expert), in first-appearance order of the groups (the factory's order)
         kinds: dict[tuple[str, bool], list[int]] = {}
         for i, key in enumerate(keys):

@@ -111,6 +111,21 @@ def train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
         param_gather.BROADCAST_IN_PLACE = default
 
 
+def _whole_shard_plan(model: nn.Module, cfg: dict[str, Any], world: Any) -> Any:
+    """The wrapper's plan: Muon's matrices whole in their owners' shards, the rest ZeRO-1 ranges."""
+    from optstack.config import DistributedConfig, OptimizerConfig
+    from optstack.names import named_parameters
+    from optstack.plan import ParamPlan, Topology, specs_of
+    from optstack.rules import Name, Rule, resolve
+
+    config = OptimizerConfig(algorithm="adamw", distributed=DistributedConfig(sharding="zero1",
+                                                                            whole_matrices="whole_shards"))
+    named = named_parameters(model)
+    topology = Topology(dp=world.size, rank=world.rank, instances=cfg.get("instances", 1))
+    return ParamPlan.build(config, specs_of(named), resolve(named, [Rule(Name(*cfg["muon"]), algorithm="muon")]),
+                           topology, bucket_size=150, shard_align=4, param_align=4, grad_dtype=torch.float32)
+
+
 def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
     world = world_comm()
     model = _mlp(DTYPES[cfg["dtype"]])
@@ -120,9 +135,9 @@ def _train_layerwise(cfg: dict[str, Any]) -> dict[str, Any]:
         size = world.size // cfg["instances"]
         parts["shard_group"] = new_subgroups([range(i, i + size) for i in range(0, world.size, size)], name="part")
         parts["cross_shard_group"] = new_subgroups([range(r, world.size, size) for r in range(size)], name="across")
+    plan = _whole_shard_plan(model, cfg, world) if whole else None
     ddp = DataParallel(model, bucket_size=150, grad_dtype=torch.float32, shard_grads=whole, shard_align=4,
-                       param_align=4, average=cfg.get("average", True),
-                       whole_shards=(lambda name, p: name in cfg["muon"]) if whole else None, **parts)
+                       param_align=4, average=cfg.get("average", True), plan=plan, **parts)
     muon_groups, adamw_groups = _split(model, cfg["muon"])
     if whole:
         muon = zero1_stage(muon_groups, _muon, ddp=ddp, overlap_param_gather=cfg.get("overlap_param", False))

@@ -26,7 +26,7 @@ import hashlib
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -36,6 +36,7 @@ from optstack.distributed.buffers import Bucket, Bucketing, ParamAndGradBuffer, 
 from optstack.distributed.comm import Comm, Handle, NullComm, is_initialized
 from optstack.distributed.parallel import ParallelGroups
 from optstack.distributed.param_gather import (
+    GradGather,
     GradShards,
     ParamGather,
     ShardedLayout,
@@ -109,8 +110,8 @@ class DataParallel(nn.Module):
         bucket_size: elements per bucket (None = one bucket per buffer).
         grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
-        shard_grads: only each rank's owned slice must be reduced (ZeRO-1); an optimizer stepping whole
-            parameters over the wrapper has it reduce whole buckets anyway (``require_whole_grads``).
+        shard_grads: only each rank's owned slice must be reduced (ZeRO-1); a stage stepping whole parameters
+            over such buffers gathers what it needs from the shards (``grad_gather``, ``grad_shards``).
         average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
         divide_after_sum: with ``average``, divide after the sum (in the collective, Megatron's
             ``average_in_collective``) instead of scaling before it: gradients outside a rank's reduce-scatter
@@ -130,13 +131,11 @@ class DataParallel(nn.Module):
             own (e.g. fp32 for some bf16 parameters of a bf16 gradient buffer); rounded into the buffer for the
             reduction and given the reduced gradient back; ``main_grad`` returns it (Megatron's
             ``param_name_patterns_for_fp32_local_accumulation``; ``buffers.py``).
-        whole_shards: (name, parameter) -> whether it goes to a whole-shard buffer: laid out whole inside one
-            rank's shard (``buffers.py``), so with ``shard_grads`` a reduce-scatter gives its owner the whole
-            reduced gradient and a stage stepping whole matrices (Muon) is ZeRO-1 over it (``holds_whole``).
-        plan: the ``optstack.plan.ParamPlan`` to lay the buffers out by (``wrap_data_parallel`` passes one):
-            which parameters go whole into their owners' shards and which buffers are reduced whole (all-reduce,
-            for stages stepping whole parameters) are fixed by it here, never changed later. Instead of
-            ``whole_shards``.
+        plan: the ``optstack.plan.ParamPlan`` to lay the buffers out by (``wrap_data_parallel`` and the
+            Megatron face pass one): which parameters go whole into their owners' shards (whole-shard buffers: a
+            reduce-scatter gives each owner the whole reduced gradient of its matrices, ``holds_whole``), which
+            buffers are reduced whole and how buckets are cut are fixed by it here, never changed later; its
+            layouts replace ``bucket_size`` / ``bucketing`` / ``shard_align`` / ``param_align``.
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -151,7 +150,6 @@ class DataParallel(nn.Module):
                  shard_group: Comm | NullComm | None = None,
                  cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False,
                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
-                 whole_shards: Callable[[str, nn.Parameter], bool] | None = None,
                  plan: ParamPlan | None = None) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
@@ -190,11 +188,11 @@ class DataParallel(nn.Module):
                 list(reversed(named)), dp_size=self._dense_shard.size, expert_dp_size=self.groups.expert_dp.size,
                 bucket_size=bucket_size, grad_dtype=grad_dtype, is_expert=is_expert_param,
                 shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-                local_grad_dtypes=local_grad_dtypes, whole=whole_shards)
+                local_grad_dtypes=local_grad_dtypes)
         else:
-            if whole_shards is not None or bucketing is not None:
-                raise ValueError("DataParallel: pass a plan or whole_shards / bucketing, not both (the plan's "
-                                 "layouts say which parameters go whole and how buckets are cut)")
+            if bucketing is not None:
+                raise ValueError("DataParallel: pass a plan or bucketing, not both (the plan's layouts say how "
+                                 "buckets are cut)")
             self.param_and_grad_buffers = _buffers_of(plan, module, self, local_grad_dtypes)
             _check_same_plan(self.groups.dp, plan)
         self._data_ptrs = [p.data_ptr() for _, p in named]
@@ -227,7 +225,6 @@ class DataParallel(nn.Module):
         self._grads_exposed = False  # p.grad are views of the reduced buffers (finish_grad_sync)
         _LIVE.add(self)
         self._force_all_reduce = False  # finish_grad_sync(force_all_reduce=True): whole reduced gradients
-        self._whole_grads = False  # require_whole_grads(): every bucket all-reduced, whatever shard_grads says
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
@@ -316,7 +313,7 @@ class DataParallel(nn.Module):
         op = "avg" if self.divide_after_sum else "sum"
         if self.divide_after_sum and comm.size != self.groups.dp.size:  # expert: 1 / dp overall, as dense
             bucket.grad_data.mul_(comm.size / self.groups.dp.size)
-        whole = self._force_all_reduce or self._whole_grads or buf.key.all_reduce
+        whole = self._force_all_reduce or buf.key.all_reduce
         if self._partial(buf) and not whole:
             handle = self._reduce_in_part(buf, bucket, op)
         elif self.shard_grads and not whole and self._sharded_via(comm) == "reduce_scatter":
@@ -326,34 +323,23 @@ class DataParallel(nn.Module):
         self._handles[pos] = handle
         self._next = pos + 1
 
-    def require_whole_grads(self) -> None:
-        """Reduce every bucket whole (all-reduce over its group) from now on, even with ``shard_grads``: an
-        optimizer stage stepping whole parameters reads these buffers (a ZeRO-1 stage over the same wrapper still
-        finds its owned ranges reduced). Called when the optimizer is built, before the first backward.
-
-        Raises:
-            RuntimeError: reductions of this step were already launched (some reduced only into shards).
-        """
-        if self._whole_grads:
-            return
-        if any(h is not None for h in self._handles):
-            raise RuntimeError("require_whole_grads() while gradient reductions are in flight (some would reduce "
-                               "only each rank's shard); build the optimizer before the first backward, or call "
-                               "finish_grad_sync() and zero_grad_buffer() first")
-        self._whole_grads = True
-
     @property
     def whole_grads(self) -> bool:
-        """Every bucket is reduced whole on every rank (no ``shard_grads``, or ``require_whole_grads``)."""
-        return self._whole_grads or not self.shard_grads
+        """Every bucket is reduced whole on every rank (no ``shard_grads``)."""
+        return not self.shard_grads
 
     def reduces_whole(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether every one of ``params`` gets its whole reduced gradient on every rank: no ``shard_grads``, or
-        its buffer is reduced whole (the plan said so at construction, or ``require_whole_grads``)."""
+        its buffer is reduced whole (the plan said so at construction)."""
         if self.whole_grads:
             return True
         entries = [self._slot_of_param.get(id(param)) for param in params]
         return all(e is not None and e[1].key.all_reduce for e in entries)
+
+    def _scattered(self, buf: ParamAndGradBuffer) -> bool:
+        """Whether only each rank's shard of ``buf`` holds its reduced gradient after a sync."""
+        return self.shard_grads and not buf.key.all_reduce and (
+            self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter" or self._partial(buf))
 
     def _partial(self, buf: ParamAndGradBuffer) -> bool:
         """Whether ``buf`` is sharded over a part of the group it is reduced over (a partial ZeRO-1)."""
@@ -484,8 +470,7 @@ class DataParallel(nn.Module):
         rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
         optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
         for buf in self.param_and_grad_buffers:
-            whole = self._whole_grads or buf.key.all_reduce or not (self.shard_grads and (
-                self._sharded_via(self.reduce_comm(buf)) == "reduce_scatter" or self._partial(buf)))
+            whole = not self._scattered(buf)
             if whole and buf.key.grad_dtype == buf.key.param_dtype:
                 for p in buf.params:
                     p.grad = self._grad_views[id(p)]
@@ -585,7 +570,7 @@ class DataParallel(nn.Module):
         return local if local is not None else entry[1].grad_view(param)
 
     def holds_whole(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether every one of ``params`` is in a whole-shard buffer (``whole_shards``): whole inside one
+        """Whether every one of ``params`` is in a whole-shard buffer (the plan's): whole inside one
         rank's shard, so that a ZeRO-1 stage steps it whole, in its shape, on its owner."""
         entries = [self._slot_of_param.get(id(param)) for param in params]
         return bool(entries) and all(e is not None and e[1].key.whole for e in entries)
@@ -674,6 +659,28 @@ class DataParallel(nn.Module):
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return GradShards(comm, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, mine, where,
                           dtypes)
+
+    def grad_gather(self, params: Sequence[torch.Tensor]) -> GradGather:
+        """The all-gathers that give every rank the whole reduced gradients of ``params`` where their buckets are
+        reduce-scattered (none where they are reduced whole): for a stage stepping them replicated.
+
+        Raises:
+            ValueError: a parameter not trainable in the wrapped module.
+        """
+        wanted: dict[tuple[int, int], tuple[Comm | NullComm, torch.Tensor, torch.Tensor]] = {}
+        for param in params:
+            entry = self._slot_of_param.get(id(param))
+            if entry is None:
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                                 "DataParallel-wrapped module")
+            buffer = entry[1]
+            if not self._scattered(buffer):
+                continue
+            bucket = buffer.buckets[buffer.slot_of(param).bucket]
+            comm = self.shard_comm(buffer)
+            wanted[(id(buffer), bucket.index)] = (comm, buffer.grad_shard_view(bucket.index, comm.rank),
+                                                  bucket.grad_data)
+        return GradGather(list(wanted.values()))
 
     def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""

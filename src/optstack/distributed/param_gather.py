@@ -1,5 +1,6 @@
-"""The parameter gathers after a step: each bucket's updated ranges to every rank (ZeRO-1), and whole parameters
-from their owners (layer-wise).
+"""The gathers of the data-parallel path: after a step, each bucket's updated ranges to every rank (ZeRO-1) and
+whole parameters from their owners (layer-wise); before one, whole reduced gradients from reduce-scattered shards
+(``GradShards`` for owners, ``GradGather`` for a replicated stage).
 
 A ZeRO-1 gather is planned once per bucket: whole and in place when the bucket holds only this stage's
 parameters, else this stage's pieces packed per rank, so two stages sharing a bucket (e.g. Muon matrices
@@ -179,6 +180,22 @@ class GradShards:
         layout, name = self.where[id(param)]
         part = layout.owned_slice(name, rank)
         return None if part is None else (part.param_start, part.param_end)
+
+
+@dataclass(frozen=True)
+class GradGather:
+    """Whole reduced gradients on every rank from buckets the wrapper reduce-scatters: each rank's reduced shard
+    of every bucket all-gathered into the bucket (``DataParallel.grad_gather``), for a stage stepping whole
+    parameters replicated over a wrapper built to shard. A reduce-scatter and an all-gather move what one
+    all-reduce moves; the wrapper's reductions stay as built. Idempotent within a step."""
+
+    #: per bucket: (the group it is sharded over, this rank's reduced shard, the bucket's gradient)
+    buckets: Sequence[tuple[Comm | NullComm, torch.Tensor, torch.Tensor]]
+
+    @torch.no_grad()
+    def run(self) -> None:
+        for comm, shard, whole in self.buckets:
+            comm.all_gather_into(whole, shard.clone())  # the shard is a view of the output
 
 
 # Parameters of at least this many elements are broadcast in place, smaller ones packed per owner and dtype.

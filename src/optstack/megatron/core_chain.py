@@ -1,6 +1,6 @@
 """How the face's optimizer classes drive optstack's core chain (``optstack.optimizer.ChainedOptimizer``).
 
-- a torch optimizer's groups become a stage's (``_plain_groups``, ``_whole_groups``) and the torch optimizer the
+- a torch optimizer's groups become a stage's (``_plain_groups``; ``_whole_placement``) and the torch optimizer the
   stage's inner optimizer, its groups' ``params`` replaced by the tensors stepped (``_rebind``);
 - the core chain over stages takes an ``OptimizerConfig``'s ``clip_grad``, ``grad_norm_skip_threshold`` and
   ``log_num_zeros_in_grad`` (``_core_chain``);
@@ -20,7 +20,7 @@ from optstack.megatron.norm_groups import norm_group_kwargs
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import LossScaler
 from optstack.protocol import StepResult
-from optstack.stage import Stage
+from optstack.stage import Stage, Whole, WholeOverShards
 
 _NOT_SETTINGS = ("params", "param_names")
 
@@ -70,14 +70,17 @@ def _plain_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str
     return [{k: v for k, v in g.items() if k != "param_names"} for g in optimizer.param_groups]
 
 
-def _whole_groups(optimizer: torch.optim.Optimizer, owner: str) -> list[dict[str, Any]]:
-    """``_plain_groups`` for a stage stepping whole parameters: a data-parallel wrapper holding them that shards
-    its gradients is told to reduce them whole (else no rank's ``p.grad`` would hold the reduced gradient)."""
-    groups = _plain_groups(optimizer, owner)
-    ddp = wrapper_holding(*[p for g in groups for p in g["params"]])
-    if ddp is not None and ddp.shard_grads:
-        ddp.require_whole_grads()
-    return groups
+def _whole_placement(groups: Sequence[dict[str, Any]]) -> Whole:
+    """The placement of a stage stepping ``groups``' parameters whole on every rank: over a data-parallel wrapper
+    that reduce-scatters their buckets, each rank's reduced shard is gathered into them first (else no rank
+    would hold the reduced gradient); the wrapper stays as it was built."""
+    params = [p for g in groups for p in g["params"]]
+    ddp = wrapper_holding(*params)
+    if ddp is not None:
+        gather = ddp.grad_gather(params)
+        if gather.buckets:
+            return WholeOverShards(gather=gather, grad_of=ddp.main_grad)
+    return Whole()
 
 
 def _step(chain: CoreChained, groups: Sequence[dict[str, Any]], config: Any = None) -> StepResult:

@@ -39,11 +39,10 @@ from optstack.megatron.bucket_groups import BucketGroup, GradSyncError
 from optstack.megatron.ddp_config import (
     DistributedDataParallelConfig,
     _instance_groups,
-    _layer_wise_managed,
     check_ddp_config,
     fp32_local_accumulation,
     megatron_bucket_size,
-    megatron_bucketing,
+    megatron_plan,
 )
 from optstack.megatron.param_and_grad_buffer import (
     BufferView,
@@ -163,9 +162,6 @@ class DistributedDataParallel(DataParallel):
             shard_grads=ddp_config.use_distributed_optimizer,
             average=not per_token_loss,
             check_for_nan=ddp_config.check_for_nan_in_grad,
-            bucketing=megatron_bucketing(module, dp_size=groups.dp.size,
-                                         distributed_optimizer=ddp_config.use_distributed_optimizer,
-                                         high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw),
             shard_group=shard_group,
             cross_shard_group=cross_shard_group,
             # Megatron's buffers hold unreduced gradients outside each rank's shard, on every backend (the core's
@@ -174,9 +170,8 @@ class DistributedDataParallel(DataParallel):
             divide_after_sum=ddp_config.average_in_collective,
             local_grad_dtypes=fp32_local_accumulation(
                 module, ddp_config.param_name_patterns_for_fp32_local_accumulation),
-            # Megatron's current main: parameters tagged for the layer-wise optimizer (tag_params_for_buffer_routing)
-            # get whole-shard buffers of their own when gradients are reduce-scattered
-            whole_shards=_layer_wise_managed if ddp_config.use_distributed_optimizer else None,
+            plan=megatron_plan(module, ddp_config, groups, bucket_size=bucket_size,
+                               instances=ddp_config.num_distributed_optimizer_instances),
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step

@@ -55,12 +55,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from optstack.distributed.buffers import Bucketing
+from optstack.config import DistributedConfig, OptimizerConfig
 from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
+from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron.param_and_grad_buffer import megatron_bucketing_for
+from optstack.names import named_parameters
+from optstack.plan import ParamPlan, Topology, specs_of
+from optstack.rules import Attr, Rule, resolve
 
 __all__ = ["DDPConfigAssertion", "DistributedDataParallelConfig", "check_ddp_config", "megatron_bucket_size",
-           "megatron_bucketing"]
+           "megatron_plan"]
 
 _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -257,20 +261,34 @@ def _instance_groups(dp: Comm | NullComm, instances: int, intra: Any, inter: Any
 
 def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dict[str, torch.dtype]:
     """Megatron's ``param_name_patterns_for_fp32_local_accumulation``: {name: float32} for the trainable
-    parameters whose name matches a pattern (fnmatch; ``'all'`` matches every one)."""
-    return {name: torch.float32 for name, p in module.named_parameters()
-            if p.requires_grad and any(pat == "all" or fnmatch.fnmatch(name, pat) for pat in patterns)}
+    parameters whose name (the wrapped module's, as Megatron matches it) matches a pattern (fnmatch; ``'all'``
+    matches every one), keyed by the core's name of the parameter (``optstack.names``)."""
+    core_name = {id(p): n for n, p in named_parameters(module)}
+    return {core_name[id(p)]: torch.float32 for name, p in module.named_parameters()
+            if p.requires_grad and id(p) in core_name
+            and any(pat == "all" or fnmatch.fnmatch(name, pat) for pat in patterns)}
 
 
-def _layer_wise_managed(name: str, param: nn.Parameter) -> bool:
-    """Whether ``param`` goes to a whole-shard buffer: tagged for the layer-wise optimizer by Megatron's
-    ``tag_params_for_buffer_routing`` (``is_managed_by_layer_wise_optimizer``)."""
-    return bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
-
-
-def megatron_bucketing(module: nn.Module, *, dp_size: int, distributed_optimizer: bool,
-                       high_nccl_busbw: bool = False) -> Bucketing:
-    """Megatron's bucket boundaries (module docstring) for ``module``'s parameters."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    return megatron_bucketing_for(named, distributed_optimizer=distributed_optimizer, high_nccl_busbw=high_nccl_busbw)
+def megatron_plan(module: nn.Module, ddp_config: DistributedDataParallelConfig, groups: ParallelGroups, *,
+                  bucket_size: int | None, instances: int = 1) -> ParamPlan:
+    """The core ``ParamPlan`` of the face's wrapper: ``ddp_config`` translated (module docstring) into a config,
+    rules and a topology. Parameters tagged for the layer-wise optimizer by Megatron's
+    ``tag_params_for_buffer_routing`` (``is_managed_by_layer_wise_optimizer``) are planned as Muon's, so under the
+    distributed optimizer they get whole-shard buffers of their own (Megatron's current main); the rest as AdamW's
+    (element-wise: any range of a bucket). Only the layout is the face's: its optimizers plan their stages."""
+    named = named_parameters(module)
+    sharded = ddp_config.use_distributed_optimizer
+    config = OptimizerConfig(algorithm="adamw", distributed=DistributedConfig(
+        sharding="zero1" if sharded else "replicated", whole_matrices="whole_shards",
+        overlap_grad_reduce=ddp_config.overlap_grad_reduce, average_in_collective=ddp_config.average_in_collective))
+    rules = [Rule(Attr("is_managed_by_layer_wise_optimizer"), algorithm="muon",
+                  why="tag_params_for_buffer_routing: the layer-wise optimizer's")]
+    dp = groups.dp.size
+    topology = Topology(dp=dp, rank=groups.dp.rank, instances=instances, ep=max(1, dp // groups.expert_dp.size),
+                        tp=groups.tp.size, pp=groups.pp.size)
+    bucketing = megatron_bucketing_for(named, distributed_optimizer=sharded,
+                                       high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw)
+    return ParamPlan.build(config, specs_of(named), resolve(named, rules), topology, bucketing=bucketing,
+                           bucket_size=bucket_size,
+                           grad_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else None)
 

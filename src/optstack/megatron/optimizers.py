@@ -37,7 +37,7 @@ from optstack.megatron.core_chain import (
     _rebind,
     _reload,
     _step,
-    _whole_groups,
+    _whole_placement,
 )
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.norm_groups import GradNormGroups
@@ -49,7 +49,7 @@ from optstack.megatron.param_and_grad_buffer import (
 )
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import LossScaler, NoScaler
-from optstack.stage import Direct, Masters, Stage, Whole, zero1_stage
+from optstack.stage import Direct, Masters, Stage, zero1_stage
 
 __all__ = [
     "MegatronOptimizer", "FP32Optimizer", "MixedPrecisionOptimizer", "Float16OptimizerWithFloat16Params",
@@ -299,7 +299,8 @@ class FP32Optimizer(MegatronOptimizer):
         super().__init__(optimizer, config, init_state_fn)
         if optimizer is not None:
             owner = type(self).__name__
-            stage = Stage(_whole_groups(optimizer, owner), lambda groups: optimizer, placement=Whole(),
+            groups = _plain_groups(optimizer, owner)
+            stage = Stage(groups, lambda groups: optimizer, placement=_whole_placement(groups),
                           precision=Direct())
             self._attach(stage, _core_chain([stage], config, NoScaler()))
 
@@ -333,7 +334,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         super().__init__(optimizer, config, grad_scaler, init_state_fn)
         if optimizer is not None:
             owner = type(self).__name__
-            stage = Stage(_whole_groups(optimizer, owner), _rebind(optimizer, owner), placement=Whole(),
+            groups = _plain_groups(optimizer, owner)
+            stage = Stage(groups, _rebind(optimizer, owner), placement=_whole_placement(groups),
                           precision=Masters())
             self._attach(stage, _core_chain([stage], config, self.grad_scaler))
 

@@ -19,6 +19,7 @@ from optstack.stage.placement import (
     Piece,
     Placement,
     Whole,
+    WholeOverShards,
     Zero1,
     assign_params,
     newton_schulz_cost,
@@ -28,7 +29,7 @@ from optstack.stage.stage import Stage
 
 __all__ = [
     "Direct", "GradOf", "LayerWise", "Masters", "OwnersOverShards", "Piece", "Placement", "Precision", "Remainders",
-    "Stage", "Whole", "Zero1",
+    "Stage", "Whole", "WholeOverShards", "Zero1",
     "assign_params", "layerwise_stage", "newton_schulz_cost", "owners_stage", "replicated_stage", "zero1_stage",
 ]
 
@@ -41,13 +42,21 @@ def replicated_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Mak
                      masters: bool = True, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (),
                      tp_rank: int = 0, device: Any = None, ddp: DataParallel | None = None,
                      expert: bool = False, precision: Precision | None = None) -> Stage:
-    """Whole parameters on every rank. With ``ddp``, gradients come from its buffers and expert norms also
-    reduce over the expert-parallel group; ``masters=False`` steps bf16/fp16 parameters directly; a
-    ``precision`` given replaces the one ``masters`` picks."""
+    """Whole parameters on every rank. With ``ddp``, gradients come from its buffers (gathered from the shards
+    where it reduce-scatters them: ``WholeOverShards``) and expert norms also reduce over the expert-parallel
+    group; ``masters=False`` steps bf16/fp16 parameters directly; a ``precision`` given replaces the one
+    ``masters`` picks."""
+    placement: Whole
     if ddp is not None:
         g = ddp.groups
         grad_of, reduce_over, tp_rank = ddp.main_grad, ([g.ep, g.mp] if expert else [g.mp]), g.tp.rank
         device = ddp.device
+        gather = ddp.grad_gather([p for g in param_groups for p in g["params"]])
+        if gather.buckets:
+            placement = WholeOverShards(gather=gather, grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank,
+                                        device=device)
+            return Stage(param_groups, make_optimizer, placement=placement,
+                         precision=precision if precision is not None else _precision(masters))
     placement = Whole(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
     return Stage(param_groups, make_optimizer, placement=placement,
                  precision=precision if precision is not None else _precision(masters))
@@ -80,7 +89,8 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
         params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
         if not ddp.reduces_whole(params):
             raise ValueError("the layer-wise stage needs every rank to hold complete gradients; build the "
-                             "DataParallel wrapper with shard_grads=False, or call ddp.require_whole_grads()")
+                             "DataParallel wrapper with shard_grads=False, or use owners_stage, whose owners "
+                             "gather their matrices from the reduce-scattered shards")
         g = ddp.groups
         comm, grad_of, tp_rank = (g.expert_dp if expert else g.dp), ddp.main_grad, g.tp.rank
         reduce_over = [g.ep, g.mp] if expert else [g.mp]

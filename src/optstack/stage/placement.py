@@ -27,7 +27,7 @@ from optstack.clip import counts_toward_norm
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import unwrapped_use_error, wrapper_holding
 from optstack.distributed.parallel import ComposedComm
-from optstack.distributed.param_gather import GradShards, OwnerBroadcast, ParamGather, ShardedLayout
+from optstack.distributed.param_gather import GradGather, GradShards, OwnerBroadcast, ParamGather, ShardedLayout
 from optstack.plan import assign_params, newton_schulz_cost
 from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
@@ -167,6 +167,21 @@ class Placement:
 
 class Whole(Placement):
     """Every parameter whole on every rank (a single process, or replicated data parallelism)."""
+
+
+class WholeOverShards(Whole):
+    """Every parameter whole on every rank, over a wrapper that reduce-scatters their buckets: before the
+    gradients are read, every rank's reduced shard is all-gathered into the buckets (``GradGather``), so the
+    wrapper stays as it was built."""
+
+    def __init__(self, *, gather: GradGather, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gather = gather
+
+    def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
+        with phase("gather_grads"):
+            self.gather.run()
+        return super().grads(pieces)
 
 
 class Zero1(Placement):
