@@ -110,6 +110,8 @@ class DataParallel(nn.Module):
         bucket_size: elements per bucket (None = one bucket per buffer).
         grad_dtype: gradient buffer dtype (None = the parameter dtype; fp32 accumulates bf16 gradients in fp32).
         overlap_grad_reduce: launch reductions from the backward hooks (False: all in ``finish_grad_sync``).
+        overlap_after_first_sync: the hooks launch nothing before the first ``finish_grad_sync``, which starts
+            every reduction (Megatron's first batch, which learns which parameters get gradients).
         shard_grads: only each rank's owned slice must be reduced (ZeRO-1); a stage stepping whole parameters
             over such buffers gathers what it needs from the shards (``grad_gather``, ``grad_shards``).
         average: scale by 1 / data-parallel size before the sum (expert buckets too, as in Megatron); else sum.
@@ -150,7 +152,7 @@ class DataParallel(nn.Module):
                  shard_group: Comm | NullComm | None = None,
                  cross_shard_group: Comm | NullComm | None = None, divide_after_sum: bool = False,
                  local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
-                 plan: ParamPlan | None = None) -> None:
+                 plan: ParamPlan | None = None, overlap_after_first_sync: bool = False) -> None:
         super().__init__()
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
@@ -225,6 +227,7 @@ class DataParallel(nn.Module):
         self._grads_exposed = False  # p.grad are views of the reduced buffers (finish_grad_sync)
         _LIVE.add(self)
         self._force_all_reduce = False  # finish_grad_sync(force_all_reduce=True): whole reduced gradients
+        self._hooks_launch = overlap_grad_reduce and not overlap_after_first_sync  # until the first sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_params_unchanged()
@@ -253,7 +256,7 @@ class DataParallel(nn.Module):
             return
         self._ready.add(id(param))
         self._pending[pos] -= 1
-        if self.overlap_grad_reduce:
+        if self._hooks_launch:
             self._launch_ready()
 
     def _write_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -394,7 +397,7 @@ class DataParallel(nn.Module):
             self._begin_step(in_hook=False)  # written directly: scale at launch
         self._ready.add(id(param))
         self._pending[pos] -= 1
-        if self.overlap_grad_reduce and self._sync_enabled:
+        if self._hooks_launch and self._sync_enabled:
             self._launch_ready()
 
     def start_grad_sync(self, *, through: int | None = None, force_all_reduce: bool = False) -> None:
@@ -456,6 +459,7 @@ class DataParallel(nn.Module):
         nonfinite = self._nonfinite
         self._reset_sync_state()
         self._sync, self._written = GradSync.REDUCED, set()  # every view written or zeroed
+        self._hooks_launch = self.overlap_grad_reduce
         self._expose_grads()
         if nonfinite:
             raise RuntimeError(f"non-finite local gradient on {self.groups.dp.name} rank {self.groups.dp.rank} before "

@@ -198,6 +198,38 @@ class GradGather:
             comm.all_gather_into(whole, shard.clone())  # the shard is a view of the output
 
 
+@torch.no_grad()
+def gather_bucket(comm: Comm | NullComm, buffer: ParamAndGradBuffer, index: int) -> None:
+    """All-gather bucket ``index`` of ``buffer`` from every rank's shard of it, synchronously (the parameters each
+    rank's ZeRO-1 ranges hold, written by means other than a stage's own gather)."""
+    own = buffer.param_shard_view(index, comm.rank).clone()  # a view of the output
+    comm.all_gather_into(buffer.buckets[index].param_data, own)
+
+
+@torch.no_grad()
+def start_packed_broadcasts(comm: Comm | NullComm, per_owner: Sequence[Sequence[torch.Tensor]],
+                            scratch: torch.Tensor) -> tuple[list[torch.Tensor], list[Handle]]:
+    """Start publishing parameters stepped by their owners: rank r's ``per_owner[r]`` packed into the r-th part
+    of ``scratch`` (1-D, of their dtype) and broadcast from r (Megatron's layer-wise bucket gather, into the
+    idle gradient buffer). Returns the parts and the handles; ``unpack_broadcasts`` once they are waited for."""
+    sizes = [sum(p.numel() for p in params) for params in per_owner]
+    parts = list(scratch[:sum(sizes)].split(sizes))
+    if sizes[comm.rank]:
+        torch.cat([p.detach().reshape(-1) for p in per_owner[comm.rank]], out=parts[comm.rank])
+    handles = [comm.broadcast_async(part, rank) for rank, part in enumerate(parts) if part.numel()]
+    return parts, handles
+
+
+@torch.no_grad()
+def unpack_broadcasts(rank: int, per_owner: Sequence[Sequence[torch.Tensor]],
+                      parts: Sequence[torch.Tensor]) -> None:
+    """Copy the other owners' broadcast parts (``start_packed_broadcasts``) into their parameters."""
+    for owner, (params, part) in enumerate(zip(per_owner, parts, strict=True)):
+        if owner != rank and params:
+            for param, value in zip(params, part.split([p.numel() for p in params]), strict=True):
+                param.copy_(value.view_as(param))
+
+
 # Parameters of at least this many elements are broadcast in place, smaller ones packed per owner and dtype.
 # gloo, 2 ranks, 24 matrices: 11.4M elements 30-35 ms (per-parameter 35, all-gather 95-195); 0.3M packed 1.1 vs 5.
 BROADCAST_IN_PLACE = 1 << 16

@@ -15,6 +15,7 @@ import torch
 
 from optstack.distributed.buffers import Bucket, ParamAndGradBuffer
 from optstack.distributed.ddp import DataParallel, wrappers_owning
+from optstack.distributed.param_gather import start_packed_broadcasts, unpack_broadcasts
 from optstack.megatron.param_and_grad_buffer import BucketView
 
 __all__ = ["BucketGroup", "GradSyncError", "partition_buckets"]
@@ -140,7 +141,7 @@ class BucketGroup:
         if ddp.shard_grads:
             DataParallel.finish_param_sync(ddp)  # the optimizer's overlapped gathers still in flight land first
             for bucket in self._core_buckets:
-                ddp._gather_bucket(self.buffer, bucket)
+                ddp.gather_bucket(self.buffer, bucket)
             self.param_gather_dispatched = True
             return
         if self.param_gather_handle is not None:
@@ -151,20 +152,16 @@ class BucketGroup:
                                 "finish it first (finish_param_sync())")
         comm = ddp.shard_comm(self.buffer)
         handles = []
-        with torch.no_grad():
-            for bucket in self.buckets:
-                bucket.layerwise_gather_list = None
-                sizes = bucket.layerwise_param_flat_sizes
-                if comm.size == 1 or not sizes or max(sizes) == 0:
-                    continue
-                # Megatron's: the gather lands in the gradient buffer, as the parameters' dtype
-                receive = bucket.grad_data.view(bucket.params_list[0].dtype)
-                parts = list(receive[:sum(sizes)].split(sizes))
-                if sizes[comm.rank]:
-                    torch.cat([p.detach().reshape(-1) for p in bucket.layerwise_params_list[comm.rank]],
-                              out=parts[comm.rank])
-                handles += [comm.broadcast_async(part, rank) for rank, part in enumerate(parts) if part.numel()]
-                bucket.layerwise_gather_list = parts
+        for bucket in self.buckets:
+            bucket.layerwise_gather_list = None
+            sizes = bucket.layerwise_param_flat_sizes
+            if comm.size == 1 or not sizes or max(sizes) == 0:
+                continue
+            # Megatron's: the gather lands in the gradient buffer, as the parameters' dtype
+            parts, started = start_packed_broadcasts(comm, bucket.layerwise_params_list,
+                                                     bucket.grad_data.view(bucket.params_list[0].dtype))
+            handles += started
+            bucket.layerwise_gather_list = parts
         self.param_gather_handle = _Handles(handles) if handles else None
         self.param_gather_dispatched = True
         if force_sync or not ddp.ddp_config.overlap_param_gather:
@@ -200,18 +197,12 @@ class BucketGroup:
         self.param_gather_handle.wait()
         self.param_gather_handle = None
         rank = self._ddp.shard_comm(self.buffer).rank
-        with torch.no_grad():
-            for bucket in self.buckets:
-                if bucket.layerwise_gather_list is None or bucket.layerwise_params_list is None:
-                    bucket.layerwise_gather_list = None
-                    continue
-                for owner, (params, part) in enumerate(zip(bucket.layerwise_params_list,
-                                                           bucket.layerwise_gather_list, strict=True)):
-                    if owner != rank and params:
-                        for param, value in zip(params, part.split([p.numel() for p in params]), strict=True):
-                            param.copy_(value.view_as(param))
-                bucket.layerwise_gather_list = None
-                bucket.grad_data.zero_()  # it held the gather, not gradients
+        for bucket in self.buckets:
+            if bucket.layerwise_gather_list is not None and bucket.layerwise_params_list is not None:
+                unpack_broadcasts(rank, bucket.layerwise_params_list, bucket.layerwise_gather_list)
+                with torch.no_grad():
+                    bucket.grad_data.zero_()  # it held the gather, not gradients
+            bucket.layerwise_gather_list = None
 
     def free_overlap_buffers(self) -> None:
         """Finish a parameter gather in flight and drop the buckets' gather scratch (Megatron frees them

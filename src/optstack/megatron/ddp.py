@@ -35,6 +35,7 @@ from torch import nn
 from optstack.distributed.buffers import Bucket, ParamAndGradBuffer
 from optstack.distributed.ddp import DataParallel
 from optstack.distributed.parallel import ParallelGroups
+from optstack.distributed.param_gather import gather_bucket
 from optstack.megatron.bucket_groups import BucketGroup, GradSyncError
 from optstack.megatron.ddp_config import (
     DistributedDataParallelConfig,
@@ -172,6 +173,9 @@ class DistributedDataParallel(DataParallel):
                 module, ddp_config.param_name_patterns_for_fp32_local_accumulation),
             plan=megatron_plan(module, ddp_config, groups, bucket_size=bucket_size,
                                instances=ddp_config.num_distributed_optimizer_instances),
+            # Megatron's first batch only learns which parameters get gradients: backward launches no reduction
+            # (finish_grad_sync starts them), so until then every main_grad holds this rank's own gradient
+            overlap_after_first_sync=True,
         )
         self.config = config
         self._finished: set[int] = set()  # bucket groups finished one by one this step
@@ -184,7 +188,6 @@ class DistributedDataParallel(DataParallel):
         # Megatron's public contract: param.main_grad is the parameter's view of the gradient buffer (the face
         # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
         self._main_grad_views: dict[int, torch.Tensor] = {}
-        self._megatron_first_batch = True  # until the first finish_grad_sync (_launch_ready)
         self._synced_since_zero = False  # finish_grad_sync reduces at least once after zero_grad_buffer
         for buffer in self.param_and_grad_buffers:
             for param in buffer.params:
@@ -276,13 +279,6 @@ class DistributedDataParallel(DataParallel):
         """Start the reductions of every bucket not started yet."""
         super().start_grad_sync(through=through, force_all_reduce=force_all_reduce)
 
-    def _launch_ready(self) -> None:
-        # Megatron's first batch only learns which parameters get gradients: backward launches no reduction
-        # (finish_grad_sync starts them), so until then every main_grad holds this rank's own gradient.
-        if self._megatron_first_batch:
-            return
-        super()._launch_ready()
-
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:  # type: ignore[override]
         """Finish every bucket's reduction; a no-op when nothing was accumulated since the last one (the optimizer's
         step calls it too; module docstring).
@@ -295,7 +291,7 @@ class DistributedDataParallel(DataParallel):
             # gradient (the optimizer's step calls it again)
             super().start_grad_sync(force_all_reduce=force_all_reduce)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
-        self._megatron_first_batch, self._synced_since_zero = False, True
+        self._synced_since_zero = True
         self._finished = set()
         self._take_assigned_main_grads()
 
@@ -327,7 +323,7 @@ class DistributedDataParallel(DataParallel):
         if self.shard_grads:
             super().finish_param_sync()  # the optimizer's overlapped gathers still in flight land first
             for buffer, bucket in self.bucket_order:
-                self._gather_bucket(buffer, bucket)
+                self.gather_bucket(buffer, bucket)
             return
         for group in self.bucket_groups + self.expert_parallel_bucket_groups:
             group.start_param_sync(force_sync=force_sync)
@@ -393,17 +389,15 @@ class DistributedDataParallel(DataParallel):
             group._wait_layer_wise()
             group.param_gather_dispatched = False
 
-    def _gather_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
-        """All-gather one bucket's parameters from their owners' shards. In a wrapper laid out for the layer-wise
-        optimizer the bucket's gradients are zeroed afterwards, as Megatron's layer-wise gathers leave them (the
-        step consumed them; the next backward starts from zero)."""
+    def gather_bucket(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> None:
+        """All-gather one bucket's parameters from their owners' shards (the core's ``gather_bucket``). In a
+        wrapper laid out for the layer-wise optimizer the bucket's gradients are zeroed afterwards, as Megatron's
+        layer-wise gathers leave them (the step consumed them; the next backward starts from zero)."""
         if not self.shard_grads:
             return
-        comm = self.shard_comm(buffer)
-        with torch.no_grad():
-            own = buffer.param_shard_view(bucket.index, comm.rank).clone()
-            comm.all_gather_into(bucket.param_data, own)
-            if self._laid_out_for_layer_wise:
+        gather_bucket(self.shard_comm(buffer), buffer, bucket.index)
+        if self._laid_out_for_layer_wise:
+            with torch.no_grad():
                 bucket.grad_data.zero_()
 
     def zero_grad_buffer(self) -> None:
