@@ -10,13 +10,13 @@
   the distributed optimizer's layout in buffers of their own.
 - With ``overlap_param_gather`` the parameters an owner rank stepped reach the other ranks through the
   ``DistributedDataParallel`` wrapper's bucket groups (``start_param_sync`` / the forward pre-hooks), as in
-  Megatron's current main: ``BucketSyncedLayerWise`` steps like the core ``LayerWise`` placement but leaves the
+  Megatron's current main: ``bucket_synced_layer_wise`` is the core ``LayerWise`` placement leaving the
   gather to them, and ``plan_bucket_gathers`` writes each bucket's ``layerwise_params_list``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,11 @@ from optstack.distributed.comm import Comm, NullComm
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.protocol import MakeOptimizer
 from optstack.stage import Precision, Remainders, Stage, zero1_stage
-from optstack.stage.placement import LayerWise, assign_params, newton_schulz_cost
+from optstack.stage.placement import LayerWise, assign_params
 
-__all__ = ["BucketSyncedLayerWise", "comm_of", "fresh_precision", "is_managed_by_layer_wise_optimizer",
-           "main_grad_or_grad", "plan_bucket_gathers", "tag_params_for_buffer_routing", "torch_layer_wise_stage",
-           "wrapper_of"]
+__all__ = ["BucketGroupsPublisher", "publishing_wrapper", "bucket_synced_layer_wise", "comm_of", "fresh_precision",
+           "is_managed_by_layer_wise_optimizer", "main_grad_or_grad", "plan_bucket_gathers",
+           "tag_params_for_buffer_routing", "torch_layer_wise_stage", "wrapper_of"]
 
 
 def is_managed_by_layer_wise_optimizer(param: torch.Tensor) -> bool:
@@ -95,28 +95,34 @@ def wrapper_of(params: Sequence[torch.Tensor], chunks: Sequence[Any]) -> Distrib
     return None
 
 
-class BucketSyncedLayerWise(LayerWise):
-    """The layer-wise placement whose parameters reach the other ranks through ``ddp``'s bucket groups
-    (``overlap_param_gather``): after a step each bucket group gathers again, started by ``start_param_sync``
-    or a forward pre-hook; a step first waits for a gather in flight."""
+class BucketGroupsPublisher:
+    """Publishes what layer-wise owners stepped through ``ddp``'s bucket groups (``overlap_param_gather``): after
+    a step each bucket group gathers again, started by ``start_param_sync`` or a forward pre-hook; a step first
+    waits for a gather in flight (the core ``LayerWise``'s ``publisher``)."""
 
-    def __init__(self, *, ddp: DistributedDataParallel, expert: bool,
-                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
-        g = ddp.groups
-        super().__init__(comm=g.expert_dp if expert else g.dp, grad_of=ddp.main_grad,
-                         reduce_over=[g.ep, g.mp] if expert else [g.mp], tp_rank=g.tp.rank, device=ddp.device,
-                         cost=cost)
+    def __init__(self, ddp: DistributedDataParallel) -> None:
         self.ddp = ddp
 
-    def publish(self) -> None:
+    def stepped(self) -> None:
         self.ddp._layer_wise_params_stepped()
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         self.ddp._wait_layer_wise_param_sync()
 
-    def owner_of(self) -> dict[int, int]:
-        """``id(parameter)`` -> the data-parallel rank stepping it."""
-        return {id(p): owner for p, owner in zip(self._all, self.owners, strict=True)}
+
+def bucket_synced_layer_wise(ddp: DistributedDataParallel, *, expert: bool) -> LayerWise:
+    """The layer-wise placement over ``ddp``'s groups and buffers whose parameters reach the other ranks through
+    its bucket groups."""
+    g = ddp.groups
+    return LayerWise(comm=g.expert_dp if expert else g.dp, grad_of=ddp.main_grad,
+                     reduce_over=[g.ep, g.mp] if expert else [g.mp], tp_rank=g.tp.rank, device=ddp.device,
+                     publisher=BucketGroupsPublisher(ddp))
+
+
+def publishing_wrapper(placement: Any) -> DistributedDataParallel | None:
+    """The wrapper whose bucket groups publish a layer-wise ``placement``'s parameters, else None."""
+    publisher = getattr(placement, "publisher", None)
+    return publisher.ddp if isinstance(publisher, BucketGroupsPublisher) else None
 
 
 def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *, precision: Precision, expert: bool,
@@ -140,7 +146,7 @@ def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *,
                            precision=precision)
     if ddp is not None:
         if bucket_synced:
-            return Stage(groups, make, placement=BucketSyncedLayerWise(ddp=ddp, expert=expert), precision=precision)
+            return Stage(groups, make, placement=bucket_synced_layer_wise(ddp, expert=expert), precision=precision)
         g = ddp.groups
         placement = LayerWise(comm=g.expert_dp if expert else g.dp, grad_of=ddp.main_grad,
                               reduce_over=[g.ep, g.mp] if expert else [g.mp], tp_rank=g.tp.rank, device=ddp.device)
@@ -155,9 +161,9 @@ def plan_bucket_gathers(stages: Sequence[Stage]) -> None:
     same everywhere; Megatron shards those too, so its buckets send every parameter once as well)."""
     by_ddp: dict[int, tuple[DistributedDataParallel, dict[int, int]]] = {}
     for stage in stages:
-        placement = stage.placement
-        if isinstance(placement, BucketSyncedLayerWise):
-            by_ddp.setdefault(id(placement.ddp), (placement.ddp, {}))[1].update(placement.owner_of())
+        ddp = publishing_wrapper(stage.placement)
+        if ddp is not None:
+            by_ddp.setdefault(id(ddp), (ddp, {}))[1].update(stage.placement.owner_of())
     stepped = {id(p) for stage in stages for group in stage.param_groups for p in group["params"]}
     for ddp, owners in by_ddp.values():
         for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:

@@ -19,10 +19,11 @@ from optstack.megatron.chained import ChainedOptimizer
 from optstack.megatron.core_chain import _core_chain, _plain_groups, _rebind
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.layer_wise import (
-    BucketSyncedLayerWise,
+    bucket_synced_layer_wise,
     comm_of,
     fresh_precision,
     plan_bucket_gathers,
+    publishing_wrapper,
     torch_layer_wise_stage,
     wrapper_of,
 )
@@ -173,8 +174,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         not started yet run now (collective: every rank calls it), and those in flight are waited for."""
         super().finish_param_sync()
         if self.overlap_param_gather:
-            for ddp in {id(s.placement.ddp): s.placement.ddp for s in self.stages
-                        if isinstance(s.placement, BucketSyncedLayerWise)}.values():
+            wrappers = (publishing_wrapper(s.placement) for s in self.stages)
+            for ddp in {id(d): d for d in wrappers if d is not None}.values():
                 ddp._finish_layer_wise_param_sync()
 
     @torch.no_grad()
@@ -186,7 +187,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             if steps_whole(stage):  # over a laid-out wrapper: its buckets' all-gather
                 stage.placement.publish()
                 stage.placement.finish()
-            elif isinstance(stage.placement, LayerWise) and not isinstance(stage.placement, BucketSyncedLayerWise):
+            elif isinstance(stage.placement, LayerWise) and publishing_wrapper(stage.placement) is None:
                 stage.placement.publish()
 
     @torch.no_grad()
@@ -265,7 +266,7 @@ def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool, to_b
     syncs = [s for s in optimizer._chain.grad_syncs if isinstance(s, DataParallel)]
     kind = stage.placement.kind
     in_layer_wise_chain = any(s.placement.kind == "layerwise" for s in optimizer._chain.stages)
-    if len(syncs) > 1 or (syncs and syncs[0].shard_grads) or isinstance(stage.placement, BucketSyncedLayerWise) \
+    if len(syncs) > 1 or (syncs and syncs[0].shard_grads) or publishing_wrapper(stage.placement) is not None \
             or kind not in ("whole", "layerwise") or (kind == "whole" and in_layer_wise_chain):
         return optimizer  # get_megatron_optimizer's layer-wise chain keeps its scalar optimizer replicated
     ddp = syncs[0] if syncs else None
@@ -286,7 +287,7 @@ def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool, to_b
         return type(inner)(gs, **defaults)
 
     if bucket_synced:
-        placed = Stage(groups, make, placement=BucketSyncedLayerWise(ddp=ddp, expert=expert), precision=precision)
+        placed = Stage(groups, make, placement=bucket_synced_layer_wise(ddp, expert=expert), precision=precision)
     elif ddp is not None:
         placed = layerwise_stage(groups, make, ddp=ddp, expert=expert, precision=precision)
     else:

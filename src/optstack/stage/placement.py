@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -226,6 +226,17 @@ class Zero1(Placement):
         self.gather.wait()
 
 
+class Publisher(Protocol):
+    """Who brings the parameters owners stepped to every rank, when not the placement's own broadcast (e.g. a
+    wrapper's bucket gathers, overlapped with the next forward)."""
+
+    def stepped(self) -> None:
+        """The owners stepped their parameters: publish them (now or later)."""
+
+    def wait(self) -> None:
+        """Wait for a publication in flight (before the parameters are read or stepped again)."""
+
+
 class LayerWise(Placement):
     """Whole parameters, each stepped by its owner rank, then broadcast to every rank (what Muon needs).
 
@@ -237,6 +248,7 @@ class LayerWise(Placement):
         comm: the data-parallel group the parameters are spread over.
         cost: a parameter's update cost from its shape (balances the assignment).
         owners: parameter name -> owner rank, decided beforehand (``optstack.plan``); None: balanced by ``cost``.
+        publisher: publishes the stepped parameters instead of the placement's broadcast (``Publisher``).
         other arguments: as ``Placement``.
     """
 
@@ -246,8 +258,9 @@ class LayerWise(Placement):
     def __init__(self, *, comm: Comm | NullComm, grad_of: GradOf | None = None, reduce_over: Sequence[Any] = (),
                  tp_rank: int = 0, device: torch.device | None = None,
                  cost: Callable[[Sequence[int]], float] = newton_schulz_cost,
-                 owners: Mapping[str, int] | None = None) -> None:
+                 owners: Mapping[str, int] | None = None, publisher: Publisher | None = None) -> None:
         super().__init__(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
+        self.publisher = publisher
         self.dp = self.shard_comm = comm
         self.cost = cost
         self._planned = dict(owners) if owners is not None else None
@@ -287,10 +300,20 @@ class LayerWise(Placement):
         return [next(mine) if owner == self.dp.rank else self.grad_of(p)
                 for p, owner in zip(self._all, self.owners, strict=True)]
 
+    def owner_of(self) -> dict[int, int]:
+        """``id(parameter)`` -> the rank stepping it."""
+        return {id(p): owner for p, owner in zip(self._all, self.owners, strict=True)}
+
     def publish(self) -> None:
-        if self._broadcast is not None:
+        if self.publisher is not None:
+            self.publisher.stepped()
+        elif self._broadcast is not None:
             with phase("param_gather"):
                 self._broadcast.run()
+
+    def finish(self) -> None:
+        if self.publisher is not None:
+            self.publisher.wait()
 
 
 class OwnersOverShards(LayerWise):
