@@ -645,11 +645,7 @@ class DataParallel(nn.Module):
         where: dict[int, tuple[Any, str]] = {}
         dtypes: dict[int, torch.dtype] = {}
         for param in params:
-            entry = self._slot_of_param.get(id(param))
-            if entry is None:
-                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
-                                 "DataParallel-wrapped module")
-            buffer = entry[1]
+            buffer = self._buffer_holding(param)
             slot = buffer.slot_of(param)
             if buffer.key.is_expert != expert:
                 raise ValueError(f"{slot.name!r} is {'an expert' if buffer.key.is_expert else 'a dense'} parameter; "
@@ -673,11 +669,7 @@ class DataParallel(nn.Module):
         """
         wanted: dict[tuple[int, int], tuple[Comm | NullComm, torch.Tensor, torch.Tensor]] = {}
         for param in params:
-            entry = self._slot_of_param.get(id(param))
-            if entry is None:
-                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
-                                 "DataParallel-wrapped module")
-            buffer = entry[1]
+            buffer = self._buffer_holding(param)
             if not self._scattered(buffer):
                 continue
             bucket = buffer.buckets[buffer.slot_of(param).bucket]
@@ -685,6 +677,13 @@ class DataParallel(nn.Module):
             wanted[(id(buffer), bucket.index)] = (comm, buffer.grad_shard_view(bucket.index, comm.rank),
                                                   bucket.grad_data)
         return GradGather(list(wanted.values()))
+
+    def _buffer_holding(self, param: torch.Tensor) -> ParamAndGradBuffer:
+        entry = self._slot_of_param.get(id(param))
+        if entry is None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                             "DataParallel-wrapped module")
+        return entry[1]
 
     def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""
