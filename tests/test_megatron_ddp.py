@@ -223,3 +223,20 @@ def test_one_process_megatron_loop_equals_the_unwrapped_model(wrapper_shards: bo
         assert got[0] and got[1] == pytest.approx(want[1], rel=1e-6)
     for p, q in zip(inner.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_the_wrapper_is_laid_out_by_a_plan_of_its_config(distributed_optimizer: bool) -> None:
+    """The face translates ddp_config into the core's ParamPlan and the wrapper's buffers are the plan's: matrices
+    tagged for the layer-wise optimizer in whole-shard buffers of their own under the distributed optimizer only,
+    grad_reduce_in_fp32 as the buffers' dtype, Megatron's bucket size."""
+    module = model()
+    module[3].weight.is_managed_by_layer_wise_optimizer = True
+    ddp = wrap(module, use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True,
+               overlap_grad_reduce=True, bucket_size=40)
+    plan = ddp.plan
+    assert plan is not None and plan.bucket_size == 40
+    assert [b.layout for b in plan.buffers] == [b.layout for b in ddp.param_and_grad_buffers]
+    assert {b.grad_dtype for b in plan.buffers} == {torch.float32}
+    assert plan.whole_shard_names() == (frozenset({"3.weight"}) if distributed_optimizer else frozenset())
+    assert plan.sharding == ("zero1" if distributed_optimizer else "replicated")
