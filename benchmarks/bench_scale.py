@@ -10,6 +10,9 @@ Each (case, rank) runs in a fresh process. Columns:
   and ``build_optimizer``, CPU time of the process;
 - peak MB: the process's peak resident memory above its baseline just before (Python objects, plans, tables);
 - stages: the placements built.
+Cases: ``zero1-<algorithm>`` (``wrap_data_parallel`` + ``build_optimizer``), ``fsdp2-<algorithm>``, and
+``megatron-adam`` (the Megatron face: ``DistributedDataParallel`` with the distributed optimizer +
+``get_megatron_optimizer``).
 ``--src`` points at another checkout's ``src`` (e.g. a worktree of an older commit) for a before / after table.
 Target (issue "Plan first"): 110B (795 tensors), bf16 + fp32 masters, dp=1,024: <= 1 s CPU and <= 100 MB above
 the baseline per rank, for ZeRO-1 and for FSDP2 + build_optimizer (AdamW and Muon).
@@ -63,12 +66,20 @@ def _child(args: argparse.Namespace) -> None:
             p.is_embedding_or_output_parameter = True
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     c0, t0 = time.process_time(), time.perf_counter()
-    target = wrap_data_parallel(config, model) if kind == "zero1" else model
-    built = build_optimizer(config, target)
+    if kind == "megatron":  # the Megatron face: its wrapper (a plan of its ddp_config) and its optimizer
+        from optstack import megatron as mcore
+
+        ddp = mcore.DistributedDataParallel(None, mcore.DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True), model)
+        chain = mcore.get_megatron_optimizer(mcore.OptimizerConfig(optimizer=algorithm, bf16=True), [ddp])
+        stages = [type(s.placement).__name__ for m in chain.chained_optimizers for s in [m._stage]]
+    else:
+        target = wrap_data_parallel(config, model) if kind == "zero1" else model
+        stages = [type(s.placement).__name__ for s in build_optimizer(config, target).optimizer.stages]
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     print(json.dumps({"case": args.case, "rank": args.rank, "cpu_s": cpu, "wall_s": wall, "peak_mb": peak,
-                      "stages": [type(s.placement).__name__ for s in built.optimizer.stages]}))
+                      "stages": stages}))
 
 
 def main() -> None:
