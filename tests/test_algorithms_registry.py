@@ -19,7 +19,7 @@ def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_builtin_names() -> None:
     assert algorithm_names() == ["adam", "adamuon", "adamw", "adaptive_muon", "lion", "muon", "normuon",
-                                 "schedule_free_adamw", "sgd"]
+                                 "schedule_free_adamw", "sgd", "soap"]
 
 
 @pytest.mark.parametrize(
