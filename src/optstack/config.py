@@ -280,8 +280,9 @@ class AdaptiveMuonConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleFreeConfig:
-    """Schedule-Free AdamW (``schedule_free_adamw``, ``algorithms/schedule_free.py``): ``beta1`` interpolates
-    between the fast sequence and the average, ``beta2`` is Adam's; the learning rate is constant after
+    """Schedule-Free AdamW and SGD (``schedule_free_adamw``, ``schedule_free_sgd``,
+    ``algorithms/schedule_free.py``): ``beta1`` interpolates between the fast sequence and the average (SGD's
+    ``momentum``), ``beta2`` is Adam's; the learning rate is constant after
     ``warmup_steps`` (build the optimizer without ``lr_schedule``), the average weighted by
     ``(k + 1) ** r * lr_max ** weight_lr_power``."""
 

@@ -264,6 +264,9 @@ def _register_builtins() -> None:
     register("schedule_free_adamw", "optstack.algorithms.schedule_free:ScheduleFreeAdamW", family="other",
              kwargs="optstack.algorithms.schedule_free:kwargs_from_config",
              capabilities=Capabilities(state=("z", "exp_avg_sq"), swaps_weights=True))
+    register("schedule_free_sgd", "optstack.algorithms.schedule_free:ScheduleFreeSGD", family="other",
+             kwargs="optstack.algorithms.schedule_free:sgd_kwargs_from_config",
+             capabilities=Capabilities(state=("z",), swaps_weights=True))
 
 
 _register_builtins()
