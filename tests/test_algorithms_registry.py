@@ -19,7 +19,7 @@ def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_builtin_names() -> None:
     assert algorithm_names() == ["adam", "adamuon", "adamw", "adaptive_muon", "lion", "muon", "normuon",
-                                 "schedule_free_adamw", "sgd"]
+                                 "schedule_free_adamw", "schedule_free_sgd", "sgd", "soap"]
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,8 @@ def test_unknown_name_lists_known_names_and_plugin_forms() -> None:
     with pytest.raises(ValueError) as info:
         get_algorithm("adamm")
     message = str(info.value)
-    known = "adam, adamuon, adamw, adaptive_muon, lion, muon, normuon, schedule_free_adamw, sgd"
+    known = ("adam, adamuon, adamw, adaptive_muon, lion, muon, normuon, schedule_free_adamw, schedule_free_sgd, sgd, "
+             "soap")
     assert "'adamm'" in message and known in message
     assert "'torch.optim.<Class>'" in message and "'package.module:Class'" in message
 

@@ -56,3 +56,34 @@ def test_table_marks_the_best_and_survives_missing_values() -> None:
     text = format_table(rows, baseline=3.1)
     assert "| a * | 0.1 | 2.0000 | 1.9000 |" in text and "| b | 0.2 | n/a | n/a |" in text
     assert "3.1000" in text
+
+
+def test_compare_sweeps_each_optimizers_lr_and_keeps_the_best(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep"
+    args = ["compare", "--out", str(out), "--steps", "2", "--optimizers", "adamw,soap,schedule_free_adamw",
+            "--lr-sweep", "0.5,2", *TINY]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "compare.json").read_text())
+    assert [r["optimizer"] for r in report["rows"]] == ["adamw", "soap", "schedule_free_adamw"]
+    assert len(report["sweep"]) == 6  # every lr of every optimizer was a run of its own
+    for name, default in (("adamw", 3e-3), ("soap", 3e-3), ("schedule_free_adamw", 3e-3)):
+        runs = [r for r in report["sweep"] if r["optimizer"] == name]
+        assert [r["lr"] for r in runs] == [default * 0.5, default * 2]
+        for r in runs:
+            assert json.loads((out / name / f"lr={r['lr']:g}" / "summary.json").read_text())["last_step"] == 2
+        best = min(runs, key=lambda r: r["best_val_loss"])
+        (row,) = [r for r in report["rows"] if r["optimizer"] == name]
+        assert row["lr"] == best["lr"] and row["lrs_tried"] == [default * 0.5, default * 2]
+    # Schedule-Free runs a constant schedule after warmup (its average replaces the decay); the others decay
+    assert "constant" in (out / "schedule_free_adamw" / "lr=0.0015" / "config.toml").read_text()
+    assert "cosine" in (out / "adamw" / "lr=0.0015" / "config.toml").read_text()
+    assert "lrs tried" in printed and (out / "compare.png").stat().st_size > 10_000
+
+
+def test_bad_lr_sweep_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("0,1", "a,b", "1,1", ""):
+        assert main(["compare", "--out", str(tmp_path / "c"), "--lr-sweep", bad]) == 2
+        assert "--lr-sweep must list distinct positive factors" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

@@ -11,7 +11,12 @@ import torch
 
 from optstack import OptimizerConfig, build_optimizer
 from optstack.algorithms.registry import get_algorithm
-from optstack.algorithms.schedule_free import ScheduleFreeAdamW, schedule_free_adamw_reference
+from optstack.algorithms.schedule_free import (
+    ScheduleFreeAdamW,
+    ScheduleFreeSGD,
+    schedule_free_adamw_reference,
+    schedule_free_sgd_reference,
+)
 from optstack.config import DistributedConfig, ScheduleFreeConfig
 
 SHAPES = [(6, 5), (5,), (4, 3, 2)]
@@ -183,3 +188,96 @@ def test_offload_is_refused_naming_the_algorithm() -> None:
 
     with pytest.raises(ValueError, match="host kernel, but 'schedule_free_adamw' has none"):
         OptimizerConfig(algorithm="schedule_free_adamw", offload=OffloadConfig(enabled=True, fraction=1.0))
+
+
+SGD_HYPER = dict(lr=0.05, momentum=0.9, weight_decay=0.05, warmup_steps=5, r=0.5, weight_lr_power=2.0)
+
+
+def test_sgd_equals_the_schedulefree_package_over_20_steps_in_train_and_eval() -> None:
+    schedulefree = pytest.importorskip(
+        "schedulefree", reason="the schedulefree package is not installed (pip install -e '.[dev]' pins it)")
+    ours, theirs = _params(), _params()
+    opt = ScheduleFreeSGD(ours, **SGD_HYPER)
+    ref = schedulefree.SGDScheduleFree(theirs, **SGD_HYPER)
+    ref.train()
+    for t in range(20):
+        _step(opt, ours, t)
+        _step(ref, theirs, t)  # the package adds the decay to the gradient in place: each gets its own copy
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    opt.eval()
+    ref.eval()
+    for a, b, s in zip(ours, theirs, _params(), strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+        assert (a.detach() - s.detach()).abs().max() > 1e-2
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(opt.state[p]["z"], ref.state[q]["z"], rtol=1e-6, atol=1e-7)
+    opt.train()
+    ref.train()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_sgd_equals_the_reference_over_20_steps_and_leaves_the_gradients() -> None:
+    params = _params()
+    refs = [p.detach().clone() for p in params]
+    zs = [r.clone() for r in refs]
+    opt = ScheduleFreeSGD(params, **SGD_HYPER)
+    weight_sum, lr_max = 0.0, -1.0
+    for t in range(20):
+        _step(opt, params, t)
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, _grads(t), strict=True))
+        sums = [schedule_free_sgd_reference(p, g, z, step=t, weight_sum=weight_sum, lr_max=lr_max, **SGD_HYPER)
+                for p, g, z in zip(refs, _grads(t), zs, strict=True)]
+        weight_sum, lr_max = sums[0]
+    for p, r, z in zip(params, refs, zs, strict=True):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["z"], z, rtol=1e-6, atol=1e-7)
+    assert set(opt.state[params[0]]) == {"z", "step", "weight_sum", "lr_max", "eval_weights"}
+
+
+def test_sgd_state_saved_in_eval_mode_continues_after_train_and_a_step_in_eval_is_refused() -> None:
+    params = _params()
+    opt = ScheduleFreeSGD(params, **SGD_HYPER)
+    for t in range(3):
+        _step(opt, params, t)
+    opt.eval()
+    with pytest.raises(RuntimeError, match=r"ScheduleFreeSGD: step\(\) in eval mode"):
+        _step(opt, params, 3)
+    saved, weights = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+    opt.train()
+    for t in range(3, 6):
+        _step(opt, params, t)
+    fresh = [torch.nn.Parameter(w.clone()) for w in weights]
+    again = ScheduleFreeSGD(fresh, **SGD_HYPER)
+    again.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="hold the averaged weights x"):
+        _step(again, fresh, 3)
+    again.train()
+    for t in range(3, 6):
+        _step(again, fresh, t)
+    for a, b in zip(params, fresh, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_sgd_registered_with_the_schedule_free_section_and_bad_momentum_refused() -> None:
+    spec = get_algorithm("schedule_free_sgd")
+    assert spec.capabilities.elementwise and spec.capabilities.swaps_weights and spec.capabilities.state == ("z",)
+    kwargs = spec.kwargs(OptimizerConfig(lr=0.3, schedule_free=ScheduleFreeConfig(beta1=0.8, warmup_steps=3)))
+    assert kwargs == {"lr": 0.3, "weight_decay": 0.01, "momentum": 0.8, "warmup_steps": 3, "r": 0.0,
+                      "weight_lr_power": 2.0}
+    for momentum in (0.0, 1.0, True):
+        with pytest.raises(ValueError, match=r"ScheduleFreeSGD param group 0: momentum must be in \(0, 1\)"):
+            ScheduleFreeSGD(_params(), momentum=momentum)
+    model = _model()
+    built = build_optimizer(OptimizerConfig(algorithm="schedule_free_sgd", lr=0.1), model)
+    for _ in range(2):  # after one step y = z = x (the average of one point)
+        model(torch.randn(2, 4)).square().mean().backward()
+        built.optimizer.step()
+        built.optimizer.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    built.optimizer.eval()  # reachable from the optimizer the user holds, published to the model
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    built.optimizer.train()
+    for p, b in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p.detach(), b, rtol=1e-6, atol=1e-6)

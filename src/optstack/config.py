@@ -23,7 +23,7 @@ from optstack.precision.scaler import ConstantScaler, DynamicScaler, LossScaler,
 from optstack.protocol import MakeOptimizer
 
 __all__ = ["AdamConfig", "AdaptiveMuonConfig", "DistributedConfig", "LionConfig", "LossScaleConfig", "MastersConfig",
-           "MuonConfig", "OffloadConfig", "ScheduleFreeConfig",
+           "MuonConfig", "OffloadConfig", "SOAPConfig", "ScheduleFreeConfig",
            "OptimizerConfig", "SGDConfig", "check_combination", "dtype_from_name"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -280,8 +280,9 @@ class AdaptiveMuonConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleFreeConfig:
-    """Schedule-Free AdamW (``schedule_free_adamw``, ``algorithms/schedule_free.py``): ``beta1`` interpolates
-    between the fast sequence and the average, ``beta2`` is Adam's; the learning rate is constant after
+    """Schedule-Free AdamW and SGD (``schedule_free_adamw``, ``schedule_free_sgd``,
+    ``algorithms/schedule_free.py``): ``beta1`` interpolates between the fast sequence and the average (SGD's
+    ``momentum``), ``beta2`` is Adam's; the learning rate is constant after
     ``warmup_steps`` (build the optimizer without ``lr_schedule``), the average weighted by
     ``(k + 1) ** r * lr_max ** weight_lr_power``."""
 
@@ -295,6 +296,28 @@ class ScheduleFreeConfig:
     def __post_init__(self) -> None:
         _validate("schedule_free.", self, beta1=_number(0.0, 1.0, lo_open=True, hi_open=True), beta2=_BETA,
                   eps=_NON_NEGATIVE, warmup_steps=_int(0), r=_NON_NEGATIVE, weight_lr_power=_NON_NEGATIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SOAPConfig:
+    """SOAP (``soap``, ``algorithms/soap.py``; Megatron's ``soap_*`` fields): Adam's ``beta1`` / ``beta2`` /
+    ``eps`` in the eigenbasis of the Kronecker factors, whose EMA coefficient is ``shampoo_beta``; the eigenbases
+    are refreshed every ``precondition_frequency`` steps (``power_iter_steps`` power iterations + QR); a side longer
+    than ``max_precond_dim`` is not preconditioned; ``correct_bias``: Adam's and the factors' bias correction."""
+
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    shampoo_beta: float = 0.95
+    precondition_frequency: int = 10
+    max_precond_dim: int = 8192
+    correct_bias: bool = True
+    power_iter_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _validate("soap.", self, beta1=_BETA, beta2=_BETA, eps=_NON_NEGATIVE, shampoo_beta=_BETA,
+                  precondition_frequency=_int(1), max_precond_dim=_int(1), correct_bias=_flag,
+                  power_iter_steps=_int(1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -413,6 +436,7 @@ class OptimizerConfig:
     muon: MuonConfig = field(default_factory=MuonConfig)
     adaptive_muon: AdaptiveMuonConfig = field(default_factory=AdaptiveMuonConfig)
     schedule_free: ScheduleFreeConfig = field(default_factory=ScheduleFreeConfig)
+    soap: SOAPConfig = field(default_factory=SOAPConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     masters: MastersConfig = field(default_factory=MastersConfig)

@@ -21,7 +21,7 @@ from torch import nn
 from optstack.algorithms.registry import get_algorithm
 from optstack.checkpoint import load_checkpoint, save_checkpoint
 from optstack.checkpoint.load import read_manifest, read_model, read_ranges
-from optstack.config import DistributedConfig, LossScaleConfig, OptimizerConfig
+from optstack.config import DistributedConfig, LossScaleConfig, OptimizerConfig, SOAPConfig
 from optstack.distributed.comm import world_comm
 from optstack.factory import build_optimizer, wrap_data_parallel
 from optstack.schedule import LRSchedule
@@ -40,6 +40,12 @@ CASES: dict[str, dict[str, Any]] = {
     # the adaptive Muons: NorMuon's per-row second moment travels in its element-wise (exported) form
     "zero1-normuon": {"model": "mlp", "dtype": torch.float32, "algorithm": "normuon", "sharding": "zero1"},
     "layerwise-adamuon": {"model": "mlp", "dtype": torch.float32, "algorithm": "adamuon", "sharding": "layerwise"},
+    # SOAP's square factors and eigenbases travel as parameter-shaped pages; refreshed at steps 2, 4 and 6, across
+    # the save at K. max_precond_dim 6: the factors of full rank (the (12, 6) and (3, 12) matrices' short sides)
+    "zero1-soap": {"model": "mlp", "dtype": torch.float32, "algorithm": "soap", "sharding": "zero1",
+                   "soap": {"max_precond_dim": 6, "precondition_frequency": 2}},
+    "layerwise-soap": {"model": "mlp", "dtype": torch.float32, "algorithm": "soap", "sharding": "layerwise",
+                       "soap": {"max_precond_dim": 6, "precondition_frequency": 2}},
 }
 
 
@@ -76,6 +82,7 @@ def _stack(case: dict[str, Any], sharding: str, seed: int) -> tuple[nn.Module, n
         loss_scale=LossScaleConfig(mode="dynamic", initial=2.0**10, window=2) if low else LossScaleConfig(),
         distributed=DistributedConfig(sharding=sharding, bucket_size=50, grad_dtype="fp32",
                                       overlap_param_gather=sharding == "zero1" and case.get("overlap", False)),
+        soap=SOAPConfig(**case.get("soap", {})),
     )
     model = _model(case, seed)
     wrapped = wrap_data_parallel(config, model)

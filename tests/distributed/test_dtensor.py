@@ -12,7 +12,7 @@ from torch import nn
 
 from optstack import OptimizerConfig, build_optimizer
 from optstack.algorithms.registry import get_algorithm
-from optstack.config import DistributedConfig
+from optstack.config import DistributedConfig, SOAPConfig
 from optstack.distributed.comm import world_comm
 
 ROWS, IN, HIDDEN, OUT = 8, 6, 8, 5  # 5 rows split unevenly over 2 ranks (FSDP2 pads the last shard)
@@ -64,8 +64,10 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _config(algorithm: str, precision: str) -> OptimizerConfig:
-    # clip_grad below the norms: the clip factor (hence the global norm) shapes every update
-    return OptimizerConfig(algorithm=algorithm, lr=0.05, weight_decay=0.1, precision=precision, clip_grad=0.3)
+    # clip_grad below the norms: the clip factor (hence the global norm) shapes every update. SOAP: factors of
+    # full rank (the (8, 6) and (5, 8) matrices' short sides; see algorithms/soap.py), refreshed at step 2
+    return OptimizerConfig(algorithm=algorithm, lr=0.05, weight_decay=0.1, precision=precision, clip_grad=0.3,
+                           soap=SOAPConfig(max_precond_dim=6, precondition_frequency=2))
 
 
 def _tensor_parallel(model: nn.Module) -> nn.Module:
@@ -123,7 +125,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-@pytest.mark.parametrize("algorithm", ["adamw", "sgd", "lion", "muon", "normuon", "adamuon"])
+@pytest.mark.parametrize("algorithm", ["adamw", "sgd", "lion", "muon", "normuon", "adamuon", "soap"])
 def test_fsdp2_fp32_matches_one_process(world2, algorithm: str) -> None:
     for out in world2.run(parallel_vs_single, algorithm, "fp32"):
         assert out["placements"] == ["(Shard(dim=0),)"]
@@ -305,7 +307,7 @@ def checkpoint_moves(root: str, algorithm: str, default_planner: bool = False) -
             for name, m in ((f"fsdp->{sharding}->fsdp", again), ("fsdp->single", single), ("fsdp-dcp->tp", tp))}
 
 
-@pytest.mark.parametrize("algorithm", ["adamw", "muon", "normuon", "adamuon"])
+@pytest.mark.parametrize("algorithm", ["adamw", "muon", "normuon", "adamuon", "soap"])
 def test_checkpoint_moves_between_fsdp2_zero1_one_process_and_tp(world2, tmp_path, algorithm: str) -> None:
     for out in world2.run(checkpoint_moves, str(tmp_path), algorithm):
         assert max(out.values()) <= 2e-6, out  # fp32 round-off of six steps (a lost state is ~1e-1)

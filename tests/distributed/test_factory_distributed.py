@@ -28,6 +28,7 @@ def _train(config_kwargs: dict, steps: int, distributed: bool) -> list[list[floa
     from optstack.config import DistributedConfig, OptimizerConfig
     from optstack.factory import build_optimizer, wrap_data_parallel
 
+    _sections(config_kwargs)
     sharding = config_kwargs.pop("sharding", "replicated")
     overlap = config_kwargs.pop("overlap_param_gather", False)
     cfg = OptimizerConfig(
@@ -60,6 +61,7 @@ def _reference(config_kwargs: dict, steps: int, world: int) -> list[list[float]]
     from optstack.factory import build_optimizer
 
     config_kwargs = {k: v for k, v in config_kwargs.items() if k not in ("sharding", "overlap_param_gather")}
+    _sections(config_kwargs)
     model = _model()
     opt = build_optimizer(OptimizerConfig(**config_kwargs), model).optimizer
     history = []
@@ -69,6 +71,15 @@ def _reference(config_kwargs: dict, steps: int, world: int) -> list[list[float]]
         opt.step()
         history.append(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist())
     return history
+
+
+def _sections(config_kwargs: dict) -> None:
+    """A case's ``"soap": "field=value"`` as ``soap=SOAPConfig(...)`` (cases are plain data; ids print them)."""
+    from optstack.config import SOAPConfig
+
+    if "soap" in config_kwargs:
+        field, _, value = config_kwargs["soap"].partition("=")
+        config_kwargs["soap"] = SOAPConfig(**{field: int(value)}, precondition_frequency=2)
 
 
 def _run_distributed(config_kwargs: dict, steps: int) -> list[list[float]]:
@@ -84,6 +95,10 @@ CASES = [
     # the adaptive Muons need whole matrices (their capabilities): owners under ZeRO-1, layer-wise
     *({"algorithm": name, "lr": 1e-2, "sharding": sharding, "clip_grad": 0.0}
       for name in ("normuon", "adamuon") for sharding in ("zero1", "layerwise")),
+    # SOAP: whole matrices too; each factor of full rank (a rectangle's long side above max_precond_dim: a
+    # rank-deficient factor's null space has no preferred basis, see algorithms/soap.py), refreshed twice
+    *({"algorithm": "soap", "lr": 1e-2, "sharding": sharding, "clip_grad": 0.0, "soap": "max_precond_dim=7"}
+      for sharding in ("zero1", "layerwise")),
 ]
 
 

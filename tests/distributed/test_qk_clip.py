@@ -1,5 +1,6 @@
 """QK-clip on real gloo ranks: ``clip_qk`` after each step under ZeRO-1 (range shards that cut the query weight's
-rows) and layer-wise NorMuon at dp=2 equals one process; FSDP2 is refused naming the parameter."""
+rows) and layer-wise NorMuon at dp=2 equals one process, and so do FSDP2 (local row ranges; NorMuon's owners) and tensor
+parallelism (a column-split query weight: blocks of every row)."""
 
 from __future__ import annotations
 
@@ -51,23 +52,39 @@ def test_clip_qk_equals_one_process(world2, algorithm: str, sharding: str) -> No
     assert max(world2.run(clip_vs_one_process, algorithm, sharding)) <= 1e-6
 
 
-def fsdp_refused() -> str:
+def clip_under_dtensor(algorithm: str, layout: str) -> tuple[float, list[str]]:
+    """``clip_qk`` after each step on DTensor parameters against one process: ``fsdp`` (FSDP2 at dp=2, each rank
+    half of every batch; flat row ranges, or whole matrices on owners for NorMuon) or ``tp`` (tensor parallel
+    over 2 ranks on whole batches: the query weight column-split, a block of every row; the key weight
+    row-split, each rank one key head)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
+    rank = world_comm().rank
+    ref = _model()
+    want = _train(ref, ref, OptimizerConfig(algorithm=algorithm, lr=0.02), slice(None))
     model = _model()
     mesh = init_device_mesh("cpu", (2,))
-    for layer in model.values():
-        fully_shard(layer, mesh=mesh)
-    opt = build_optimizer(OptimizerConfig(lr=0.02), model).optimizer  # a container: no root fully_shard
-    try:
-        opt.clip_qk({("q.weight", "k.weight"): LOGITS[0]}, threshold=100.0)
-    except ValueError as error:
-        return str(error)
-    return ""
+    if layout == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.values():
+            fully_shard(layer, mesh=mesh)
+        rows = slice(rank * 4, rank * 4 + 4)
+    else:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(model, mesh, {"q": RowwiseParallel(input_layouts=Replicate()),
+                                         "k": ColwiseParallel(output_layouts=Replicate())})
+        rows = slice(None)
+    placements = [str(model[n].weight.placements) for n in ("q", "k")]
+    got = _train(model, model, OptimizerConfig(algorithm=algorithm, lr=0.02), rows)
+    got = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in got.items()}
+    return max((got[n] - want[n]).abs().max().item() for n in want), placements
 
 
-def test_clip_qk_under_fsdp2_is_refused_naming_the_parameter(world2) -> None:
-    for message in world2.run(fsdp_refused):
-        assert "'k.weight'" in message or "'q.weight'" in message
-        assert "not supported for DTensor parameters" in message
+@pytest.mark.parametrize(("algorithm", "layout"), [("adamw", "fsdp"), ("normuon", "fsdp"), ("adamw", "tp")])
+def test_clip_qk_on_dtensor_parameters_equals_one_process(world2, algorithm: str, layout: str) -> None:
+    for gap, placements in world2.run(clip_under_dtensor, algorithm, layout):
+        assert placements == (["(Shard(dim=1),)", "(Shard(dim=0),)"] if layout == "tp" else ["(Shard(dim=0),)"] * 2)
+        assert gap <= 1e-6

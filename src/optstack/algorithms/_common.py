@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = ["FUSED_DEVICE_TYPES", "Impl", "PerDeviceOptimizer", "check_betas", "check_min", "coalesce", "resolve_impl",
-           "copies_in_runs", "zeros_in_runs"]
+           "copies_in_runs", "is_number", "require", "zeros_in_runs"]
 
 Impl = Literal["auto", "fused", "foreach", "reference"]
 
@@ -102,6 +102,17 @@ def check_min(owner: str, index: int, group: dict[str, Any], key: str, low: floa
     value = value.item() if isinstance(value, torch.Tensor) else value
     if not isinstance(value, int | float) or not value >= low:  # `not >=` also catches NaN
         raise ValueError(f"{owner} param group {index}: {key} must be a number >= {low}, got {value!r}")
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``ok`` (the group checks of the matrix algorithms)."""
+    if not ok:
+        raise ValueError(message)
+
+
+def is_number(value: object) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def check_betas(owner: str, index: int, group: dict[str, Any]) -> None:

@@ -39,16 +39,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optstack.algorithms.muon import (
-    _MAX_STACK_ELEMENTS,
-    _NS_EPS,
-    Muon,
-    ScaleMode,
-    _chunks,
-    _is_number,
-    _require,
-    muon_scale_factor,
-)
+from optstack.algorithms._common import is_number, require
+from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, stack_chunks
+from optstack.algorithms.muon import Muon, ScaleMode, muon_scale_factor
 from optstack.algorithms.newton_schulz import (
     Coefficients,
     MatmulPrecision,
@@ -61,6 +54,7 @@ __all__ = ["AdaptiveMuon", "MOMENT2_METHODS", "Moment2Method", "adaptive_muon_re
 
 Moment2Method = Literal["normuon", "adamuon"]
 MOMENT2_METHODS: tuple[str, ...] = ("normuon", "adamuon")
+_MAX_STACK_ELEMENTS = MAX_STACK_ELEMENTS  # per module, so a test can make this module's stacks smaller
 
 
 def _normalise(o: Tensor, v: Tensor, *, method: str, beta2: float, eps: float, preserve_norm: bool) -> Tensor:
@@ -97,7 +91,7 @@ def adaptive_muon_reference(param: Tensor, grad: Tensor, momentum_buffer: Tensor
     update = torch.add(grad * (1 - momentum), momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     if moment2_method == "adamuon" and sign_stabilised:
         update = update.sign()
-    o = newton_schulz(update, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS, matmul_dtype=matmul_dtype)
+    o = newton_schulz(update, steps=ns_steps, coefficients=coefficients, eps=NS_EPS, matmul_dtype=matmul_dtype)
     n = _normalise(o, moment2_buffer, method=moment2_method, beta2=beta2, eps=eps, preserve_norm=preserve_norm)
     param.mul_(1 - lr * weight_decay)
     param.add_(n, alpha=-lr * extra_scale_factor * muon_scale_factor(param.size(0), param.size(1), scale_mode))
@@ -218,7 +212,7 @@ def _normalised_steps(updates: list[Tensor], moments: list[Tensor], group: dict[
         scale = group["extra_scale_factor"] * muon_scale_factor(shape[0], shape[1], group["scale_mode"])
         matmul_dtype = ns_matmul_dtype(precision, device)
         limit = max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))
-        for chunk in _chunks([(i, updates[i]) for i in indices], limit):
+        for chunk in stack_chunks([(i, updates[i]) for i in indices], limit):
             if len(chunk) == 1 and chunk[0][1].ndim == 2:  # a lone matrix: exactly the reference's kernel
                 i, x = chunk[0]
                 lone = True
@@ -226,7 +220,7 @@ def _normalised_steps(updates: list[Tensor], moments: list[Tensor], group: dict[
                 x = torch.cat([m if m.ndim == 3 else m.unsqueeze(0) for _, m in chunk])
                 lone = False
             with matmul_precision(precision, device):
-                o = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=_NS_EPS,
+                o = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=NS_EPS,
                                   matmul_dtype=matmul_dtype)
             # the chunk's second moments, stacked like its matrices (a 3-D update split into parts: their rows)
             counts = [1 if m.ndim == 2 else m.size(0) for _, m in chunk]
@@ -258,13 +252,13 @@ def _validate_adaptive(group: dict[str, Any], index: int) -> None:
     """Raise a ValueError naming the group, the field and the allowed values for a bad second-moment setting."""
     where = f"AdaptiveMuon param group {index}"
     method, beta2, eps = group["moment2_method"], group["beta2"], group["eps"]
-    _require(method in MOMENT2_METHODS, f"{where}: moment2_method must be one of {list(MOMENT2_METHODS)}, "
+    require(method in MOMENT2_METHODS, f"{where}: moment2_method must be one of {list(MOMENT2_METHODS)}, "
              f"got {method!r}")
-    _require(_is_number(beta2) and 0.0 <= beta2 < 1.0, f"{where}: beta2 must be in [0, 1), got {beta2!r}")
-    _require(_is_number(eps) and eps > 0, f"{where}: eps must be a number > 0, got {eps!r}")
+    require(is_number(beta2) and 0.0 <= beta2 < 1.0, f"{where}: beta2 must be in [0, 1), got {beta2!r}")
+    require(is_number(eps) and eps > 0, f"{where}: eps must be a number > 0, got {eps!r}")
     for key in ("sign_stabilised", "preserve_norm"):
-        _require(isinstance(group[key], bool), f"{where}: {key} must be True or False, got {group[key]!r}")
-    _require(group["qkv_split_shapes"] is None, f"{where}: qkv_split_shapes is Muon's only (the second moment "
+        require(isinstance(group[key], bool), f"{where}: {key} must be True or False, got {group[key]!r}")
+    require(group["qkv_split_shapes"] is None, f"{where}: qkv_split_shapes is Muon's only (the second moment "
              "would have to follow the q/k/v blocks); use algorithm='muon' for fused QKV weights, or leave it None")
-    _require(group.get("tp_mode", "duplicated") == "duplicated", f"{where}: tp_mode={group.get('tp_mode')!r} is "
+    require(group.get("tp_mode", "duplicated") == "duplicated", f"{where}: tp_mode={group.get('tp_mode')!r} is "
              "Muon's only; adaptive Muon orthogonalises whole matrices (tp_mode='duplicated')")

@@ -42,7 +42,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optstack.algorithms._common import check_min
+from optstack.algorithms._common import check_min, is_number, require
+from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, stack_chunks
 from optstack.algorithms.newton_schulz import (
     MATMUL_PRECISIONS,
     Coefficients,
@@ -65,11 +66,8 @@ _SCALES: dict[str, Callable[[int, int], float]] = {
     "shape_scaling": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
 }
 SCALE_MODES: tuple[str, ...] = tuple(_SCALES)
-_NS_EPS = 1e-7
-# Same-shaped matrices are orthogonalised as one batched matmul chain, in stacks of at most this many elements:
-# big enough to batch many small matrices (one BLAS call instead of dozens), small enough that the stack and
-# Newton-Schulz's three temporaries of its size stay a modest extra memory (~0.5 GB fp32).
-_MAX_STACK_ELEMENTS = 2**25
+_NS_EPS = NS_EPS
+_MAX_STACK_ELEMENTS = MAX_STACK_ELEMENTS  # per module, so a test can make this module's stacks smaller
 
 
 def muon_scale_factor(rows: int, cols: int, mode: ScaleMode) -> float:
@@ -300,7 +298,8 @@ def _orthogonalise_matrices(updates: list[Tensor], group: dict[str, Any]) -> lis
     for (shape, _, device), indices in by_kind.items():
         scale = group["extra_scale_factor"] * muon_scale_factor(shape[0], shape[1], group["scale_mode"])
         matmul_dtype = ns_matmul_dtype(precision, device)
-        for chunk in _chunks([(i, matrices[i]) for i in indices], max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))):
+        limit = max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))
+        for chunk in stack_chunks([(i, matrices[i]) for i in indices], limit):
             # One whole update is used as it is (no copy; a single 2-D one runs exactly the reference's kernel).
             x = chunk[0][1] if len(chunk) == 1 else torch.cat([m if m.ndim == 3 else m.unsqueeze(0) for _, m in chunk])
             with matmul_precision(precision, device):
@@ -322,47 +321,31 @@ def _orthogonalise_matrices(updates: list[Tensor], group: dict[str, Any]) -> lis
     return [_merge_qkv(results[k * n : (k + 1) * n], shapes, u.shape) for k, u in enumerate(updates)]
 
 
-def _chunks(matrices: list[tuple[int, Tensor]], limit: int) -> list[list[tuple[int, Tensor]]]:
-    """``(index, matrix or stack)`` pairs cut into chunks of at most ``limit`` matrices, in order; a stack
-    larger than the room left is split along its batch dimension (views)."""
-    chunks: list[list[tuple[int, Tensor]]] = [[]]
-    room = limit
-    for i, m in matrices:
-        for part in m.split(limit) if m.ndim == 3 else [m]:
-            count = 1 if part.ndim == 2 else part.size(0)
-            if count > room:
-                chunks.append([])
-                room = limit
-            chunks[-1].append((i, part))
-            room -= count
-    return [c for c in chunks if c]
-
-
 def _validate_group(group: dict[str, Any], index: int) -> None:
     """Raise a ValueError naming the group, the field and the allowed values for any bad setting."""
     where = f"Muon param group {index}"
     check_min("Muon", index, group, "lr")
     check_min("Muon", index, group, "weight_decay")
     momentum, shapes, extra = group["momentum"], group["qkv_split_shapes"], group["extra_scale_factor"]
-    _require(_is_number(momentum) and 0.0 <= momentum < 1.0, f"{where}: momentum must be in [0, 1), got {momentum!r}")
-    _require(isinstance(group["nesterov"], bool), f"{where}: nesterov must be True or False, got {group['nesterov']!r}")
+    require(is_number(momentum) and 0.0 <= momentum < 1.0, f"{where}: momentum must be in [0, 1), got {momentum!r}")
+    require(isinstance(group["nesterov"], bool), f"{where}: nesterov must be True or False, got {group['nesterov']!r}")
     try:
         coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    _require(group["scale_mode"] in SCALE_MODES,
+    require(group["scale_mode"] in SCALE_MODES,
              f"{where}: unknown scale_mode {group['scale_mode']!r}; expected one of {list(SCALE_MODES)}")
-    _require(_is_number(extra) and math.isfinite(extra), f"{where}: extra_scale_factor must be a finite number, "
+    require(is_number(extra) and math.isfinite(extra), f"{where}: extra_scale_factor must be a finite number, "
              f"got {extra!r}")
-    _require(group["matmul_precision"] in MATMUL_PRECISIONS, f"{where}: matmul_precision must be one of "
+    require(group["matmul_precision"] in MATMUL_PRECISIONS, f"{where}: matmul_precision must be one of "
              f"{list(MATMUL_PRECISIONS)}, got {group['matmul_precision']!r}")
-    _require(shapes is None or (not isinstance(shapes, str) and isinstance(shapes, Sequence) and len(shapes) == 3
+    require(shapes is None or (not isinstance(shapes, str) and isinstance(shapes, Sequence) and len(shapes) == 3
                                 and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes)),
              f"{where}: qkv_split_shapes must be None or three positive ints (q, k, v), got {shapes!r}")
-    _require(group.get("tp_mode", "duplicated") in TP_MODES,
+    require(group.get("tp_mode", "duplicated") in TP_MODES,
              f"{where}: tp_mode must be one of {list(TP_MODES)}, got {group.get('tp_mode')!r}")
     for name, blocks in (group.get("tp_blocks") or {}).items():
-        _require(blocks is None or (isinstance(blocks, tuple) and len(blocks) == 2 and blocks[0] in (0, 1)
+        require(blocks is None or (isinstance(blocks, tuple) and len(blocks) == 2 and blocks[0] in (0, 1)
                                     and isinstance(blocks[1], int) and blocks[1] >= 1),
                  f"{where}: tp_blocks[{name!r}] must be (dim 0 or 1, parts >= 1) or None, got {blocks!r}")
     names = group.get("param_names")
@@ -371,29 +354,22 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         name = names[i] if names is not None and i < len(names) else None
         what = f"param {i}" if name is None else f"param {name!r} (index {i})"
         rule = 'Rule(Ndim(lt=2), algorithm="adamw")' if p.ndim < 2 else 'Rule(Ndim(gt=3), algorithm="adamw")'
-        _require(p.ndim in (2, 3), f"Muon needs 2-D parameters or 3-D stacks of matrices; {what} in group {index} "
+        require(p.ndim in (2, 3), f"Muon needs 2-D parameters or 3-D stacks of matrices; {what} in group {index} "
                  f"has shape {tuple(p.shape)}. Route it to AdamW with a rule, e.g. {rule}")
-        _require(shapes is None or p.size(-2) % sum(shapes) == 0,
+        require(shapes is None or p.size(-2) % sum(shapes) == 0,
                  f"{where}: qkv_split_shapes {tuple(shapes or ())} (q + k + v = {sum(shapes or ())} rows per "
                  f"attention group) do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight "
                  "has num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group.")
         if group.get("tp_mode", "duplicated") != "duplicated" and name in tp:
-            _require(tp[name] is not None, f"{where}: tp_mode {group['tp_mode']!r} takes a matrix split by tensor "
+            require(tp[name] is not None, f"{where}: tp_mode {group['tp_mode']!r} takes a matrix split by tensor "
                      f"parallelism along one dim; {what} is split otherwise (over two tensor-parallel mesh dims, or a "
                      "3-D stack). Use tp_mode='duplicated' (the whole matrix)")
             dim, parts = tp[name]
-            _require(p.size(dim) % parts == 0, f"{where}: tp_mode {group['tp_mode']!r} needs {what}'s dim {dim} "
+            require(p.size(dim) % parts == 0, f"{where}: tp_mode {group['tp_mode']!r} needs {what}'s dim {dim} "
                      f"({p.size(dim)}) split evenly over its {parts} tensor-parallel ranks; use tp_mode='duplicated'")
             rows = p.size(0) // (parts if dim == 0 and group["tp_mode"] == "blockwise" else 1)
-            _require(shapes is None or rows % sum(shapes) == 0,
+            require(shapes is None or rows % sum(shapes) == 0,
                      f"{where}: each tensor-parallel block of {what} has {rows} rows, not a multiple of q + k + v = "
                      f"{sum(shapes or ())} (qkv_split_shapes {tuple(shapes or ())})")
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,7 +1,8 @@
 """The algorithm registry: optimizer classes by name, and plug-in of any ``torch.optim.Optimizer`` subclass.
 
 Built-in: ``adamw``, ``adam`` (L2 weight decay, as ``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``, ``normuon``,
-``adamuon``, ``adaptive_muon`` (its ``moment2_method`` from the config) and ``schedule_free_adamw``; any other
+``adamuon``, ``adaptive_muon`` (its ``moment2_method`` from the config), ``soap``, ``schedule_free_adamw`` and
+``schedule_free_sgd``; any other
 class as ``"torch.optim.<Class>"`` or ``"package.module:Class"``. Each name also says how its constructor kwargs
 come from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, plus what its module's ``kwargs_from_config``
 reads from its section (a plug-in gets only the two). Adding an optimizer is a file and a ``register`` line.
@@ -41,6 +42,10 @@ class Capabilities:
         matrix_ndims: the parameter ranks it takes as matrices (2-D; 3-D stacks of matrices).
         host_kernel: it has a host kernel fast enough for offloaded state (CPU offload).
         state: its per-element state tensors, each shaped like the parameter (memory estimates).
+        matrix_state: its state that is not shaped like the parameter (SOAP's square Kronecker factors and
+            eigenbases, one per side of a matrix). Only a whole-matrix algorithm may keep it (its owner holds the
+            whole parameter), and its optimizer's ``exported_state`` must give it in a parameter-shaped form
+            (pages) that name-keyed checkpoints shard and reshard, folding it back when stepped.
         reads_loss: its step calls the closure (reads a loss).
         swaps_weights: its optimizer has ``train()`` / ``eval()`` that swap the parameters between the sequence
             it steps and the weights to evaluate (Schedule-Free); ``ChainedOptimizer.train`` / ``eval`` forward
@@ -52,12 +57,16 @@ class Capabilities:
     matrix_ndims: tuple[int, ...] = (2, 3)
     host_kernel: bool = False
     state: tuple[str, ...] = ()
+    matrix_state: tuple[str, ...] = ()
     reads_loss: bool = False
     swaps_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.elementwise and self.whole_matrices:
             raise ValueError("Capabilities: an algorithm is either elementwise or needs whole_matrices, not both")
+        if self.matrix_state and not self.whole_matrices:
+            raise ValueError(f"Capabilities: matrix_state {self.matrix_state} needs whole_matrices=True (only the "
+                             "owner of a whole matrix can keep state that is not shaped like a range of it)")
 
 
 # What each built-in family declares (a registration may pass its own).
@@ -247,9 +256,17 @@ def _register_builtins() -> None:
     register("adamuon", adaptive, family="muon", defaults={"moment2_method": "adamuon"}, kwargs=adaptive_kwargs,
              capabilities=both)
     register("adaptive_muon", adaptive, family="muon", kwargs=adaptive_kwargs, capabilities=both)
+    register("soap", "optstack.algorithms.soap:SOAP", family="other",
+             kwargs="optstack.algorithms.soap:kwargs_from_config",
+             capabilities=Capabilities(elementwise=False, whole_matrices=True, matrix_ndims=(2,),
+                                       state=("exp_avg", "exp_avg_sq"),
+                                       matrix_state=("GG_left", "GG_right", "Q_left", "Q_right")))
     register("schedule_free_adamw", "optstack.algorithms.schedule_free:ScheduleFreeAdamW", family="other",
              kwargs="optstack.algorithms.schedule_free:kwargs_from_config",
              capabilities=Capabilities(state=("z", "exp_avg_sq"), swaps_weights=True))
+    register("schedule_free_sgd", "optstack.algorithms.schedule_free:ScheduleFreeSGD", family="other",
+             kwargs="optstack.algorithms.schedule_free:sgd_kwargs_from_config",
+             capabilities=Capabilities(state=("z",), swaps_weights=True))
 
 
 _register_builtins()

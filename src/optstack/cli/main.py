@@ -213,12 +213,37 @@ def cmd_compare(args: argparse.Namespace) -> int:
     steps = load_config(args.config, shared, base={"train": {"steps": COMPARE_STEPS}}).train.steps
     base = {"train": {"steps": COMPARE_STEPS, "eval_every": max(1, steps // 10)},
             "schedule": {"warmup_steps": min(50, steps // 10)}}
-    configs = {name: load_config(args.config, [*shared, {"optimizer": {"algorithm": name}}], base=base)
-               for name in names}
+    factors = _lr_factors(args.lr_sweep)
+    configs = {}
+    for name in names:
+        own = [*shared, {"optimizer": {"algorithm": name}}]
+        below = base
+        if get_algorithm(name).capabilities.swaps_weights:
+            # Schedule-Free's average replaces the decay: a decaying schedule would double it (its paper's
+            # setting is warmup then constant); in the base, so a config file or --set may still choose a style
+            below = {**base, "schedule": {**base["schedule"], "style": "constant"}}
+        plain = load_config(args.config, own, base=below)  # the user's lr, or the optimizer's default
+        lr, min_lr = plain.optimizer.lr, plain.optimizer.min_lr
+        configs[name] = [plain] if factors == [1.0] else [  # the schedule's shape kept: min_lr scales too
+            load_config(args.config, [*own, {"optimizer": {"lr": float(f"{lr * f:.6g}"),
+                                                           "min_lr": float(f"{min_lr * f:.6g}")}}], base=below)
+            for f in factors]
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    _bf16_note(next(iter(configs.values())))
+    _bf16_note(next(iter(configs.values()))[0])
     compare(configs, out, progress=args.progress)
     return 0
+
+
+def _lr_factors(text: str) -> list[float]:
+    """``--lr-sweep``'s factors: distinct positive numbers separated by commas."""
+    try:
+        factors = [float(f) for f in text.split(",") if f.strip()]
+    except ValueError:
+        factors = []
+    if not factors or any(not f > 0 for f in factors) or len(set(factors)) != len(factors):
+        raise ValueError(f"--lr-sweep must list distinct positive factors separated by commas (e.g. 0.3,1,3), "
+                         f"got {text!r}")
+    return factors
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -289,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{COMPARE_STEPS} and --eval-every a tenth of the steps.")
     _add_run_flags(c)  # --steps defaults to COMPARE_STEPS here, --eval-every to a tenth of the steps
     c.add_argument("--optimizers", default="adamw,muon,lion", help="comma-separated (default adamw,muon,lion)")
+    c.add_argument("--lr-sweep", default="1", metavar="FACTORS",
+                   help="each optimizer's lr times each of these factors, the best kept (e.g. 0.3,1,3 for a "
+                   "fair comparison; default 1: its lr alone). Schedule-Free algorithms get a constant schedule "
+                   "after warmup unless schedule.style is set")
     c.add_argument("--out", help="comparison directory (default runs/compare-<date>-<time>)")
     c.set_defaults(func=cmd_compare, command_parser=c)
 

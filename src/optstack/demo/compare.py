@@ -1,7 +1,11 @@
 """``optstack compare``: the same short training with several optimizers, one after another, side by side.
 
 Each optimizer gets its own run (``<out>/<optimizer>/``, a full ``optstack train`` run directory) with the
-same model, data, seed and schedule; only ``optimizer.algorithm`` (and so its default lr) differs. Runs are
+same model, data, seed and schedule; only ``optimizer.algorithm`` (and so its default lr) differs. With a learning
+rate sweep (several configs per optimizer, e.g. ``--lr-sweep 0.3,1,3`` times its default lr), each lr is a run
+of its own (``<out>/<optimizer>/lr=<lr>/``) and the optimizer is represented by its best (lowest best
+validation loss): tuning each optimizer a little is what makes the comparison fair (the 2025 "Fantastic
+pretraining optimizers" comparison's point). Runs are
 sequential in one process, so their wall times compare on the same machine (not under the same load, if
 something else runs meanwhile). The results::
 
@@ -10,8 +14,9 @@ something else runs meanwhile). The results::
     <out>/compare.json   the same rows, plus the unigram baseline
     <out>/compare.csv    the same rows
 
-Columns: optimizer, peak lr, final and best validation loss (nats/byte), training time (s, evaluation and
-checkpoints excluded), tokens/s and skipped steps.
+Columns: optimizer, peak lr (the best of the sweep), final and best validation loss (nats/byte), training time
+(s, evaluation and checkpoints excluded), tokens/s, skipped steps and the lrs tried; ``compare.json`` also holds
+every run of the sweep.
 """
 
 from __future__ import annotations
@@ -44,51 +49,67 @@ class CompareRow:
     tokens_per_s: float
     skipped_steps: int
     run_dir: str
+    lrs_tried: tuple[float, ...] = ()
 
 
 def compare(
-    configs: Mapping[str, TrainConfig],
+    configs: Mapping[str, TrainConfig | Sequence[TrainConfig]],
     out: str | os.PathLike[str],
     *,
     progress: bool | None = None,
     echo: Callable[[str], None] = print,
 ) -> list[CompareRow]:
-    """Train each config in turn (into ``out/<name>``) and write the comparison (module docstring).
+    """Train each config in turn (into ``out/<name>``, or ``out/<name>/lr=<lr>`` for a sweep) and write the
+    comparison (module docstring).
 
     Args:
-        configs: optimizer name -> its run's configuration (same model, data, seed and steps).
+        configs: optimizer name -> its run's configuration, or its sweep's (same model, data, seed and steps).
         out: the comparison directory.
         progress: a progress bar for each run (None = when stderr is a terminal).
         echo: where status lines go.
 
     Returns:
-        One row per config, in the order given.
+        One row per optimizer (its best run), in the order given.
 
     Raises:
-        ValueError: no configs, or a user error of one of the runs (as ``train`` raises it).
+        ValueError: no configs, an empty sweep, or a user error of one of the runs (as ``train`` raises it).
     """
     if not configs:
         raise ValueError("compare needs at least one optimizer")
-    steps = {c.train.steps for c in configs.values()}
+    sweeps = {name: [c] if isinstance(c, TrainConfig) else list(c) for name, c in configs.items()}
+    empty = [name for name, runs in sweeps.items() if not runs]
+    if empty:
+        raise ValueError(f"compare: optimizer {empty[0]!r} has no run to make (an empty lr sweep)")
+    steps = {c.train.steps for runs in sweeps.values() for c in runs}
     if len(steps) != 1:
         raise ValueError(f"compared runs must take the same number of steps, got {sorted(steps)}")
     out = Path(out)
-    rows, curves, baseline = [], {}, math.nan
-    for name, cfg in configs.items():
-        echo(f"=== {name} ===")
-        summary = train(cfg, out / name, progress=progress, echo=echo)
-        baseline = summary.baseline
-        metrics = RunDir(out / name).read_metrics()
-        curves[name] = [(r["step"], r["time_s"], r["val_loss"]) for r in metrics if r.get("val_loss") is not None]
-        rows.append(CompareRow(
-            optimizer=name, lr=cfg.optimizer.lr, final_val_loss=summary.final_val_loss,
-            best_val_loss=summary.best_val_loss, train_seconds=summary.train_seconds,
-            tokens_per_s=summary.tokens_per_s, skipped_steps=summary.skipped_steps, run_dir=summary.run_dir,
-        ))
+    rows, curves, every, baseline = [], {}, [], math.nan
+    for name, runs in sweeps.items():
+        tried = []
+        for cfg in runs:
+            where = out / name if len(runs) == 1 else out / name / f"lr={cfg.optimizer.lr:g}"
+            echo(f"=== {name}" + (f" lr={cfg.optimizer.lr:g}" if len(runs) > 1 else "") + " ===")
+            summary = train(cfg, where, progress=progress, echo=echo)
+            baseline = summary.baseline
+            metrics = RunDir(where).read_metrics()
+            curve = [(r["step"], r["time_s"], r["val_loss"]) for r in metrics if r.get("val_loss") is not None]
+            row = CompareRow(
+                optimizer=name, lr=cfg.optimizer.lr, final_val_loss=summary.final_val_loss,
+                best_val_loss=summary.best_val_loss, train_seconds=summary.train_seconds,
+                tokens_per_s=summary.tokens_per_s, skipped_steps=summary.skipped_steps, run_dir=summary.run_dir,
+                lrs_tried=tuple(c.optimizer.lr for c in runs))
+            tried.append((row, curve))
+            every.append(row)
+        # the best lr: lowest best validation loss (a diverged run's NaN or missing loss never wins)
+        row, curve = min(tried, key=lambda rc: _loss_key(rc[0].best_val_loss))
+        rows.append(row)
+        curves[name if len(runs) == 1 else f"{name} (lr={row.lr:g})"] = curve
     table = format_table(rows, baseline)
     (out / "compare.md").write_text(table + "\n")
     (out / "compare.json").write_text(json.dumps(
-        {"baseline": baseline, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2) + "\n")
+        {"baseline": baseline, "rows": [dataclasses.asdict(r) for r in rows],
+         "sweep": [dataclasses.asdict(r) for r in every]}, indent=2) + "\n")
     with open(out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[fl.name for fl in dataclasses.fields(CompareRow)])
         writer.writeheader()
@@ -99,6 +120,10 @@ def compare(
     return rows
 
 
+def _loss_key(loss: float | None) -> float:
+    return loss if loss is not None and math.isfinite(loss) else math.inf
+
+
 def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
 
@@ -106,13 +131,15 @@ def _num(value: float | None, fmt: str) -> str:
 def format_table(rows: Sequence[CompareRow], baseline: float) -> str:
     """The rows as a markdown table, best validation loss first marked, with the unigram baseline below."""
     best = min((r.best_val_loss for r in rows if r.best_val_loss is not None), default=None)
-    lines = ["| optimizer | lr | final val loss | best val loss | train time (s) | tokens/s | skipped |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    swept = any(len(r.lrs_tried) > 1 for r in rows)
+    lines = ["| optimizer | lr | final val loss | best val loss | train time (s) | tokens/s | skipped |"
+             + (" lrs tried |" if swept else ""),
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---|" if swept else "")]
     for r in rows:
         mark = " *" if best is not None and r.best_val_loss == best and len(rows) > 1 else ""
         lines.append(f"| {r.optimizer}{mark} | {r.lr:g} | {_num(r.final_val_loss, '.4f')} | "
                      f"{_num(r.best_val_loss, '.4f')} | {r.train_seconds:.1f} | {r.tokens_per_s:,.0f} | "
-                     f"{r.skipped_steps} |")
+                     f"{r.skipped_steps} |" + (f" {', '.join(f'{lr:g}' for lr in r.lrs_tried)} |" if swept else ""))
     lines.append(f"\nLosses in nats/byte; the unigram baseline of the validation split is {_num(baseline, '.4f')}."
                  + (" * = lowest best val loss." if len(rows) > 1 else ""))
     return "\n".join(lines)

@@ -39,7 +39,7 @@ __all__ = [
 
 #: The learning rate each algorithm gets when the user sets none (picked from short demo-model sweeps).
 DEFAULT_LR = {"adamw": 3e-3, "adam": 3e-3, "sgd": 0.1, "lion": 1e-3, "muon": 0.02, "normuon": 0.02, "adamuon": 0.02,
-              "adaptive_muon": 0.02, "schedule_free_adamw": 3e-3}
+              "adaptive_muon": 0.02, "schedule_free_adamw": 3e-3, "schedule_free_sgd": 0.1, "soap": 3e-3}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -236,6 +236,16 @@ class DTensorLocal(_DTensorPlacement):
         return out
 
 
+    def element_rows(self, piece: Piece) -> torch.Tensor:
+        """A block's rows: the global row index of each element, laid out by the parameter's own placements (each
+        rank takes its local part, no communication), so strided and column shards map as the model's do."""
+        param = piece.param
+        if not is_dtensor(param) or not _is_block(param):
+            return super().element_rows(piece)
+        rows = torch.arange(param.shape[0], device=piece.value.device).unsqueeze(1).expand(param.shape).contiguous()
+        local = distribute_tensor(rows, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        return local.reshape(-1)
+
     def flat_shards(self, shards: dict[str, ParamShard]) -> dict[str, ParamShard]:
         """Each block's state as a flat range: rank ``i`` of the ``k`` ranks of the parameter's mesh (row-major
         coordinate) gets elements ``[i n / k, (i+1) n / k)`` of the assembled whole. Collective over each block

@@ -129,6 +129,11 @@ class Placement:
         group's: what the placement knows of its parameters' layout); none here."""
         return {}
 
+    def element_rows(self, piece: Piece) -> torch.Tensor:
+        """The row of the whole 2-D parameter each element of ``piece``'s stepped value lies in, in the value's
+        order (QK-clip's per-row factors): here a range ``[start, end)`` of the flattened parameter."""
+        return torch.arange(piece.start, piece.end, device=piece.value.device) // piece.param.shape[-1]
+
     def flat_shards(self, shards: dict[str, ParamShard]) -> dict[str, ParamShard]:
         """This rank's ``ParamShard``s as the name-keyed state holds them: ranges of flattened parameters (the
         pieces are those already here; a placement whose pieces are blocks converts them, collectively)."""

@@ -266,31 +266,24 @@ class Stage:
 
     def scale_rows(self, factors: Mapping[str, torch.Tensor]) -> None:
         """Multiply each row of the named 2-D parameters' stepped values (fp32 masters, or the parameters) by
-        ``factors[name]`` (shape ``(rows,)``), on whatever range of the parameter this rank holds, then publish as
-        a step does. Collective where publishing is: every rank passes the same names (QK-clip, ``qk_clip.py``).
-
-        Raises:
-            ValueError: DTensor placements (their local pieces are not flat ranges); nothing changes then.
-        """
+        ``factors[name]`` (shape ``(rows,)``), on whatever part of the parameter this rank holds (a range, a
+        DTensor's local shard or block, an owner's whole matrix: ``Placement.element_rows``), then publish as a
+        step does. Collective where publishing is: every rank passes the same names (QK-clip, ``qk_clip.py``).
+        Each element is scaled by its own row's factor, so no rank needs another's values: no gather."""
         mine = {n for g in self.param_groups for n in g["param_names"]} & set(factors)
         if not mine:
             return
-        if self.placement.kind.startswith("dtensor"):
-            raise ValueError(f"{self.name}: scaling rows (QK-clip) of {sorted(mine)[0]!r} is not supported for "
-                             "DTensor parameters (FSDP2 / tensor parallel) yet; use optstack's data-parallel wrapper "
-                             "(sharding 'replicated', 'zero1' or 'layerwise')")
         self.reload_states()
         self.placement.finish()
         self.precision.materialize()
         with torch.no_grad():
             for piece, stepped in zip(self.pieces, self._stepped, strict=True):
                 factor = factors.get(piece.name)
-                if factor is None or piece.end == piece.start:
+                if factor is None or stepped.numel() == 0:
                     continue
-                cols = piece.param.shape[-1]
-                rows = torch.arange(piece.start, piece.end, device=factor.device) // cols
-                flat = stepped.view(-1)
-                flat.mul_(factor[rows].to(device=flat.device, dtype=flat.dtype))
+                rows = self.placement.element_rows(piece)
+                scale = factor.to(rows.device)[rows].to(device=stepped.device, dtype=stepped.dtype)
+                stepped.mul_(scale.view(stepped.shape))
         self._publish()
         self.placement.finish()
 

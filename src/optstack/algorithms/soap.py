@@ -1,0 +1,328 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024, arXiv:2409.11321), for 2-D
+weights, as NVIDIA Emerging-Optimizers' ``SOAP`` (which Megatron's ``optimizer='soap'`` builds) defines it.
+
+Per ``(m, n)`` parameter ``p`` with gradient ``G``, step ``k`` (0-based), Kronecker factors ``L`` ``(m, m)`` and
+``R`` ``(n, n)``, their eigenbases ``QL``, ``QR``, and Adam's moments ``M``, ``V`` (``(m, n)``, both kept in the
+eigenbasis)::
+
+    b   = 1 - (1 - shampoo_beta) / (1 - shampoo_beta**(k + 1))  if correct_bias else shampoo_beta
+    L   = b * L + (1 - b) * G G^T;   R = b * R + (1 - b) * G^T G
+    k == 0:  Q = eigh(factor) eigenvectors, largest eigenvalue first; no update (see below)
+    k > 0 and k % precondition_frequency == 0:            # refresh the eigenbases
+        M0  = QL M QR^T                                   # momentum back to the parameter's basis
+        Q   = Q[:, order], order: the estimated eigenvalues diag(Q^T F Q) largest first (V's rows / columns
+              permuted alike), then power_iter_steps times Q = qr(F Q).Q   (power iteration + QR)
+        M   = QL^T M0 QR                                  # into the new basis
+    p   = p * (1 - lr * weight_decay)                     # decoupled weight decay
+    g   = QL^T G QR
+    M   = beta1 * M + (1 - beta1) * g;   V = beta2 * V + (1 - beta2) * g**2
+    u   = (M / (1 - beta1**k)) / (sqrt(V / (1 - beta2**k)) + eps)      # without correct_bias: M / (sqrt(V) + eps)
+    p   = p - lr * QL u QR^T
+
+The first step only fills the factors and computes their eigenbases, as the SOAP paper's code does: in the basis
+of the gradient's own factors the projected gradient is diagonal but for round-off, and Adam's sign-like first
+update would turn that round-off into unit-size steps (Emerging-Optimizers updates on step 0 anyway).
+
+A side longer than ``max_precond_dim`` is not preconditioned (its ``Q`` is the identity, its factor not kept).
+The first eigenbases come from ``eigh``; later refreshes cost two matmuls and a QR per side. A factor's null space
+(the long side of a matrix before enough steps have filled it) has no preferred basis: there SOAP's update
+follows round-off, so runs whose gradients differ in the last bits may differ along it (a property of SOAP, not
+of a placement); the equality tests use factors of full rank.
+
+State per parameter: ``"exp_avg"``, ``"exp_avg_sq"`` (the parameter's shape, in the eigenbasis), ``"step"``, and
+``"GG_left"``, ``"GG_right"``, ``"Q_left"``, ``"Q_right"`` (square, per preconditioned side). Checkpoints key
+state by parameter name and reshard element-wise state, so the square matrices are exported as pages shaped like
+the parameter (``exported_state``: ``"GG_left.0"``, ... each a chunk of the flattened matrix, zero-padded), which
+the owner of the whole matrix folds back on its next step; SOAP always steps whole matrices (its capabilities),
+so each owner reads all of a matrix's pages.
+
+The step batches the matrices of a group by shape and step count: one ``bmm`` per product, one batched ``eigh``
+or ``qr`` per refresh, the state of a batch laid out as one stack (copied once into it, then updated in place),
+equal to ``soap_reference`` to fp32 round-off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from optstack.algorithms._common import check_betas, check_min, is_number, require
+
+__all__ = ["SOAP", "kwargs_from_config", "soap_reference", "MATRIX_KEYS"]
+
+#: the square state of each side: Kronecker factor and its eigenbasis
+MATRIX_KEYS: tuple[str, ...] = ("GG_left", "GG_right", "Q_left", "Q_right")
+
+
+def _shampoo_beta(shampoo_beta: float, t: int, correct_bias: bool) -> float:
+    return 1 - (1 - shampoo_beta) / (1 - shampoo_beta**t) if correct_bias else shampoo_beta
+
+
+def _eigh_descending(factor: Tensor) -> Tensor:
+    """Eigenvectors of the symmetric ``factor`` (or a stack), largest eigenvalue first."""
+    return torch.linalg.eigh(factor).eigenvectors.flip(-1)
+
+
+def _refresh(factor: Tensor, q: Tensor, v: Tensor, dim: int, power_iter_steps: int) -> tuple[Tensor, Tensor]:
+    """One QR refresh of the eigenbasis ``q`` of ``factor`` (a matrix or stack): columns sorted by their estimated
+    eigenvalues (largest first, ``v`` permuted alike along ``dim``), then power iteration + QR. Returns the new
+    ``(q, v)``."""
+    estimated = torch.diagonal(q.mT @ factor @ q, dim1=-2, dim2=-1)
+    order = torch.argsort(estimated, dim=-1, descending=True, stable=True)
+    q = q.gather(-1, order.unsqueeze(-2).expand_as(q))
+    index = order.unsqueeze(-1) if dim == -2 else order.unsqueeze(-2)  # V's rows (left) or columns (right)
+    v = v.gather(dim, index.expand_as(v))
+    for _ in range(power_iter_steps):
+        q = torch.linalg.qr(factor @ q).Q
+    return q, v
+
+
+def _to_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
+    """``QL^T x QR`` (a missing side: the identity)."""
+    if ql is not None:
+        x = ql.mT @ x
+    return x @ qr if qr is not None else x
+
+
+def _from_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
+    """``QL x QR^T`` (a missing side: the identity)."""
+    if ql is not None:
+        x = ql @ x
+    return x @ qr.mT if qr is not None else x
+
+
+def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float, eps: float,
+               shampoo_beta: float, precondition_frequency: int, correct_bias: bool,
+               power_iter_steps: int) -> Tensor | None:
+    """The module docstring's formulas on one matrix or a stack (leading batch dimension), state updated in place;
+    returns ``lr * QL u QR^T`` (weight decay is the caller's), or None on the first step (no update)."""
+    k = int(state["step"])
+    b = _shampoo_beta(shampoo_beta, k + 1, correct_bias)
+    left, right = state.get("GG_left"), state.get("GG_right")
+    if left is not None:
+        left.lerp_(grad @ grad.mT, 1 - b)
+    if right is not None:
+        right.lerp_(grad.mT @ grad, 1 - b)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] = k + 1
+    if k == 0:
+        for side, factor in (("left", left), ("right", right)):
+            if factor is not None:
+                state[f"Q_{side}"].copy_(_eigh_descending(factor))
+        return None
+    if k % precondition_frequency == 0:
+        original = _from_basis(m, state.get("Q_left"), state.get("Q_right"))
+        for side, factor, dim in (("left", left, -2), ("right", right, -1)):
+            if factor is not None:
+                q, v_sorted = _refresh(factor, state[f"Q_{side}"], v, dim, power_iter_steps)
+                state[f"Q_{side}"].copy_(q)
+                v.copy_(v_sorted)
+        m.copy_(_to_basis(original, state.get("Q_left"), state.get("Q_right")))
+    g = _to_basis(grad, state.get("Q_left"), state.get("Q_right"))
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if correct_bias:  # Adam's t: its k-th update (the first step made none)
+        u = m / (v / (1 - beta2**k)).sqrt_().add_(eps)
+        u.mul_(1 / (1 - beta1**k))
+    else:
+        u = m / v.sqrt().add_(eps)
+    return _from_basis(u, state.get("Q_left"), state.get("Q_right")).mul_(lr)
+
+
+def soap_reference(param: Tensor, grad: Tensor, state: dict[str, Any], *, lr: float, betas: tuple[float, float],
+                   eps: float, weight_decay: float, shampoo_beta: float, precondition_frequency: int,
+                   max_precond_dim: int, correct_bias: bool, power_iter_steps: int = 1) -> None:
+    """One SOAP step on one ``(m, n)`` parameter, in place (``param`` and ``state``, a dict that starts empty):
+    the formulas of the module docstring, the test oracle."""
+    if not state:
+        state.update(_fresh_state(param, max_precond_dim))
+    step = _soap_math(grad.float(), state, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, shampoo_beta=shampoo_beta,
+                      precondition_frequency=precondition_frequency, correct_bias=correct_bias,
+                      power_iter_steps=power_iter_steps)
+    if step is None:
+        return
+    param.mul_(1 - lr * weight_decay)
+    param.sub_(step.to(param.dtype))
+
+
+def _fresh_state(param: Tensor, max_precond_dim: int) -> dict[str, Any]:
+    m, n = param.shape
+    state: dict[str, Any] = {"step": 0, "exp_avg": torch.zeros_like(param, dtype=torch.float32),
+                             "exp_avg_sq": torch.zeros_like(param, dtype=torch.float32)}
+    for side, size in (("left", m), ("right", n)):
+        if size <= max_precond_dim:
+            state[f"GG_{side}"] = param.new_zeros(size, size, dtype=torch.float32)
+            state[f"Q_{side}"] = param.new_zeros(size, size, dtype=torch.float32)
+    return state
+
+
+def kwargs_from_config(config: Any) -> dict[str, Any]:
+    """``SOAP``'s kwargs from an ``OptimizerConfig``'s ``soap`` section (the registry adds lr and weight decay)."""
+    s = config.soap
+    return {"betas": (s.beta1, s.beta2), "eps": s.eps, "shampoo_beta": s.shampoo_beta,
+            "precondition_frequency": s.precondition_frequency, "max_precond_dim": s.max_precond_dim,
+            "correct_bias": s.correct_bias, "power_iter_steps": s.power_iter_steps}
+
+
+def _pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
+    """``matrix`` flattened and cut into zero-padded chunks shaped like ``like`` (its checkpoint form)."""
+    size = like.numel()
+    flat = matrix.reshape(-1)
+    count = math.ceil(flat.numel() / size)
+    padded = flat.new_zeros(count * size)
+    padded[: flat.numel()] = flat
+    return [page.view(like.shape) for page in padded.split(size)]
+
+
+def _unpage(state: dict[str, Any], key: str, size: int) -> None:
+    """Fold ``key``'s pages (``key.0``, ``key.1``, ...) in ``state`` back into the ``(size, size)`` matrix."""
+    pages = []
+    while f"{key}.{len(pages)}" in state:
+        pages.append(state.pop(f"{key}.{len(pages)}"))
+    if pages:
+        state[key] = torch.cat([p.reshape(-1) for p in pages])[: size * size].view(size, size).float().clone()
+
+
+class SOAP(torch.optim.Optimizer):
+    """SOAP for 2-D parameters (see the module docstring). Vectors, 3-D and higher tensors, embeddings and the
+    output layer belong to a scalar optimizer (AdamW): the default rules route them there.
+
+    Args:
+        params: parameters or param-group dicts (``param_names`` in a group is used in error messages).
+        lr: learning rate, >= 0.
+        betas: Adam's (beta1, beta2) in the eigenbasis, each in [0, 1).
+        eps: added to Adam's denominator, >= 0.
+        weight_decay: decoupled weight decay, >= 0.
+        shampoo_beta: EMA coefficient of the Kronecker factors, in [0, 1).
+        precondition_frequency: refresh the eigenbases every this many steps (>= 1).
+        max_precond_dim: a side longer than this is not preconditioned (>= 1).
+        correct_bias: Adam's bias correction, and the factors' (Emerging-Optimizers ties the two).
+        power_iter_steps: power iterations before the QR of each refresh (>= 1).
+
+    Every argument is also a per-group key.
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 3e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.01, *,
+                 shampoo_beta: float = 0.95, precondition_frequency: int = 10, max_precond_dim: int = 8192,
+                 correct_bias: bool = True, power_iter_steps: int = 1) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      shampoo_beta=shampoo_beta, precondition_frequency=precondition_frequency,
+                                      max_precond_dim=max_precond_dim, correct_bias=correct_bias,
+                                      power_iter_steps=power_iter_steps))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (defaults fill missing keys) after checking its settings and parameters.
+
+        Raises:
+            ValueError: a bad setting or a parameter SOAP cannot take; the group is not added.
+        """
+        super().add_param_group(dict(param_group))  # a copy: the caller's dict is theirs
+        try:
+            _validate_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def exported_state(self, param: Tensor) -> dict[str, Any]:
+        """``self.state[param]`` with each square matrix as pages shaped like ``param`` (``key.0``, ``key.1``,
+        ...), the form name-keyed checkpoints shard and reshard."""
+        state = dict(self.state.get(param, {}))
+        for key in MATRIX_KEYS:
+            matrix = state.pop(key, None)
+            if matrix is not None:
+                state.update({f"{key}.{i}": page for i, page in enumerate(_pages(matrix, param))})
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One SOAP step over every parameter that has a gradient; returns the closure's loss (or None)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            _validate_settings(group, index)  # a scheduler may have written them
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        batches: dict[tuple[Any, ...], list[Tensor]] = {}
+        for p in params:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state.update(_fresh_state(p, int(group["max_precond_dim"])))
+            for key, size in zip(MATRIX_KEYS, (p.size(0), p.size(1)) * 2, strict=True):
+                _unpage(state, key, size)  # state loaded from a checkpoint
+            sides = tuple(key in state for key in MATRIX_KEYS)
+            batches.setdefault((p.shape, p.device, int(state["step"]), sides), []).append(p)
+        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+        settings = dict(lr=lr, beta1=float(group["betas"][0]), beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                        shampoo_beta=float(group["shampoo_beta"]),
+                        precondition_frequency=int(group["precondition_frequency"]),
+                        correct_bias=bool(group["correct_bias"]), power_iter_steps=int(group["power_iter_steps"]))
+        for (_, _, step, _), members in batches.items():
+            states = [self.state[p] for p in members]
+            stacked: dict[str, Any] = {"step": step}
+            for key in ("exp_avg", "exp_avg_sq", *MATRIX_KEYS):
+                if key in states[0]:
+                    stacked[key] = _stack_state(states, key)
+            grads = torch.stack([p.grad.float() for p in members])
+            update = _soap_math(grads, stacked, **settings)
+            for state in states:
+                state["step"] = step + 1
+            if update is None:
+                continue
+            if weight_decay != 0:
+                torch._foreach_mul_(members, 1 - lr * weight_decay)
+            torch._foreach_sub_(members, [u.to(p.dtype) for u, p in zip(update.unbind(0), members, strict=True)])
+
+
+def _stack_state(states: list[dict[str, Any]], key: str) -> Tensor:
+    """The ``key`` tensors of ``states`` as one ``(len(states), ...)`` stack whose slices they are: a view when
+    they already are consecutive slices of one buffer, else a new buffer they are copied into and replaced by
+    views of (so the next step stacks them without a copy)."""
+    tensors = [s[key] for s in states]
+    first = tensors[0]
+    numel = first.numel()
+    if all(t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and t.storage_offset() == first.storage_offset() + i * numel and t.shape == first.shape
+           for i, t in enumerate(tensors)):
+        return first.as_strided((len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
+    stack = torch.stack(tensors)
+    for s, view in zip(states, stack.unbind(0), strict=True):
+        s[key] = view
+    return stack
+
+
+def _validate_settings(group: dict[str, Any], index: int) -> None:
+    where = f"SOAP param group {index}"
+    check_min("SOAP", index, group, "lr")
+    check_min("SOAP", index, group, "weight_decay")
+    check_min("SOAP", index, group, "eps")
+    check_betas("SOAP", index, group)
+    beta = group["shampoo_beta"]
+    require(is_number(beta) and 0.0 <= beta < 1.0, f"{where}: shampoo_beta must be in [0, 1), got {beta!r}")
+    for key in ("precondition_frequency", "max_precond_dim", "power_iter_steps"):
+        value = group[key]
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{where}: {key} must be an integer >= 1, got {value!r}")
+    require(isinstance(group["correct_bias"], bool),
+            f"{where}: correct_bias must be True or False, got {group['correct_bias']!r}")
+
+
+def _validate_group(group: dict[str, Any], index: int) -> None:
+    """Raise a ValueError naming the group, the field or parameter, and the fix."""
+    _validate_settings(group, index)
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        name = names[i] if names is not None and i < len(names) else None
+        what = f"param {i}" if name is None else f"param {name!r} (index {i})"
+        rule = 'Rule(Ndim(lt=2), algorithm="adamw")' if p.ndim < 2 else f'Rule(Name("{name}"), algorithm="adamw")'
+        require(p.ndim == 2, f"SOAP needs 2-D parameters; {what} in group {index} has shape {tuple(p.shape)}. "
+                f"Route it to AdamW with a rule, e.g. {rule}")
