@@ -71,7 +71,8 @@ def _child(args: argparse.Namespace) -> None:
 
         ddp = mcore.DistributedDataParallel(None, mcore.DistributedDataParallelConfig(
             use_distributed_optimizer=True, overlap_grad_reduce=True), model)
-        chain = mcore.get_megatron_optimizer(mcore.OptimizerConfig(optimizer=algorithm, bf16=True), [ddp])
+        chain = mcore.get_megatron_optimizer(mcore.OptimizerConfig(optimizer=algorithm, bf16=True,
+                                                                   use_distributed_optimizer=True), [ddp])
         stages = [type(s.placement).__name__ for m in chain.chained_optimizers for s in [m._stage]]
     else:
         target = wrap_data_parallel(config, model) if kind == "zero1" else model
