@@ -1,10 +1,13 @@
 """pytest plugin (``-p plugin``): installs the shim before Megatron's test modules are imported.
 
-Reads ``OPTSTACK_MEGATRON_SRC`` (the folder holding Megatron's ``megatron/`` package).
+Reads ``OPTSTACK_MEGATRON_SRC`` (the folder holding Megatron's ``megatron/`` package); with
+``OPTSTACK_MEGATRON_STATS`` set, writes there (JSON) the process's peak thread count and resident memory, read
+from ``/proc/self/status`` after every test, and the test at the thread peak.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -40,3 +43,28 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
         note = shim.take_out_of_scope()
         if note:
             outcome.get_result().user_properties.append(("out_of_scope", note))
+
+
+_peak = {"threads": 0, "rss_mb": 0.0, "at": ""}
+
+
+def _status() -> tuple[int, float]:
+    """(threads, VmRSS in MB) of this process, from /proc/self/status (0s where there is none)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    except OSError:
+        return 0, 0.0
+    return int(fields.get("Threads", "0")), int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+
+
+def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
+    threads, rss = _status()
+    if threads > _peak["threads"]:
+        _peak.update(threads=threads, at=nodeid)
+    _peak["rss_mb"] = max(_peak["rss_mb"], rss)
+
+
+def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
+    path = os.environ.get("OPTSTACK_MEGATRON_STATS")
+    if path:
+        Path(path).write_text(json.dumps(_peak))

@@ -15,8 +15,9 @@ per-parameter overrides). Here the classes are optstack's own, so the package is
   than one rank the step is core Muon's (batched). GTP weight rematerialisation (``gtp_remat`` groups,
   ``is_gtp_weight_remat`` / ``pad_length`` parameters) follows Megatron's ``scaled_orthogonalize_fn_with_gtp_remat``.
 - ``TensorParallelAdaptiveMuon``: the same, then Megatron's second moment of the scaled orthogonalised update
-  (``adamuon``: element-wise, ``o / (sqrt(v) + eps)``; ``normuon``: the mean over the longer dimension,
-  ``o / sqrt(max(v, eps))``), summed across tensor-parallel shards where the mean runs along the split.
+  (``adamuon``: element-wise, ``o / (sqrt(v) + eps)``; ``normuon``: the mean over the columns when rows >= cols,
+  else over the rows, as Emerging-Optimizers' code does, ``o / sqrt(max(v, eps))``), summed across
+  tensor-parallel shards where the mean runs along the split.
   (optstack's core ``adaptive_muon`` is dion's NorMuon / the sign-stabilised AdaMuon paper form; this class is
   Megatron's.)
 - ``soap``: ``optstack.megatron.soap.SOAP`` (see there: the core algorithm replaces it once it is registered).
@@ -445,7 +446,7 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon):
 
     Args:
         moment2_method: ``"adamuon"`` (``v`` the parameter's shape) or ``"normuon"`` (``v`` the mean of ``o**2``
-            over the longer dimension of the whole matrix, that dimension kept as 1).
+            over the whole matrix's columns when rows >= cols, else its rows; that dimension kept as 1).
         beta2: EMA coefficient of ``v``. eps: ``adamuon``'s denominator term, ``normuon``'s floor of ``v``.
 
     State per parameter: ``"momentum_buffer"`` and ``"moment2_buffer"``.
@@ -483,7 +484,7 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon):
         return (group, p.partition_dim) if get_pg_size(group) > 1 else (None, None)
 
     def _mean_dim(self, p: Tensor) -> int:
-        """The dimension ``normuon`` averages over: the whole matrix's longer one (rows on a tie)."""
+        """The dimension ``normuon`` averages over: the whole matrix's columns when rows >= cols, else its rows."""
         group, dim = self._split(p)
         shape = list(p.shape)
         if dim is not None:
