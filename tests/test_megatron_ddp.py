@@ -223,3 +223,19 @@ def test_one_process_megatron_loop_equals_the_unwrapped_model(wrapper_shards: bo
         assert got[0] and got[1] == pytest.approx(want[1], rel=1e-6)
     for p, q in zip(inner.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_discarded_wrapper_is_freed() -> None:
+    """The gradient hooks on the parameters hold the wrapper weakly: a wrapper (its buffers, its process groups)
+    dropped by its user is collected, not kept alive by the cycle through C++-held tensor hooks."""
+    import gc
+    import weakref
+
+    ddp = wrap(model(), overlap_grad_reduce=True, bucket_size=30)
+    loss_of(ddp, X, Y).backward()  # the hooks run (and reach the wrapper) while it lives
+    ddp.finish_grad_sync()
+    assert ddp.main_grad(ddp.module[0].weight).any()
+    ref = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert ref() is None

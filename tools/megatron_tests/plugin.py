@@ -45,7 +45,7 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
             outcome.get_result().user_properties.append(("out_of_scope", note))
 
 
-_peak = {"threads": 0, "rss_mb": 0.0, "at": ""}
+_peak: dict[str, Any] = {"threads": 0, "rss_mb": 0.0, "at": "", "after_each": []}  # after_each: [test, threads]
 
 
 def _status() -> tuple[int, float]:
@@ -59,6 +59,7 @@ def _status() -> tuple[int, float]:
 
 def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
     threads, rss = _status()
+    _peak["after_each"].append((nodeid.split("::", 1)[-1], threads))
     if threads > _peak["threads"]:
         _peak.update(threads=threads, at=nodeid)
     _peak["rss_mb"] = max(_peak["rss_mb"], rss)
