@@ -17,6 +17,15 @@ def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
 
+@pytest.fixture
+def builtins_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry as optstack registers it, without what other code (the Megatron face's SOAP, plug-ins)
+    registered in this process."""
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    registry._register_builtins()
+
+
+@pytest.mark.usefixtures("builtins_only")
 def test_builtin_names() -> None:
     assert algorithm_names() == ["adam", "adamuon", "adamw", "adaptive_muon", "lion", "muon", "normuon",
                                  "schedule_free_adamw", "schedule_free_sgd", "sgd", "soap"]
@@ -82,6 +91,7 @@ def test_bad_plugins(name: str, match: str) -> None:
         get_algorithm(name)
 
 
+@pytest.mark.usefixtures("builtins_only")
 def test_unknown_name_lists_known_names_and_plugin_forms() -> None:
     with pytest.raises(ValueError) as info:
         get_algorithm("adamm")

@@ -240,3 +240,19 @@ def test_the_wrapper_is_laid_out_by_a_plan_of_its_config(distributed_optimizer: 
     assert {b.grad_dtype for b in plan.buffers} == {torch.float32}
     assert plan.whole_shard_names() == (frozenset({"3.weight"}) if distributed_optimizer else frozenset())
     assert plan.sharding == ("zero1" if distributed_optimizer else "replicated")
+
+
+def test_a_discarded_wrapper_is_freed() -> None:
+    """The gradient hooks on the parameters hold the wrapper weakly: a wrapper (its buffers, its process groups)
+    dropped by its user is collected, not kept alive by the cycle through C++-held tensor hooks."""
+    import gc
+    import weakref
+
+    ddp = wrap(model(), overlap_grad_reduce=True, bucket_size=30)
+    loss_of(ddp, X, Y).backward()  # the hooks run (and reach the wrapper) while it lives
+    ddp.finish_grad_sync()
+    assert ddp.main_grad(ddp.module[0].weight).any()
+    ref = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert ref() is None

@@ -1,11 +1,13 @@
 """pytest plugin (``-p plugin``): installs the shim before Megatron's test modules are imported.
 
-Reads ``OPTSTACK_MEGATRON_SRC`` (the folder holding Megatron's ``megatron/`` package).
+Reads ``OPTSTACK_MEGATRON_SRC`` (the folder holding Megatron's ``megatron/`` package); with
+``OPTSTACK_MEGATRON_STATS`` set, writes there (JSON) the process's peak thread count and resident memory, read
+from ``/proc/self/status`` after every test, and the test at the thread peak.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,9 @@ import shim
 
 
 def pytest_configure(config: Any) -> None:
-    # Megatron's flag says whether the emerging_optimizers package is installed; the face does not need it.
-    have_emerging = importlib.util.find_spec("emerging_optimizers") is not None
+    # Megatron's flag says whether the emerging optimizers can be built: the face implements them itself.
     shim.install(Path(os.environ["OPTSTACK_MEGATRON_SRC"]),
-                 extra={"megatron.core.optimizer": {"HAVE_EMERGING_OPTIMIZERS": have_emerging}})
+                 extra={"megatron.core.optimizer": {"HAVE_EMERGING_OPTIMIZERS": True}})
     for marker in ("internal", "flaky", "flaky_in_dev", "experimental", "failing_on_rocm"):
         config.addinivalue_line("markers", f"{marker}: Megatron's marker")
 
@@ -42,3 +43,29 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
         note = shim.take_out_of_scope()
         if note:
             outcome.get_result().user_properties.append(("out_of_scope", note))
+
+
+_peak: dict[str, Any] = {"threads": 0, "rss_mb": 0.0, "at": "", "after_each": []}  # after_each: [test, threads]
+
+
+def _status() -> tuple[int, float]:
+    """(threads, VmRSS in MB) of this process, from /proc/self/status (0s where there is none)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    except OSError:
+        return 0, 0.0
+    return int(fields.get("Threads", "0")), int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+
+
+def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
+    threads, rss = _status()
+    _peak["after_each"].append((nodeid.split("::", 1)[-1], threads))
+    if threads > _peak["threads"]:
+        _peak.update(threads=threads, at=nodeid)
+    _peak["rss_mb"] = max(_peak["rss_mb"], rss)
+
+
+def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
+    path = os.environ.get("OPTSTACK_MEGATRON_STATS")
+    if path:
+        Path(path).write_text(json.dumps(_peak))

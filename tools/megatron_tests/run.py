@@ -14,6 +14,8 @@ in ``OUT_OF_SCOPE``.
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import subprocess
 import sys
@@ -27,7 +29,8 @@ REPO = HERE.parent.parent
 # A Megatron-LM bare git dir (``git clone --bare``); set it once in the environment or pass --mirror.
 MIRROR = os.environ.get("MEGATRON_LM_MIRROR") or None
 FILES = ("test_optimizer.py", "test_optimizer_param_scheduler.py", "test_layer_wise_optimizer.py",
-         "test_optimizer_cpu_offloading.py", "test_muon_optimizer.py", "test_lion_optimizer.py", "optimizer/",
+         "test_optimizer_cpu_offloading.py", "test_muon_optimizer.py", "test_lion_optimizer.py",
+         "test_emerging_optimizers.py", "optimizer/",
          "distributed/test_param_and_grad_buffer.py", "distributed/test_distributed_data_parallel.py")
 #: Failures out of scope (issue 14's acceptance: CUDA-only libraries, Megatron's model classes or internals,
 #: tensor-parallel size > 1): test name fragment -> why.
@@ -81,7 +84,8 @@ def run_pytest(src: Path, paths: list[Path], nproc: int, extra: list[str], out: 
                "-o", "junit_family=xunit1", f"--junitxml={xmls[rank]}", "--timeout=300", "--timeout-method=signal",
                *extra, *map(str, paths)]
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs.append((subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        stats = {"OPTSTACK_MEGATRON_STATS": str(out / f"rank{rank}.stats.json")}
+        procs.append((subprocess.Popen(cmd, env={**env, **stats, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                        stdout=log, stderr=subprocess.STDOUT, cwd=src), log))
     for proc, log in procs:
         proc.wait()
@@ -98,9 +102,53 @@ def _reason(message: str, text: str) -> str:
     return first[:200]
 
 
-def outcomes(xmls: list[Path]) -> dict[tuple[str, str], tuple[str, str]]:
+def _collection_error(case: ET.Element) -> tuple[Path, str] | None:
+    """(the file, why) when ``case`` is pytest's report of a file that failed to collect, else None."""
+    error = case.find("error")
+    if error is None or not (error.get("message") or "").startswith("collection failure"):
+        return None
+    text = error.text or ""
+    last = [line for line in text.splitlines() if line.startswith("E ")]
+    why = f"collection failure: {last[-1][1:].strip() if last else ''}"[:200]
+    return Path(case.get("file") or (case.get("name") or "").replace(".", "/") + ".py"), why
+
+
+def static_tests(path: Path) -> list[str]:
+    """The tests a file holds, counted from its source (it did not import): each ``test_*`` function and method
+    of a ``Test*`` class, times the cases of its literal ``pytest.mark.parametrize`` lists (1 where not
+    literal). Ids are ``Class::test[i]``."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return [f"{path.name}::(does not parse)"]
+
+    def cases(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+        count = 1
+        for deco in fn.decorator_list:
+            if isinstance(deco, ast.Call) and ast.unparse(deco.func).endswith("parametrize") and len(deco.args) > 1:
+                try:
+                    count *= max(1, len(ast.literal_eval(deco.args[1])))
+                except (ValueError, TypeError, SyntaxError):
+                    pass
+        return count
+
+    tests = []
+    for node in tree.body:
+        funcs = [(None, node)] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else (
+            [(node.name, f) for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if isinstance(node, ast.ClassDef) and node.name.startswith("Test") else [])
+        for owner, fn in funcs:
+            if fn.name.startswith("test"):
+                name = f"{owner}::{fn.name}" if owner else fn.name
+                n = cases(fn)
+                tests += [f"{name}[{i}]" for i in range(n)] if n > 1 else [name]
+    return tests or [f"{path.name}::(no tests found)"]
+
+
+def outcomes(xmls: list[Path], src: Path | None = None) -> dict[tuple[str, str], tuple[str, str]]:
     """(file, test) -> (pass | fail | skip | out, first line of the reason), merged over ranks (worst wins); a
-    failure is "out" (of scope) when the shim noted why or ``OUT_OF_SCOPE`` lists the test."""
+    failure is "out" (of scope) when the shim noted why or ``OUT_OF_SCOPE`` lists the test. A file that failed
+    to collect (under ``src``) counts each test its source holds as failed (``static_tests``)."""
     rank_of = {"pass": 0, "skip": 1, "fail": 2}
     merged: dict[tuple[str, str], tuple[str, str]] = {}
     notes: dict[tuple[str, str], str] = {}
@@ -117,6 +165,12 @@ def outcomes(xmls: list[Path]) -> dict[tuple[str, str], tuple[str, str]]:
                     result = ("fail", _reason(child.get("message") or "", child.text or ""))
                 elif child.tag == "skipped":
                     result = ("skip", (child.get("message") or "")[:160])
+            collection = _collection_error(case)
+            if collection is not None:  # every test the file holds fails (not one entry, nor none)
+                path, why = collection
+                for test in static_tests(src / path if src else path):
+                    merged[(str(path), test)] = ("fail", why)
+                continue
             for prop in case.iter("property"):
                 if prop.get("name") == "out_of_scope":
                     notes[key] = f"out of scope ({prop.get('value')})"
@@ -150,6 +204,18 @@ def table(ref: str, merged: dict[tuple[str, str], tuple[str, str]], missing: lis
     return "\n".join(lines)
 
 
+def peaks(out: Path, nproc: int) -> str:
+    """Each rank's peak threads and resident memory (``plugin.py``'s stats), one line."""
+    parts = []
+    for rank in range(nproc):
+        path = out / f"rank{rank}.stats.json"
+        if path.exists():
+            stats = json.loads(path.read_text())
+            parts.append(f"rank {rank}: {stats['threads']} threads (at {stats['at'].split('::')[-1] or '-'}), "
+                         f"{stats['rss_mb']:.0f} MB RSS")
+    return "peak per process: " + ("; ".join(parts) if parts else "(no stats)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ref", action="append", help="Megatron-LM git ref (repeatable); default core_v0.16.1")
@@ -173,8 +239,9 @@ def main() -> None:
         for nproc in args.nproc:
             out = Path(tempfile.mkdtemp(prefix=f"run{nproc}-", dir=args.work if args.work.is_dir() else None))
             xmls = run_pytest(src, paths, nproc, ["-k", args.k] if args.k else [], out) if paths else []
-            print(table(f"{ref}, {nproc} process{'es' if nproc > 1 else ''}", outcomes(xmls), missing, args.verbose))
-            print(f"\n(pytest logs: {out})\n")
+            print(table(f"{ref}, {nproc} process{'es' if nproc > 1 else ''}", outcomes(xmls, src), missing,
+                        args.verbose))
+            print(f"\n{peaks(out, nproc)}\n(pytest logs: {out})\n")
 
 
 if __name__ == "__main__":

@@ -71,8 +71,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer.layer_wise_optimizer": _OPTIMIZERS,
     "megatron.core.optimizer.cpu_offloading": ("optstack.megatron.torch_optimizers",),
     "megatron.core.optimizer.muon": ("optstack.megatron.torch_optimizers", "optstack.megatron.optimizer"),
-    "megatron.core.optimizer.emerging_optimizers": ("optstack.megatron.torch_optimizers",
-                                                    "optstack.megatron.layer_wise:_is_muon_excluded"),
     "megatron.core.optimizer.grad_scaler": _OPTIMIZERS,
     "megatron.core.optimizer.clip_grads": _OPTIMIZERS,
     "megatron.core.optimizer_param_scheduler": ("optstack.megatron.scheduler", "optstack.megatron.keys"),
@@ -87,6 +85,21 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # it that tests call (wrap_model_chunks_with_ddp)
     "megatron.training.training": ("optstack.megatron.training",),
 }
+
+#: Megatron module -> the optstack module registered as it (the same object, not a namespace copy): Megatron's
+#: tests patch these modules' functions (``monkeypatch.setattr("megatron.core.optimizer.emerging_optimizers.
+#: get_pg_size", ...)``) and expect the classes defined there to see the patch.
+MODULES: dict[str, str] = {
+    "megatron.core.optimizer.emerging_optimizers": "optstack.megatron.emerging_optimizers",
+}
+
+#: NVIDIA Emerging-Optimizers' modules the test files import when ``HAVE_EMERGING_OPTIMIZERS`` (the face's classes
+#: with that package's signatures), registered only when the package is not installed.
+EMERGING_PACKAGE: dict[str, dict[str, str]] = {
+    "emerging_optimizers.soap": {"SOAP": "optstack.megatron.soap:SOAP"},
+    "emerging_optimizers.scalar_optimizers": {"Lion": "optstack.megatron.torch_optimizers:Lion"},
+}
+
 
 def _internal_buffer(*args: Any, **kwargs: Any) -> Any:
     raise NotImplementedError("Megatron's internal _ParamAndGradBuffer constructor is not part of optstack's face "
@@ -412,6 +425,9 @@ def _package(name: str, path: Path | None) -> types.ModuleType:
     module = sys.modules.get(name) or types.ModuleType(name)
     module.__path__ = [str(path)] if path is not None else []
     sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:  # reachable by attribute too (monkeypatch.setattr("megatron.core.....", ...))
+        setattr(sys.modules[parent], child, module)
     return module
 
 
@@ -431,6 +447,16 @@ def install(megatron_src: Path, aliases: Mapping[str, tuple[str, ...]] = ALIASES
     _package("megatron.core", megatron_src / "megatron" / "core")
     for name in sorted(aliases):  # parents before children
         alias(name, aliases[name], {**ALIAS_EXTRAS.get(name, {}), **(extra or {}).get(name, {})})
+    for name, source in MODULES.items():
+        module = sys.modules[name] = importlib.import_module(source)
+        setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], module)
+    if importlib.util.find_spec("emerging_optimizers") is None:
+        _package("emerging_optimizers", None)
+        for name, names in EMERGING_PACKAGE.items():
+            module = _package(name, None)
+            for attr, target in names.items():
+                path, _, cls = target.partition(":")
+                setattr(module, attr, getattr(importlib.import_module(path), cls))
     core = sys.modules["megatron.core"]  # Megatron's __init__, now that the aliases answer its DDP import
     init = megatron_src / "megatron" / "core" / "__init__.py"
     spec = importlib.util.spec_from_file_location("megatron.core", init, submodule_search_locations=core.__path__)

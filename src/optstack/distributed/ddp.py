@@ -26,7 +26,7 @@ import hashlib
 import os
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -218,7 +218,10 @@ class DataParallel(nn.Module):
         self._written: set[int] = set()
         self._hook_scale: float | None = None  # this step's scale applied in the hook (None: at launch)
         self._reset_sync_state()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
+        # The hooks reach the wrapper through a weak reference: a tensor's hooks are held from C++, where the garbage
+        # collector cannot see the cycle parameter -> hook -> wrapper -> parameter, so a bound method kept every
+        # discarded wrapper alive (its buffers, and its process groups with their threads).
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for _, p in named]
         self._gather_hooks: list[Any] = []  # forward pre-hooks waiting for overlapped parameter gathers
         self._param_gathers: list[ParamGather] = []  # every stage's, so reading the model can finish them
         # The module's state_dict (read directly, or through this wrapper) waits for overlapped parameter gathers:
@@ -718,6 +721,18 @@ class DataParallel(nn.Module):
 # reduction launched by a backward that no step finished) are waited for while the interpreter is whole: a gloo
 # worker thread still holding their tensors during finalisation can abort the process (SIGABRT, "terminate
 # called without an active exception").
+def _weak_hook(ddp: DataParallel) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook calling ``ddp._on_grad_ready`` while ``ddp`` lives (see ``__init__``)."""
+    ref = weakref.ref(ddp)
+
+    def on_grad_ready(param: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_ready(param)
+
+    return on_grad_ready
+
+
 _LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
 
 

@@ -9,8 +9,15 @@ mutates configs after construction); it is never silently ignored.
 Fields that are accepted but change nothing, because they only tune Megatron's implementation or its
 logging: ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
 ``pin_cpu_params``, ``barrier_with_L1_time``, ``timers``, ``config_logger_dir``; the ``soap_*`` and
-``adaptive_muon_*`` fields (their optimizers are rejected); ``optimizer_offload_fraction`` while
+``adaptive_muon_*`` fields unless ``optimizer`` is theirs; ``optimizer_offload_fraction`` while
 ``optimizer_cpu_offload`` is False (as in Megatron).
+
+``optimizer='adaptive_muon'`` -> the core's ``adaptive_muon`` (``adaptive_muon_moment2_method`` / ``_beta2`` /
+``_eps``; not sign-stabilised, no norm restore: Megatron's ``adamuon``); ``optimizer='soap'`` -> the algorithm
+``megatron_soap`` (Emerging-Optimizers' SOAP: ``optstack.megatron.soap``), its ``soap_*`` fields and Adam's
+betas / eps passed by ``get_megatron_optimizer`` as the SOAP groups' settings. An emerging optimizer
+(``muon``, ``adaptive_muon``, ``soap``) with ``fp16=True`` is refused when the optimizer is built (Megatron's
+``get_megatron_optimizer``), not when the config is.
 
 ``muon_use_nesterov`` (megatron-core 0.16's name) and ``muon_nesterov`` (later releases) are both accepted;
 either one set True turns Nesterov momentum on.
@@ -55,12 +62,14 @@ from optstack.typecheck import type_ok
 
 __all__ = [
     "OptimizerConfig", "AdamOptimizerConfig", "SGDOptimizerConfig", "to_core", "core_algorithm",
-    "SUPPORTED_OPTIMIZERS",
+    "SUPPORTED_OPTIMIZERS", "EMERGING_OPTIMIZERS",
 ]
 
 #: Values of ``OptimizerConfig.optimizer`` optstack implements ('dist_muon' is Megatron's deprecated spelling
 #: of muon with the layer-wise distributed optimizer).
-SUPPORTED_OPTIMIZERS = ("adam", "sgd", "lion", "muon", "dist_muon")
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "lion", "muon", "dist_muon", "adaptive_muon", "soap")
+#: Megatron's emerging optimizers (``emerging_optimizers.py``): whole matrices, no fp16.
+EMERGING_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon", "soap")
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Megatron's torch.uint8 moments (Transformer Engine's FP8 state) become optstack's 8-bit block-quantized ones.
 _MOMENT_DTYPES = {**_DTYPE_NAMES, torch.uint8: "8bit"}
@@ -73,6 +82,8 @@ _CORE_TO_MEGATRON = {
     "muon.momentum": "muon_momentum", "muon.ns_steps": "muon_num_ns_steps",
     "muon.coefficients": "muon_coefficient_type", "muon.scale_mode": "muon_scale_mode",
     "muon.extra_scale_factor": "muon_extra_scale_factor", "muon.matmul_precision": "muon_fp32_matmul_prec",
+    "adaptive_muon.moment2_method": "adaptive_muon_moment2_method", "adaptive_muon.beta2": "adaptive_muon_beta2",
+    "adaptive_muon.eps": "adaptive_muon_eps",
     "loss_scale.initial": "initial_loss_scale (or loss_scale)", "loss_scale.min_scale": "min_loss_scale",
     "loss_scale.window": "loss_scale_window", "loss_scale.hysteresis": "hysteresis",
     "offload.fraction": "optimizer_offload_fraction", "offload.enabled": "optimizer_cpu_offload",
@@ -288,11 +299,29 @@ def check_supported(config: OptimizerConfig) -> None:
             "OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs use_distributed_optimizer=True "
             "and overlap_param_gather=True (as in Megatron)"
         )
-    if config.optimizer in ("muon", "dist_muon") and config.fp16:
+
+
+def check_buildable(config: OptimizerConfig) -> None:
+    """What Megatron refuses when the optimizer is built, not when the config is (``to_core`` calls it)."""
+    steps = config.muon_num_ns_steps
+    if config.optimizer in ("muon", "dist_muon", "adaptive_muon") and isinstance(steps, int) and steps < 1:
+        raise ValueError(f"OptimizerConfig.muon_num_ns_steps={steps}: num_ns_steps must be at least 1 (Newton-Schulz "
+                         "iterations)")
+    if config.optimizer in EMERGING_OPTIMIZERS and config.fp16:
         raise ValueError(
-            f"OptimizerConfig: optimizer={config.optimizer!r} with fp16=True is not supported "
-            "(as in Megatron); use bf16=True"
+            f"OptimizerConfig: optimizer={config.optimizer!r} with fp16=True is not supported (an emerging "
+            "optimizer with fp16 is not supported, as in Megatron); use bf16=True"
         )
+
+
+def _adaptive_muon(config: OptimizerConfig) -> core.AdaptiveMuonConfig:
+    """The core's second-moment section from the ``adaptive_muon_*`` fields (read only for that optimizer).
+    Megatron's ``adamuon`` neither sign-stabilises nor restores the norm."""
+    if config.optimizer != "adaptive_muon":
+        return core.AdaptiveMuonConfig()
+    return core.AdaptiveMuonConfig(moment2_method=config.adaptive_muon_moment2_method,
+                                   beta2=config.adaptive_muon_beta2, eps=config.adaptive_muon_eps,
+                                   sign_stabilised=False, preserve_norm=False)
 
 
 _MAIN_DTYPES = (torch.float32, torch.bfloat16)  # main params / grads: fp32, or bf16 without a copy
@@ -365,6 +394,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
     if not isinstance(config, OptimizerConfig):
         raise ValueError(f"to_core needs an optstack.megatron.OptimizerConfig, got {type(config).__name__}")
     check_supported(config)
+    check_buildable(config)
     if config.lr is None:
         raise ValueError(
             "OptimizerConfig.lr is None; optstack needs the base learning rate to build the optimizer "
@@ -407,6 +437,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
                 exp_avg_sq_dtype=_MOMENT_DTYPES[config.exp_avg_sq_dtype],
             ),
             sgd=core.SGDConfig(momentum=config.sgd_momentum, nesterov=False),
+            adaptive_muon=_adaptive_muon(config),
             lion=core.LionConfig(beta1=config.lion_beta1, beta2=config.lion_beta2),
             muon=core.MuonConfig(
                 momentum=config.muon_momentum,

@@ -27,7 +27,7 @@ from optstack.distributed.parallel import ParallelGroups
 from optstack.factory import BuiltOptimizer, algorithm_kwargs, build_optimizer
 from optstack.groups import group_map
 from optstack.megatron.chained import ChainedOptimizer
-from optstack.megatron.config import OptimizerConfig, to_core
+from optstack.megatron.config import EMERGING_OPTIMIZERS, OptimizerConfig, to_core
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.fsdp import FullyShardedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
@@ -46,8 +46,9 @@ from optstack.megatron.optimizers import (
     MegatronOptimizer,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
+from optstack.megatron.soap import register_megatron_soap
 from optstack.optimizer import ChainedOptimizer as CoreChained
-from optstack.rules import Predicate, Rule, muon_routing_rule
+from optstack.rules import EMBEDDING_OR_OUTPUT, Ndim, Predicate, Rule, muon_routing_rule
 
 __all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
 
@@ -119,9 +120,12 @@ def get_megatron_optimizer(
         config if config.lr is not None else dataclasses.replace(config, lr=0.0), chunks))
     rules = to_rules(config, config_overrides)
     whole = _whole_shard_wrapper(config, chunks)
-    if core_config.algorithm == "muon":
+    if config.optimizer in EMERGING_OPTIMIZERS:  # Megatron's default overrides: what they cannot take -> Adam
         scalar = core_config.muon.scalar_algorithm
         rules.append(muon_routing_rule(scalar))
+    if config.optimizer == "soap":
+        rules += _soap_rules(config, scalar)
+    elif core_config.algorithm in ("muon", "adaptive_muon"):
         rules.append(Rule(Predicate(_muon_excluded, "use_muon=False"), algorithm=scalar,
                           why="excluded from Muon (use_muon=False)"))
         if whole is not None:  # Muon steps exactly what the wrapper laid out whole (its tags)
@@ -142,6 +146,18 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None:
         _dump_group_map(built, dump_param_to_param_group_map)
     return _as_megatron(built, config)
+
+
+def _soap_rules(config: OptimizerConfig, scalar: str) -> list[Rule]:
+    """SOAP (Emerging-Optimizers', ``megatron_soap``) takes 2-D matrices (3-D stacks go to ``scalar`` too); its
+    settings, from the ``soap_*`` fields and Adam's betas / eps as in Megatron, are its groups' keys. Registered
+    here, when asked for, so the registry holds only optstack's own algorithms until then."""
+    register_megatron_soap()
+    return [Rule(Ndim(eq=3), algorithm=scalar, why="SOAP preconditions 2-D matrices"),
+            Rule(Ndim(eq=2) & ~EMBEDDING_OR_OUTPUT, algorithm="megatron_soap",
+                 shampoo_beta=config.soap_shampoo_beta, precondition_frequency=config.soap_precondition_frequency,
+                 use_kl_shampoo=config.soap_use_kl_shampoo, betas=(config.adam_beta1, config.adam_beta2),
+                 eps=config.adam_eps, why="SOAP's settings (soap_*, adam_beta1/2, adam_eps)")]
 
 
 def _muon_excluded(param: torch.Tensor) -> bool:

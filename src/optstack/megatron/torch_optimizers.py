@@ -1,6 +1,7 @@
 """The torch optimizers Megatron builds by name, with Megatron's signatures: ``HybridDeviceOptimizer`` (CPU
-offload of a fraction of the step) and ``TensorParallelMuon`` (Muon), translated to optstack's
-``optstack.offload.HybridDeviceOptimizer`` and ``optstack.algorithms.muon.Muon``.
+offload of a fraction of the step, on ``optstack.offload.HybridDeviceOptimizer``), ``Lion`` (Emerging-Optimizers'
+signature, on ``optstack.algorithms.lion.Lion``), and ``TensorParallelMuon`` / ``TensorParallelAdaptiveMuon``
+(from ``emerging_optimizers.py``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from typing import Any
 
 import torch
 
-from optstack.algorithms.muon import Muon
+from optstack.algorithms.lion import Lion as CoreLion
+from optstack.megatron.emerging_optimizers import TensorParallelAdaptiveMuon, TensorParallelMuon, _groups
 from optstack.offload.hybrid import HybridDeviceOptimizer as _CoreHybrid
 from optstack.offload.hybrid import _StateView, plan_offload
 
-__all__ = ["HybridDeviceOptimizer", "TensorParallelMuon"]
+__all__ = ["HybridDeviceOptimizer", "Lion", "TensorParallelAdaptiveMuon", "TensorParallelMuon"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -166,82 +168,35 @@ def _fp32_copies(params: list[torch.Tensor], fraction: float) -> dict[torch.Tens
     return out
 
 
-class TensorParallelMuon(Muon):
-    """Megatron's ``TensorParallelMuon`` (Emerging-Optimizers' Muon, Megatron's defaults) on optstack's Muon.
-
-    Args:
-        params: 2-D parameters or param groups.
-        lr, momentum, nesterov, weight_decay: as Megatron's (nesterov defaults to True here, as there).
-        use_decoupled_weight_decay: must be True (optstack's Muon decays decoupled).
-        split_qkv, is_qkv_fn, qkv_split_shapes: with ``split_qkv``, the parameters ``is_qkv_fn`` selects (all,
-            when None) have their q, k and v rows orthogonalised separately (``qkv_split_shapes=(q, k, v)``).
-        fp32_matmul_prec, coefficient_type, num_ns_steps, scale_mode, extra_scale_factor: Newton-Schulz settings.
-        pg_collection, tp_mode: optstack runs Muon without tensor parallelism, where the three ``tp_mode`` s
-            coincide; a ``pg_collection`` with a tensor-parallel group of more than one rank is refused.
-        use_syrk: accepted; optstack's Newton-Schulz batches its matmuls instead.
-        momentum_beta, use_nesterov, mode: core_v0.16.1's names of ``momentum``, ``nesterov`` and ``tp_mode``.
+class Lion(CoreLion):
+    """Emerging-Optimizers' ``Lion`` signature on optstack's Lion: ``weight_decay_method`` ``"decoupled"`` (the
+    core's ``p *= 1 - lr * wd``) or ``"l2"`` (``wd * p`` added to the gradient the sign update reads).
 
     Raises:
-        ValueError: ``use_decoupled_weight_decay=False``, ``split_qkv`` without ``qkv_split_shapes``, a
-            tensor-parallel group of size > 1, ``num_ns_steps < 1``, or what optstack's Muon refuses.
+        ValueError: an unknown ``weight_decay_method``, or what optstack's Lion refuses.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.01, use_decoupled_weight_decay: bool = True, split_qkv: bool = False,
-                 is_qkv_fn: Callable[[torch.Tensor], bool] | None = None, qkv_split_shapes: list[int] | None = None,
-                 fp32_matmul_prec: str = "medium", coefficient_type: str = "quintic", num_ns_steps: int = 5,
-                 scale_mode: str = "spectral", extra_scale_factor: float = 1.0, pg_collection: Any = None,
-                 tp_mode: str = "duplicated", use_syrk: bool = False, *, momentum_beta: float | None = None,
-                 use_nesterov: bool | None = None, mode: str | None = None) -> None:
-        momentum = _renamed("momentum", momentum, 0.95, "momentum_beta", momentum_beta)
-        nesterov = _renamed("nesterov", nesterov, True, "use_nesterov", use_nesterov)
-        tp_mode = _renamed("tp_mode", tp_mode, "duplicated", "mode", mode)
-        if num_ns_steps < 1:
-            raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
-        if not use_decoupled_weight_decay:
-            raise ValueError("TensorParallelMuon: use_decoupled_weight_decay=False is not supported by optstack's "
-                             "Muon (weight decay is decoupled); set it True")
-        if split_qkv and qkv_split_shapes is None:
-            raise ValueError("TensorParallelMuon: split_qkv=True needs qkv_split_shapes=[q, k, v] (rows per group)")
-        tp = getattr(pg_collection, "tp", None)
-        if tp is not None and tp.size() > 1:
-            raise ValueError(f"TensorParallelMuon: tensor-parallel size {tp.size()} is not supported (optstack has "
-                             "no tensor parallelism); use tp=1")
-        groups = _groups(params)
-        if split_qkv:
-            groups = _split_qkv(groups, is_qkv_fn or (lambda p: True), tuple(qkv_split_shapes or ()))
-        super().__init__(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                         ns_coefficients=coefficient_type, ns_steps=num_ns_steps,  # type: ignore[arg-type]
-                         scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,  # type: ignore[arg-type]
-                         matmul_precision=fp32_matmul_prec)  # type: ignore[arg-type]
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, weight_decay_method: str = "decoupled") -> None:
+        if weight_decay_method not in ("decoupled", "l2"):
+            raise ValueError(f"Lion: weight_decay_method must be 'decoupled' or 'l2', got {weight_decay_method!r}")
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        for group in self.param_groups:
+            group.setdefault("weight_decay_method", weight_decay_method)
 
-
-def _renamed(name: str, value: Any, default: Any, old_name: str, old_value: Any) -> Any:
-    """``value``, or the release's spelling ``old_value`` when only that was given."""
-    if old_value is None:
-        return value
-    if value != default and value != old_value:
-        raise ValueError(f"TensorParallelMuon: {name}={value!r} and {old_name}={old_value!r} disagree; "
-                         f"{old_name} is core_v0.16.1's name for {name}: pass one")
-    return old_value
-
-
-def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    items = list(params)
-    if items and isinstance(items[0], dict):
-        return [dict(g, params=list(g["params"])) for g in items]
-    return [{"params": items}]
-
-
-def _split_qkv(groups: list[dict[str, Any]], is_qkv: Callable[[torch.Tensor], bool],
-               shapes: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Each group's QKV parameters in a group of their own (same settings, ``qkv_split_shapes`` set)."""
-    out = []
-    for group in groups:
-        qkv = [p for p in group["params"] if is_qkv(p)]
-        rest = [p for p in group["params"] if not is_qkv(p)]
-        if rest:
-            out.append({**group, "params": rest})
-        if qkv:
-            out.append({**group, "params": qkv, "qkv_split_shapes": shapes})
-    return out
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step; ``l2`` groups step on ``grad + wd * p`` with no decoupled decay (gradients restored after)."""
+        l2 = [g for g in self.param_groups if g["weight_decay_method"] == "l2" and g["weight_decay"] != 0]
+        saved = [(g, g["weight_decay"], [(p, p.grad) for p in g["params"] if p.grad is not None]) for g in l2]
+        for group, wd, grads in saved:
+            for p, grad in grads:
+                p.grad = grad.add(p, alpha=wd)
+            group["weight_decay"] = 0.0
+        try:
+            return super().step(closure)
+        finally:
+            for group, wd, grads in saved:
+                group["weight_decay"] = wd
+                for p, grad in grads:
+                    p.grad = grad
