@@ -13,6 +13,7 @@ from torch import nn
 
 from optstack.checkpoint import CheckpointInfo, load_checkpoint, migrate, save_checkpoint, write_group_map
 from optstack.checkpoint.format import FORMAT, VERSION, seal, unseal
+from optstack.checkpoint.load import Saved
 from optstack.config import LossScaleConfig, OptimizerConfig
 from optstack.factory import BuiltOptimizer, build_optimizer
 from optstack.schedule import LRSchedule
@@ -135,7 +136,8 @@ def test_lazy_state_before_the_first_step(tmp_path: Path) -> None:
     built = _build(model, "fp32")
     save_checkpoint(tmp_path / "a", built.optimizer, step=0, scheduler=built.scheduler, model=model)
     manifest = json.loads((tmp_path / "a" / "step_00000000" / "manifest.json").read_text())
-    assert all(set(p["dtypes"]) == {"param"} for p in manifest["params"].values())
+    saved = Saved(tmp_path / "a" / "step_00000000", manifest)  # dtypes: in the writers' parts
+    assert all(set(saved.state(n, 0, 1)["dtypes"]) == {"param"} for n in manifest["params"])
     _train(model, built, range(2))
     save_checkpoint(tmp_path / "b", built.optimizer, step=2, scheduler=built.scheduler, model=model)
 
@@ -181,8 +183,9 @@ def test_manifest_is_name_keyed_and_sealed(tmp_path: Path) -> None:
     assert manifest["format"] == FORMAT and manifest["version"] == VERSION
     weight = manifest["params"]["0.weight"]
     assert weight["shape"] == [10, 6] and weight["chunks"] == [[0, 0, 60]]
-    assert weight["dtypes"] == {"param": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
-    assert weight["scalars"] == {"step": {"tensor": "float32", "value": 2.0}}
+    state = Saved(path, manifest).state("0.weight", 0, 60)  # its writer's part of the manifest
+    assert state["dtypes"] == {"param": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
+    assert state["scalars"] == {"step": {"tensor": "float32", "value": 2.0}}
     assert manifest["scaler"]["kind"] == "dynamic" and manifest["scheduler"]["num_steps"] == 2
     assert manifest["model"] is None
 

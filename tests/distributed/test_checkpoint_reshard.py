@@ -11,6 +11,7 @@ round-off: ``g / 3 * 3``): the checkpoint, not the data split, is what is tested
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from optstack.algorithms.registry import get_algorithm
 from optstack.checkpoint import load_checkpoint, save_checkpoint
-from optstack.checkpoint.load import read_manifest, read_model, read_ranges
+from optstack.checkpoint.load import Saved, read_manifest, read_model, read_ranges
 from optstack.config import DistributedConfig, LossScaleConfig, OptimizerConfig
 from optstack.distributed.comm import world_comm
 from optstack.factory import build_optimizer, wrap_data_parallel
@@ -144,21 +145,25 @@ def test_load_without_model_gives_every_rank_the_masters(world2, tmp_path: Path,
         assert out == {"names": True, "before": False, "after": True}
 
 
-def _everything(root: Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """(manifest, every parameter's whole element-wise state, the model tensors) of a checkpoint root."""
+def _everything(root: Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor],
+                                     dict[str, dict[str, Any]]]:
+    """(manifest, every parameter's whole element-wise state, the model tensors, every parameter's dtypes and
+    scalars from its writers' parts) of a checkpoint root."""
     directory, manifest = read_manifest(root)
     full = {n: (0, torch.Size(p["shape"]).numel()) for n, p in manifest["params"].items()}
-    return manifest, read_ranges(directory, manifest, full), read_model(directory, manifest, list(manifest["model"]))
+    saved = Saved(directory, manifest)
+    return (manifest, read_ranges(directory, manifest, full), read_model(directory, manifest, list(manifest["model"])),
+            {n: saved.state(n, *r) for n, r in full.items()})
 
 
 def _assert_same_run(root: Path, got: str, want: str) -> None:
-    m_got, state_got, model_got = _everything(root / got)
-    m_want, state_want, model_want = _everything(root / want)
+    m_got, state_got, model_got, saved_got = _everything(root / got)
+    m_want, state_want, model_want, saved_want = _everything(root / want)
     assert m_got["scaler"] == m_want["scaler"] and m_got["scheduler"] == m_want["scheduler"]
     assert m_got["groups"] == m_want["groups"]  # settings, lr and weight decay included
-    for name, entry in m_want["params"].items():
-        assert m_got["params"][name]["scalars"] == entry["scalars"], name  # step counts
-        assert m_got["params"][name]["dtypes"] == entry["dtypes"], name
+    for name, entry in saved_want.items():
+        assert saved_got[name]["scalars"] == entry["scalars"], name  # step counts
+        assert saved_got[name]["dtypes"] == entry["dtypes"], name
         for key, want_tensor in state_want[name].items():
             torch.testing.assert_close(state_got[name][key], want_tensor, rtol=2e-5, atol=1e-6,
                                        msg=lambda m, n=name, k=key: f"{got} vs {want}: {n}.{k}: {m}")
@@ -188,3 +193,34 @@ def test_replicated_single_process_resumes_as_zero1_at_3(world3, tmp_path: Path)
     run(str(tmp_path), name, "replicated", None, "dp1")
     world3.run(run, str(tmp_path), name, "zero1", "dp1-K", "dp3")
     _assert_same_run(tmp_path, "dp3-end", "dp1-end")
+
+
+def exchanged(root: str, name: str) -> dict[str, Any]:
+    """On every rank: save and load with the plan-derived manifest; returns whether the tables' path ran and
+    the largest object any gather sent (the ranks exchange fixed-size agreements and their files' checksums)."""
+    from unittest import mock
+
+    from optstack.checkpoint import save as save_module
+    from optstack.distributed.comm import Comm
+
+    case = CASES[name]
+    model, wrapped, built = _stack(case, case["sharding"], seed=0)
+    _train(wrapped, built, range(K))
+    sizes: list[int] = []
+    gather = Comm.all_gather_object
+
+    def counted(self: Comm, obj: Any) -> list[Any]:
+        sizes.append(len(pickle.dumps(obj)))
+        return gather(self, obj)
+
+    with mock.patch.object(Comm, "all_gather_object", counted), \
+            mock.patch.object(save_module, "plan_save", side_effect=AssertionError("the tables' path ran")):
+        save_checkpoint(Path(root), built.optimizer, step=K, scheduler=built.scheduler, model=model)
+        load_checkpoint(Path(root), built.optimizer, scheduler=built.scheduler, model=model)
+    return {"largest": max(sizes)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_exchange_no_tables(world2, tmp_path: Path, name: str) -> None:
+    for out in world2.run(exchanged, str(tmp_path), name):
+        assert out["largest"] < 700, out  # a table of this model's parameters pickles to several KB
