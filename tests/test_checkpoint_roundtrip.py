@@ -205,3 +205,39 @@ def test_migrate_and_seal() -> None:
         unseal(text.replace('"params"', '"paramz"'), "m")
     with pytest.raises(ValueError, match="not valid JSON"):
         unseal(text[:-5], "m")
+
+
+def _as_version_2(checkpoint: Path) -> None:
+    """Rewrite a checkpoint as version 2 wrote it: every parameter's dtypes and scalars and every rank's packs
+    in the manifest, no parts."""
+    manifest = unseal((checkpoint / "manifest.json").read_text(), "manifest")
+    saved = Saved(checkpoint, manifest)
+    for name, entry in manifest["params"].items():
+        entry |= saved.state(name, 0, 1)
+    parts = [name for name in manifest["files"] if name.endswith("/state.json")]
+    ranks = [int(name.split("/")[0].removeprefix("rank_")) for name in parts]
+    manifest["packs"] = {str(rank): saved.part(rank)["packs"] for rank in ranks}
+    for name in parts:
+        (checkpoint / name).unlink()
+        del manifest["files"][name]
+    manifest["version"] = 2
+    (checkpoint / "manifest.json").write_text(seal(manifest))
+
+
+def test_version_2_checkpoints_still_load(tmp_path: Path) -> None:
+    """A version-2 checkpoint (dtypes, scalars and packs in the manifest) loads as the same state in version 3."""
+    model = _model(torch.bfloat16)
+    built = _build(model, "bf16")
+    _train(model, built, range(2))
+    save_checkpoint(tmp_path / "v3", built.optimizer, step=2, scheduler=built.scheduler, model=model)
+    path = save_checkpoint(tmp_path / "v2", built.optimizer, step=2, scheduler=built.scheduler, model=model)
+    _as_version_2(path)
+    assert json.loads((path / "manifest.json").read_text())["version"] == 2
+    snapshots = []
+    for version in ("v3", "v2"):
+        fresh_model = _model(torch.bfloat16, seed=3)
+        fresh = _build(fresh_model, "bf16")
+        info = load_checkpoint(tmp_path / version, fresh.optimizer, scheduler=fresh.scheduler, model=fresh_model)
+        assert info.version == VERSION  # migrated
+        snapshots.append(_snapshot(fresh_model, fresh))
+    assert_same(snapshots[1], snapshots[0])
