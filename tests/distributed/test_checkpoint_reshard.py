@@ -196,18 +196,22 @@ def test_replicated_single_process_resumes_as_zero1_at_3(world3, tmp_path: Path)
 
 
 def exchanged(root: str, name: str) -> dict[str, Any]:
-    """On every rank: save and load with the plan-derived manifest; returns whether the tables' path ran and
-    the largest object any gather sent (the ranks exchange fixed-size agreements and their files' checksums)."""
+    """On every rank: save and load with the plan-derived manifest, and the state DCP saves; returns the
+    largest object any gather sent (the ranks exchange fixed-size agreements, their files' checksums, their
+    state's keys), and fails if the tables' path of the save ran."""
     from unittest import mock
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from optstack.checkpoint import save as save_module
     from optstack.distributed.comm import Comm
+    from optstack.stage import sharded
 
     case = CASES[name]
     model, wrapped, built = _stack(case, case["sharding"], seed=0)
     _train(wrapped, built, range(K))
     sizes: list[int] = []
-    gather = Comm.all_gather_object
+    gather, build = Comm.all_gather_object, sharded._derived
 
     def counted(self: Comm, obj: Any) -> list[Any]:
         sizes.append(len(pickle.dumps(obj)))
@@ -217,10 +221,20 @@ def exchanged(root: str, name: str) -> dict[str, Any]:
             mock.patch.object(save_module, "plan_save", side_effect=AssertionError("the tables' path ran")):
         save_checkpoint(Path(root), built.optimizer, step=K, scheduler=built.scheduler, model=model)
         load_checkpoint(Path(root), built.optimizer, scheduler=built.scheduler, model=model)
-    return {"largest": max(sizes)}
+        derived: list[bool] = []
+
+        def recorded(*args: Any) -> Any:
+            tables = build(*args)
+            derived.append(tables is not None)
+            return tables
+
+        with mock.patch.object(sharded, "_derived", recorded):
+            get_optimizer_state_dict(wrapped, built.optimizer)  # DCP's ShardedTensors, from the holdings
+    return {"largest": max(sizes), "derived": bool(derived) and all(derived)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ranks_exchange_no_tables(world2, tmp_path: Path, name: str) -> None:
     for out in world2.run(exchanged, str(tmp_path), name):
+        assert out == {"largest": out["largest"], "derived": True}
         assert out["largest"] < 700, out  # a table of this model's parameters pickles to several KB

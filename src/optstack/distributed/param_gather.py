@@ -169,20 +169,7 @@ class ShardedLayout:
         if id(param) not in self.where:
             return None
         layout, name = self.where[id(param)]
-        slot = layout.slot(name)
-        if slot.numel == 0:
-            return []
-        bucket = layout.buckets[slot.bucket]
-        size, base = bucket.shard_numel, bucket.offset
-        first, last = (slot.offset - base) // size, (slot.end - 1 - base) // size
-        if first == last:
-            return [(first, 0, slot.numel, 1)]
-        head = base + (first + 1) * size - slot.offset  # where the second rank's part starts
-        runs = [(first, 0, head, 1)]
-        if last - first > 1:
-            runs.append((first + 1, head, head + size, last - first - 1))
-        runs.append((last, head + (last - first - 1) * size, slot.numel, 1))
-        return runs
+        return layout.runs(name)
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,9 @@ class Placement:
         if comm is None or comm.size == 1:
             return entries
         ranges = {id(p.param): (p.start, p.end, str(p.value.device)) for p in pieces}
-        return to_sharded(entries, params, ranges, comm, whole=self.owns_whole)
+        held = self.holdings(params)
+        runs = held.runs if held is not None and held.ranks == tuple(comm.global_ranks) else None
+        return to_sharded(entries, params, ranges, comm, whole=self.owns_whole, runs=runs)
 
     def holdings(self, params: Sequence[torch.Tensor]) -> Holdings | None:
         """What every rank holds of ``params`` (every parameter of the stage), or None where this placement
