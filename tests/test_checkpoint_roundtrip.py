@@ -241,3 +241,18 @@ def test_version_2_checkpoints_still_load(tmp_path: Path) -> None:
         assert info.version == VERSION  # migrated
         snapshots.append(_snapshot(fresh_model, fresh))
     assert_same(snapshots[1], snapshots[0])
+
+
+def test_an_empty_parameter_round_trips(tmp_path: Path) -> None:
+    """A parameter of no elements has no data, but a writer of its state entry (its dtypes and step)."""
+    def build(seed: int) -> tuple[nn.Module, BuiltOptimizer]:
+        model = _model(torch.float32, seed)
+        model.register_parameter("empty", nn.Parameter(torch.zeros(0, 3)))
+        return model, _build(model, "fp32")
+
+    model, built = build(0)
+    _train(model, built, range(2))
+    save_checkpoint(tmp_path, built.optimizer, step=2, scheduler=built.scheduler, model=model)
+    fresh_model, fresh = build(3)
+    load_checkpoint(tmp_path, fresh.optimizer, scheduler=fresh.scheduler, model=fresh_model)
+    assert_same(_snapshot(fresh_model, fresh)["model"], _snapshot(model, built)["model"])

@@ -166,15 +166,15 @@ def plan_from_view(view: View, model: ModelTable | None, size: int, rank: int) -
         return writer
 
     replicated = sorted((n for n, p in view.items() if p.runs is None), key=lambda n: (-math.prod(view[n].shape), n))
-    writer_of = {n: least_loaded(math.prod(view[n].shape)) for n in replicated if math.prod(view[n].shape)}
+    writer_of = {n: least_loaded(math.prod(view[n].shape)) for n in replicated}
     writes: list[list[tuple[str, int, int]]] = [[] for _ in range(size)]
     groups: dict[str, int] = {}
     group_list: list[dict[str, Any]] = []
     params: dict[str, dict[str, Any]] = {}
     for name, p in view.items():
         numel = math.prod(p.shape)
-        if p.runs is None:
-            chunks = [[writer_of[name], 0, numel]] if numel else []
+        if p.runs is None:  # (an empty parameter too: its writer's part holds its dtypes and scalars)
+            chunks = [[writer_of[name], 0, numel]]
         else:
             chunks = [[first, lo, hi] if count == 1 else [first, lo, hi, count]
                       for first, lo, hi, count in sorted(p.runs, key=lambda r: r[1]) if hi > lo]

@@ -437,16 +437,20 @@ def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, Para
     for key in plan.model_writes[rank]:
         t = tensors[key].detach().reshape(-1)
         chunks.append(Chunk(model_key(key), t, 0, t.numel()))
-    if not any(c.tensor.numel() for c in chunks):
+    data = any(c.tensor.numel() for c in chunks)
+    if not data and not plan.writes[rank]:
         return {}
-    chunks, segments = pack_chunks(chunks)
+    chunks, segments = pack_chunks(chunks) if data else ([], [])
     directory = temp / rank_dir_name(rank)
-    write_chunks(directory, chunks)
+    if data:
+        write_chunks(directory, chunks)
+    directory.mkdir(exist_ok=True)  # without data: a part alone, the state entries of empty parameters
     io.write_synced(directory / PART, seal(part_of(plan.writes[rank], held, segments)))
     io.fsync_tree(directory)
     files = {f"{directory.name}/{path.name}": io.file_checksum(path) | ({"sha256": file_sha256(path)} if signed else {})
              for path in sorted(directory.iterdir())}
-    _check_named_files(directory, files)
+    if data:
+        _check_named_files(directory, files)
     return files
 
 

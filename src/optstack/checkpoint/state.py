@@ -118,7 +118,7 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
                 if getattr(held, field) != getattr(ref, field):
                     raise ValueError(f"ranks disagree on the {field} of {name!r}: {getattr(ref, field)} and "
                                      f"{getattr(held, field)} (rank {rank})")
-            if held.end > held.start:
+            if held.end > held.start or math.prod(held.shape) == 0:  # an empty one: a writer of its state
                 ranks = holders.setdefault((name, held.start, held.end), [])
                 if ranks and tables[ranks[0]][name].fingerprint != held.fingerprint:
                     raise ValueError(
