@@ -53,7 +53,7 @@ from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.schedule import Scheduler
 
-__all__ = ["CheckpointInfo", "Saved", "check_dtypes", "load_checkpoint", "load_view", "read_manifest", "reads",
+__all__ = ["CheckpointInfo", "Read", "Saved", "check_dtypes", "load_checkpoint", "load_view", "read_manifest", "reads",
            "verify_files", "read_ranges", "read_model"]
 
 
@@ -198,7 +198,7 @@ class Saved:
         found = self.part(writer)["params"].get(name)
         if found is None:
             raise ValueError(f"{self.directory / rank_dir_name(writer) / PART} has no entry for {name!r}, which the "
-                             "manifest says rank {writer} wrote: the checkpoint is damaged")
+                             f"manifest says rank {writer} wrote: the checkpoint is damaged")
         return cast(dict[str, Any], found)
 
     def packs(self, ranks: Iterable[int]) -> dict[str, Any]:
@@ -208,23 +208,34 @@ class Saved:
         return {str(r): self.part(r)["packs"] for r in ranks}
 
 
+@dataclass(frozen=True)
+class Read:
+    """Elements ``[start, end)`` of state ``key`` of parameter ``name`` (``numel`` elements, flattened) in
+    ``dtype``, from ``sources``: (writer rank, lo, hi) per stretch."""
+
+    name: str
+    key: str
+    dtype: str
+    numel: int
+    start: int
+    end: int
+    sources: list[tuple[int, int, int]]
+
+
 def reads(manifest: Mapping[str, Any], saved: Saved, wanted: Mapping[str, tuple[int, int]],
-          keys: Mapping[str, list[str]] | None = None
-          ) -> list[tuple[str, str, int, int, int, int, str]]:
+          keys: Mapping[str, list[str]] | None = None) -> list[Read]:
     """What to read for ``wanted`` (elements ``[start, end)`` of each parameter's state, ``keys[name]`` or all),
-    computed from the manifest alone (no data read, nothing allocated): (name, key, writer rank, lo, hi,
-    numel, dtype name) per stretch, ``[lo, hi)`` of the flattened parameter of ``numel`` elements."""
+    from the manifest and the parts of the ranks read from; no data read, nothing allocated."""
     out = []
     for name, (start, end) in wanted.items():
         entry = manifest["params"][name]
-        numel = math.prod(entry["shape"])
         dtypes = saved.state(name, start, end)["dtypes"]
         runs = chunk_runs(entry["chunks"])
         for key in (keys or {}).get(name, dtypes):
             if key not in dtypes:
                 raise ValueError(f"{saved.directory}: no state {key!r} of {name!r} was saved (it has {sorted(dtypes)})")
-            out.append((name, key, -1, start, end, numel, dtypes[key]))  # the destination
-            out += [(name, key, rank, lo, hi, numel, dtypes[key]) for rank, lo, hi in overlapping(runs, start, end)]
+            out.append(Read(name, key, dtypes[key], math.prod(entry["shape"]), start, end,
+                            list(overlapping(runs, start, end))))
     return out
 
 
@@ -233,17 +244,13 @@ def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[st
                 saved: Saved | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Elements ``[start, end)`` of each wanted parameter's saved state (``keys[name]`` or all): {name: {key: 1-D}}."""
     saved = saved if saved is not None else Saved(directory, manifest)
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in wanted}
     by_rank: dict[int, list[Chunk]] = {}
-    dest = torch.empty(0)
-    for name, key, rank, lo, hi, numel, dtype in reads(manifest, saved, wanted, keys):
-        start = wanted[name][0]
-        if rank < 0:
-            dest = out.setdefault(name, {})[key] = torch.empty(hi - lo, dtype=dtype_from_name(dtype))
-        else:
-            by_rank.setdefault(rank, []).append(Chunk(optim_key(name, key), dest[lo - start : hi - start], lo, numel))
-    for name in wanted:
-        out.setdefault(name, {})
+    for r in reads(manifest, saved, wanted, keys):
+        dest = out[r.name][r.key] = torch.empty(r.end - r.start, dtype=dtype_from_name(r.dtype))
+        for rank, lo, hi in r.sources:
+            by_rank.setdefault(rank, []).append(Chunk(optim_key(r.name, r.key), dest[lo - r.start : hi - r.start],
+                                                      lo, r.numel))
     read_packed(directory, saved.packs(by_rank), by_rank, known)
     return out
 
