@@ -238,3 +238,32 @@ def test_ranks_exchange_no_tables(world2, tmp_path: Path, name: str) -> None:
     for out in world2.run(exchanged, str(tmp_path), name):
         assert out == {"largest": out["largest"], "derived": True}
         assert out["largest"] < 700, out  # a table of this model's parameters pickles to several KB
+
+
+def one_rank_without_a_view(root: str) -> dict[str, Any]:
+    """On every rank: rank 1 cannot compute the view (as for a stage whose placement cannot tell): every rank
+    falls back to exchanging tables, together, and the checkpoint saves and loads as before."""
+    from unittest import mock
+
+    from optstack.checkpoint import load as load_module
+    from optstack.checkpoint import save as save_module
+    from optstack.checkpoint.state import plan_save
+
+    case = CASES["zero1-adamw-bf16"]
+    model, wrapped, built = _stack(case, case["sharding"], seed=0)
+    _train(wrapped, built, range(K))
+    rank = world_comm().rank
+    planned: list[bool] = []
+    with mock.patch.object(save_module, "view_of", (lambda *a: None) if rank == 1 else save_module.view_of), \
+            mock.patch.object(load_module, "view_of", (lambda *a: None) if rank == 1 else load_module.view_of), \
+            mock.patch.object(save_module, "plan_save", lambda *a: planned.append(True) or plan_save(*a)):
+        save_checkpoint(Path(root), built.optimizer, step=K, scheduler=built.scheduler, model=model)
+        model2, wrapped2, fresh = _stack(case, case["sharding"], seed=7)
+        load_checkpoint(Path(root), fresh.optimizer, scheduler=fresh.scheduler, model=model2)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(),
+                                                  strict=True))
+    return {"tables": planned == [True], "same": same}
+
+
+def test_ranks_whose_views_differ_exchange_tables(world2, tmp_path: Path) -> None:
+    assert world2.run(one_rank_without_a_view, str(tmp_path)) == [{"tables": True, "same": True}] * 2
