@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
 from optstack.checkpoint import OptimizerState, SafeFileSystemReader, load_checkpoint, save_checkpoint
-from optstack.checkpoint.format import MANIFEST, seal
+from optstack.checkpoint.format import MANIFEST, PART, seal
 from optstack.checkpoint.io import file_checksum
 from optstack.config import LossScaleConfig, OptimizerConfig
 from optstack.factory import BuiltOptimizer, build_optimizer
@@ -269,6 +269,24 @@ def test_an_item_beyond_its_file_is_refused(root: Path, victim) -> None:
      r"params\['0\.bias'\]\.scalars\['step'\] is nan .*expected a finite number >= 0"),
     ("negative step", lambda m: m["params"]["0.bias"]["scalars"]["step"].update(value=-3.0),
      r"params\['0\.bias'\]\.scalars\['step'\] is -3\.0"),
+    ("huge pack item", lambda m: m.update(packs=[["float32", [["optim/0.bias/exp_avg", 0, 10**15]]]]),
+     r"the packs of rank 0, packs\['0'\]\[0\]\[1\]\[0\] holds 1000000000000000 elements"),
+], ids=["NaN step", "negative step", "huge pack item"])
+def test_part_values_out_of_range(root: Path, victim, field: str, edit, match: str) -> None:
+    """Steps are in the writing rank's part of the manifest (``format.PART``), checked as the manifest is."""
+    _edit_part(_step3(root) / "rank_00000", edit)
+    _reseal(_step3(root))
+    _refused(root, victim, rf"step_00000003/rank_00000/state\.json: {match}")
+
+
+def _edit_part(directory: Path, edit: Any) -> None:
+    part = json.loads((directory / PART).read_text())
+    part.pop("seal")
+    edit(part)
+    (directory / PART).write_text(seal(part))
+
+
+@pytest.mark.parametrize("field, edit, match", [
     ("inf weight decay", lambda m: m["groups"][0]["settings"].update(weight_decay=float("inf")),
      r"groups\[0\]\.settings\['weight_decay'\] is inf .*expected finite numbers in \[0, inf\]"),
     ("negative lr", lambda m: m["groups"][0]["settings"].update(lr=-1.0),
@@ -277,7 +295,7 @@ def test_an_item_beyond_its_file_is_refused(root: Path, victim) -> None:
      r"groups\[0\]\.settings\['betas'\] is \[0\.9, 2\.0\]"),
     ("huge pack item", lambda m: m.update(packs={"0": [["float32", [["optim/0.bias/exp_avg", 0, 10**15]]]]}),
      r"the packs of rank 0, packs\['0'\]\[0\]\[1\]\[0\] holds 1000000000000000 elements"),
-], ids=["NaN step", "negative step", "inf weight decay", "negative lr", "beta of 2", "huge pack item"])
+], ids=["inf weight decay", "negative lr", "beta of 2", "huge pack item"])
 def test_manifest_values_out_of_range(root: Path, victim, field: str, edit, match: str) -> None:
     _reseal(_step3(root), edit)
     _refused(root, victim, rf"step_00000003/manifest\.json: {match}")

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from optstack.checkpoint import load_checkpoint, pack, save_checkpoint
 from optstack.checkpoint.format import FORMAT, migrate, unseal
-from optstack.checkpoint.load import read_manifest, read_model, read_ranges
+from optstack.checkpoint.load import Saved, read_manifest, read_model, read_ranges
 from optstack.checkpoint.storage import Chunk
 from optstack.config import OptimizerConfig
 from optstack.factory import BuiltOptimizer, build_optimizer
@@ -46,7 +46,7 @@ def test_small_tensors_are_packed_and_load_exactly(tmp_path: Path, monkeypatch: 
     model, built = _stack(seed=0)
     path = save_checkpoint(tmp_path, built.optimizer, step=1, model=model)
     manifest = unseal((path / "manifest.json").read_text(), "manifest")
-    segments = manifest["packs"]["0"]
+    segments = Saved(path, manifest).part(0)["packs"]  # rank 0's part of the manifest
     packed = {key for _, items in segments for key, _, _ in items}
     assert len(packed) == 300 * 3 + 300  # every expert's param, exp_avg, exp_avg_sq and model tensor; not 'big'
     assert "optim/big/param" not in packed and "model/big" not in packed
@@ -71,7 +71,7 @@ def test_small_tensors_are_packed_and_load_exactly(tmp_path: Path, monkeypatch: 
 def test_few_small_tensors_stay_items_of_their_own(tmp_path: Path) -> None:
     model, built = _stack(seed=0, n=10)
     path = save_checkpoint(tmp_path, built.optimizer, step=1)
-    assert unseal((path / "manifest.json").read_text(), "manifest")["packs"] == {}
+    assert Saved(path, unseal((path / "manifest.json").read_text(), "manifest")).part(0)["packs"] == []
     assert "optim/experts.3/exp_avg" in FileSystemReader(path / "rank_00000").read_metadata().state_dict_metadata
 
 

@@ -4,10 +4,14 @@ every parameter), and the checks of a checkpoint against an optimizer."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 
 import pytest
 
+from optstack.checkpoint.manifest import chunk_runs, overlapping
 from optstack.checkpoint.state import HeldParam, check_load, plan_save
+from optstack.layout import BufferLayout
 
 IDENTITY = {"algorithm": "AdamW", "is_expert_parallel": False, "max_lr": 0.01, "min_lr": 0.0, "wd_mult": 1.0,
             "lr_mult": 1.0}
@@ -68,3 +72,26 @@ def test_check_load_names_every_difference() -> None:
     assert check_load(manifest, regrouped, None) == [
         "parameter 'w' is in a different group: algorithm 'AdamW' in the checkpoint, 'Muon' here; wd_mult 1.0 in "
         "the checkpoint, 0.0 here"]
+
+
+@pytest.mark.parametrize("dp", [1, 3, 16, 97])
+def test_runs_are_every_ranks_owned_slices(dp: int) -> None:
+    """What a manifest derives from the plan: each parameter's runs are exactly every rank's ``owned_slice``,
+    and ``overlapping`` walks them as a scan of every rank would."""
+    rng = random.Random(dp)
+    shapes = [(rng.randrange(1, 300), rng.randrange(1, 40)) for _ in range(30)] + [(0,), (7,)]
+    layout = BufferLayout.plan([(f"p{i}", s) for i, s in enumerate(shapes)], dp_size=dp, bucket_size=2000,
+                               shard_align=8, param_align=4)
+    for i, shape in enumerate(shapes):
+        name, numel = f"p{i}", math.prod(shape)
+        runs = layout.runs(name)
+        assert len(runs) <= 3
+        parts = [(first + k, lo + k * (hi - lo), hi + k * (hi - lo)) for first, lo, hi, count in runs
+                 for k in range(count)]
+        owned = [(r, s.param_start, s.param_end) for r in range(dp) if (s := layout.owned_slice(name, r))]
+        assert parts == owned
+        for _ in range(10):
+            a = rng.randrange(numel + 1)
+            b = rng.randrange(a, numel + 1)
+            assert list(overlapping(chunk_runs([list(r) for r in runs]), a, b)) == [
+                (r, max(s, a), min(e, b)) for r, s, e in owned if max(s, a) < min(e, b)]

@@ -13,6 +13,7 @@ from torch import nn
 
 from optstack.checkpoint import CheckpointInfo, load_checkpoint, migrate, save_checkpoint, write_group_map
 from optstack.checkpoint.format import FORMAT, VERSION, seal, unseal
+from optstack.checkpoint.load import Saved
 from optstack.config import LossScaleConfig, OptimizerConfig
 from optstack.factory import BuiltOptimizer, build_optimizer
 from optstack.schedule import LRSchedule
@@ -135,7 +136,8 @@ def test_lazy_state_before_the_first_step(tmp_path: Path) -> None:
     built = _build(model, "fp32")
     save_checkpoint(tmp_path / "a", built.optimizer, step=0, scheduler=built.scheduler, model=model)
     manifest = json.loads((tmp_path / "a" / "step_00000000" / "manifest.json").read_text())
-    assert all(set(p["dtypes"]) == {"param"} for p in manifest["params"].values())
+    saved = Saved(tmp_path / "a" / "step_00000000", manifest)  # dtypes: in the writers' parts
+    assert all(set(saved.state(n, 0, 1)["dtypes"]) == {"param"} for n in manifest["params"])
     _train(model, built, range(2))
     save_checkpoint(tmp_path / "b", built.optimizer, step=2, scheduler=built.scheduler, model=model)
 
@@ -181,8 +183,9 @@ def test_manifest_is_name_keyed_and_sealed(tmp_path: Path) -> None:
     assert manifest["format"] == FORMAT and manifest["version"] == VERSION
     weight = manifest["params"]["0.weight"]
     assert weight["shape"] == [10, 6] and weight["chunks"] == [[0, 0, 60]]
-    assert weight["dtypes"] == {"param": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
-    assert weight["scalars"] == {"step": {"tensor": "float32", "value": 2.0}}
+    state = Saved(path, manifest).state("0.weight", 0, 60)  # its writer's part of the manifest
+    assert state["dtypes"] == {"param": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
+    assert state["scalars"] == {"step": {"tensor": "float32", "value": 2.0}}
     assert manifest["scaler"]["kind"] == "dynamic" and manifest["scheduler"]["num_steps"] == 2
     assert manifest["model"] is None
 
@@ -202,3 +205,54 @@ def test_migrate_and_seal() -> None:
         unseal(text.replace('"params"', '"paramz"'), "m")
     with pytest.raises(ValueError, match="not valid JSON"):
         unseal(text[:-5], "m")
+
+
+def _as_version_2(checkpoint: Path) -> None:
+    """Rewrite a checkpoint as version 2 wrote it: every parameter's dtypes and scalars and every rank's packs
+    in the manifest, no parts."""
+    manifest = unseal((checkpoint / "manifest.json").read_text(), "manifest")
+    saved = Saved(checkpoint, manifest)
+    for name, entry in manifest["params"].items():
+        entry |= saved.state(name, 0, 1)
+    parts = [name for name in manifest["files"] if name.endswith("/state.json")]
+    ranks = [int(name.split("/")[0].removeprefix("rank_")) for name in parts]
+    manifest["packs"] = {str(rank): saved.part(rank)["packs"] for rank in ranks}
+    for name in parts:
+        (checkpoint / name).unlink()
+        del manifest["files"][name]
+    manifest["version"] = 2
+    (checkpoint / "manifest.json").write_text(seal(manifest))
+
+
+def test_version_2_checkpoints_still_load(tmp_path: Path) -> None:
+    """A version-2 checkpoint (dtypes, scalars and packs in the manifest) loads as the same state in version 3."""
+    model = _model(torch.bfloat16)
+    built = _build(model, "bf16")
+    _train(model, built, range(2))
+    save_checkpoint(tmp_path / "v3", built.optimizer, step=2, scheduler=built.scheduler, model=model)
+    path = save_checkpoint(tmp_path / "v2", built.optimizer, step=2, scheduler=built.scheduler, model=model)
+    _as_version_2(path)
+    assert json.loads((path / "manifest.json").read_text())["version"] == 2
+    snapshots = []
+    for version in ("v3", "v2"):
+        fresh_model = _model(torch.bfloat16, seed=3)
+        fresh = _build(fresh_model, "bf16")
+        info = load_checkpoint(tmp_path / version, fresh.optimizer, scheduler=fresh.scheduler, model=fresh_model)
+        assert info.version == VERSION  # migrated
+        snapshots.append(_snapshot(fresh_model, fresh))
+    assert_same(snapshots[1], snapshots[0])
+
+
+def test_an_empty_parameter_round_trips(tmp_path: Path) -> None:
+    """A parameter of no elements has no data, but a writer of its state entry (its dtypes and step)."""
+    def build(seed: int) -> tuple[nn.Module, BuiltOptimizer]:
+        model = _model(torch.float32, seed)
+        model.register_parameter("empty", nn.Parameter(torch.zeros(0, 3)))
+        return model, _build(model, "fp32")
+
+    model, built = build(0)
+    _train(model, built, range(2))
+    save_checkpoint(tmp_path, built.optimizer, step=2, scheduler=built.scheduler, model=model)
+    fresh_model, fresh = build(3)
+    load_checkpoint(tmp_path, fresh.optimizer, scheduler=fresh.scheduler, model=fresh_model)
+    assert_same(_snapshot(fresh_model, fresh)["model"], _snapshot(model, built)["model"])

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from optstack.checkpoint import OptimizerState, SafeFileSystemReader, load_checkpoint, save_checkpoint
-from optstack.checkpoint.format import MANIFEST, seal
+from optstack.checkpoint.format import MANIFEST, PART, seal
 from optstack.checkpoint.io import file_checksum
 from optstack.config import LossScaleConfig, OptimizerConfig
 from optstack.demo.rundir import TrainState
@@ -198,8 +198,6 @@ def test_metadata_pointing_outside_its_directory(root: Path, victim) -> None:
 @pytest.mark.parametrize("field, edit", [
     ("params['0.weight'].shape", lambda m: m["params"]["0.weight"].update(shape="8x6")),
     ("a chunk of params['0.weight']", lambda m: m["params"]["0.weight"]["chunks"].__setitem__(0, {"rank": 0})),
-    ("params['0.bias'].scalars['step']",
-     lambda m: m["params"]["0.bias"]["scalars"]["step"].update(value={"__class__": "os.system"})),
     ("params['0.bias'].group", lambda m: m["params"]["0.bias"].update(group=99)),
     ("a file name", lambda m: m["files"].update({"../../etc/passwd": {"bytes": 1, "crc32": "00000000"}})),
     ("model['0.bias'].rank", lambda m: m["model"]["0.bias"].update(rank="0")),
@@ -207,6 +205,18 @@ def test_metadata_pointing_outside_its_directory(root: Path, victim) -> None:
 def test_manifest_with_unexpected_types(root: Path, victim, field: str, edit) -> None:  # type: ignore[no-untyped-def]
     _reseal(root / "plain" / "step_00000003", edit)
     _refused(root / "plain", victim, rf"step_00000003/manifest\.json: {re.escape(field)} is .*, expected")
+
+
+def test_part_with_unexpected_types(root: Path, victim) -> None:  # type: ignore[no-untyped-def]
+    """A writer's part of the manifest (``format.PART``: dtypes, scalars, packs) is checked as the manifest is."""
+    checkpoint = root / "plain" / "step_00000003"
+    part = json.loads((checkpoint / "rank_00000" / PART).read_text())
+    part.pop("seal")
+    part["params"]["0.bias"]["scalars"]["step"].update(value={"__class__": "os.system"})
+    (checkpoint / "rank_00000" / PART).write_text(seal(part))
+    _reseal(checkpoint)
+    _refused(root / "plain", victim, r"step_00000003/rank_00000/state\.json: params\['0\.bias'\]\.scalars\['step'\] "
+                                     r"is .*, expected")
 
 
 def test_train_state_with_unexpected_types(tmp_path: Path) -> None:

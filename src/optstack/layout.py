@@ -253,6 +253,26 @@ class BufferLayout:
         except KeyError:
             raise ValueError(f"no parameter {name!r} in this buffer; it has {list(self._by_name)}") from None
 
+    def runs(self, name: str) -> list[tuple[int, int, int, int]]:
+        """Every rank's part of parameter ``name`` (``owned_slice`` of each rank) in at most three runs
+        ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` hold consecutive stretches of
+        ``end - start`` elements of the flattened parameter, the i-th from ``start + i * (end - start)`` (the
+        shards of a bucket are equal, so only the first and last rank's parts differ in size)."""
+        slot = self.slot(name)
+        if slot.numel == 0:
+            return []
+        bucket = self.buckets[slot.bucket]
+        size, base = bucket.shard_numel, bucket.offset
+        first, last = (slot.offset - base) // size, (slot.end - 1 - base) // size
+        if first == last:
+            return [(first, 0, slot.numel, 1)]
+        head = base + (first + 1) * size - slot.offset  # where the second rank's part starts
+        runs = [(first, 0, head, 1)]
+        if last - first > 1:
+            runs.append((first + 1, head, head + size, last - first - 1))
+        runs.append((last, head + (last - first - 1) * size, slot.numel, 1))
+        return runs
+
     def owned_range(self, bucket: int, rank: int) -> tuple[int, int]:
         """``[start, end)`` owned by ``rank`` within bucket ``bucket`` (relative to the bucket's start)."""
         if not 0 <= rank < self.dp_size:

@@ -59,8 +59,11 @@ class OptimizerState:
     values into the live state): a load that fails in DCP (a refused or truncated file) leaves the optimizer,
     scaler and scheduler as they were. Each rank's staging
     copy also holds an empty part of every sharded entry of which it holds nothing, so that torch's default
-    load planner keeps the entry (its ``flatten_sharded_tensors`` drops entries with no local part, and then
-    takes the checkpoint for a pre-2.4 one: "Missing key ... param_groups"): no planner argument is needed.
+    load planner keeps the entry: no planner argument is needed. (Root cause, torch 2.13: with its default
+    ``flatten_sharded_tensors=True``, ``_flatten_sharded_tensors`` returns without setting a ``ShardedTensor``
+    that has no local shard, so the entry is missing from the rank's state dict; ``create_local_plan`` then
+    takes the missing keys for a pre-2.4 checkpoint, re-flattens with the 2.3 key mapping and fails with
+    "Missing key ... param_groups". ``DefaultLoadPlanner(flatten_sharded_tensors=False)`` avoids it too.)
     """
 
     def __init__(self, model: nn.Module, optimizer: ChainedOptimizer, scheduler: Scheduler | None = None) -> None:

@@ -1,17 +1,27 @@
 """The checkpoint format: its version, the manifest's shape and seal, and the one ``migrate()``.
 
 ``step_00000100/`` holds ``manifest.json``, ``group_map.json`` (for people; never read back) and one
-torch.distributed.checkpoint directory ``rank_00000/`` ... per rank that wrote something. The manifest
-(version 2) is keyed by parameter name, never by buffer offset or group position::
+torch.distributed.checkpoint directory ``rank_00000/`` ... per rank that wrote something, with that rank's part
+of the manifest, ``state.json``. The manifest (version 3) is keyed by parameter name, never by buffer offset or
+group position, and holds only what every rank computes alike from the plan (``manifest.py``), so no rank needs
+another's tables to write it::
 
-    format, version, step, world_size, checksum_algorithm
-    params:    {name: {shape, dtypes: {key: dtype}, scalars: {key: Scalar}, group: index, chunks: [[rank, start, end]]}}
+    format, version, step, world_size, checksum_algorithm, job
+    params:    {name: {shape, group: index, chunks: [[rank, start, end] or [rank, start, end, count], ...]}}
+               a chunk of ``count`` ranks: ranks rank .. rank + count - 1 wrote end - start elements each, the i-th
+               from start + i * (end - start) (ZeRO-1's ranges of one parameter in a few entries at any world size)
     groups:    [{identity: {algorithm, is_expert_parallel, max_lr, min_lr, wd_mult, lr_mult}, settings: {lr, ...}}]
     scaler, scheduler (or null), model: {key: {shape, dtype, rank}} (or null)
-    files:     {relative path: {bytes, crc32, sha256 (only when signed)}}
-    packs:     {rank: [[dtype, [[DCP key, start, numel], ...]], ...]}: small chunks packed as DCP key pack/<i> (pack.py)
+    files:     {relative path: {bytes, crc32, sha256 (only when signed)}}: every rank's files, its part included
     hmac_sha256 (only when saved with a key): HMAC-SHA256 of the canonical JSON of everything above (``digest.py``)
     seal:      CRC-32 of the canonical JSON of everything above
+
+    rank_<r>/state.json (sealed the same way; its checksums are in the manifest's files):
+    params:    {name: {dtypes: {key: dtype}, scalars: {key: Scalar}}}: of each parameter rank r wrote, its state
+    packs:     [[dtype, [[DCP key, start, numel], ...]], ...]: small chunks packed as DCP key pack/<i> (pack.py)
+
+Version 2 kept ``dtypes`` and ``scalars`` in ``params`` and every rank's ``packs`` in the manifest (each rank's
+table gathered to every rank); it loads as it is: ``migrate`` marks it ``inline``.
 
 DCP keys: ``optim/<name>/<key>`` (1-D, the parameter's numel, each rank's chunk at its offset), ``model/<key>``.
 """
@@ -29,13 +39,15 @@ import torch
 
 from optstack.protocol import ParamShard
 
-__all__ = ["FORMAT", "VERSION", "MANIFEST", "GROUP_MAP", "migrate", "seal", "unseal", "dtype_name",
-           "dtype_from_name", "json_lines", "encode_scalar", "decode_scalar", "identity_of", "settings_of",
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "PART", "check_part", "GROUP_MAP", "migrate", "seal", "unseal",
+           "dtype_name", "dtype_from_name", "json_lines", "encode_scalar", "decode_scalar", "identity_of",
+           "group_identity", "settings_of",
            "optim_key", "model_key", "canonical", "check_manifest"]
 
 FORMAT = "optstack.checkpoint"
-VERSION = 2
+VERSION = 3
 MANIFEST = "manifest.json"
+PART = "state.json"  # a writing rank's part of the manifest, in its directory
 GROUP_MAP = "group_map.json"
 #: The group settings that identify a parameter's group across layouts (with the algorithm and expert flag).
 IDENTITY_KEYS = ("max_lr", "min_lr", "wd_mult", "lr_mult")
@@ -92,8 +104,12 @@ def _plain(value: Any) -> Any:
 
 def identity_of(shard: ParamShard) -> dict[str, Any]:
     """What identifies ``shard``'s group in any layout: algorithm, expert flag, ``IDENTITY_KEYS`` (float or None)."""
-    group = shard.group
-    out: dict[str, Any] = {"algorithm": shard.algorithm,
+    return group_identity(shard.group, shard.algorithm)
+
+
+def group_identity(group: Mapping[str, Any], algorithm: str) -> dict[str, Any]:
+    """``identity_of`` a parameter of ``group`` stepped by ``algorithm``."""
+    out: dict[str, Any] = {"algorithm": algorithm,
                            "is_expert_parallel": bool(group.get("is_expert_parallel", False))}
     for key in IDENTITY_KEYS:
         value = group.get(key)
@@ -191,6 +207,9 @@ def unseal(text: str, where: str) -> dict[str, Any]:
 # One function per old version, each lifting a manifest by one version. Version 1 is the first.
 _UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     1: lambda manifest: {**manifest, "packs": {}},  # version 2 packs small chunks
+    # version 3 moves dtypes, scalars and packs into the writers' parts; a version-2 manifest keeps them, and
+    # a load reads them from it (``load.Saved``)
+    2: lambda manifest: {**manifest, "inline": True},
 }
 
 
@@ -263,30 +282,20 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         at = f"params[{name!r}]"
         _need(isinstance(entry, dict), where, at, entry, "a dict")
         numel = _shape(where, f"{at}.shape", entry.get("shape"))
-        dtypes = entry.get("dtypes")
-        _need(isinstance(dtypes, dict), where, f"{at}.dtypes", dtypes, "a dict")
-        for key, dtype in dtypes.items():
-            _dtype(where, f"{at}.dtypes[{key!r}]", dtype)
-        scalars = entry.get("scalars")
-        _need(isinstance(scalars, dict), where, f"{at}.scalars", scalars, "a dict")
-        for key, scalar in scalars.items():
-            ok = isinstance(scalar, dict) and set(scalar) in ({"value"}, {"tensor", "value"})
-            value = scalar.get("value") if ok else None
-            ok = ok and (value is None or isinstance(value, bool | int | float))
-            _need(ok, where, f"{at}.scalars[{key!r}]", scalar, "{'value': a number, bool or null} (and 'tensor')")
-            if "tensor" in scalar:
-                _dtype(where, f"{at}.scalars[{key!r}].tensor", scalar["tensor"])
-            # Optimizer scalars are steps and counters: a NaN or negative one makes the next update non-finite.
-            _need(value is None or math.isfinite(value) and (key != "step" or value >= 0), where,
-                  f"{at}.scalars[{key!r}]", value, "a finite number" + (" >= 0" if key == "step" else ""))
+        if manifest.get("inline"):
+            _check_state(where, at, entry)
         group = entry.get("group")
         _need(_count(group) and group < len(groups), where, f"{at}.group", group, f"an index < {len(groups)}")
         chunks = entry.get("chunks")
         _need(isinstance(chunks, list), where, f"{at}.chunks", chunks, "a list")
         for chunk in chunks:
-            _need(isinstance(chunk, list) and len(chunk) == 3 and all(_count(c) for c in chunk)
-                  and chunk[0] < world and chunk[1] <= chunk[2] <= numel, where, f"a chunk of {at}", chunk,
-                  f"[rank < {world}, start, end] with start <= end <= {numel}")
+            ok = isinstance(chunk, list) and len(chunk) in (3, 4) and all(_count(c) for c in chunk)
+            ok = ok and (len(chunk) == 3 or chunk[3] >= 1)
+            count = chunk[3] if ok and len(chunk) == 4 else 1
+            _need(ok and chunk[0] + count <= world and chunk[1] <= chunk[2]
+                  and chunk[2] + (count - 1) * (chunk[2] - chunk[1]) <= numel, where, f"a chunk of {at}", chunk,
+                  f"[rank, start, end] or [rank, start, end, count] with rank + count <= {world} and its ranges "
+                  f"inside [0, {numel}]")
     model = manifest.get("model")
     _need(model is None or isinstance(model, dict), where, "model", model, "a dict or null")
     for key, entry in (model or {}).items():
@@ -309,6 +318,37 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         _need(isinstance(entry, dict) and _count(entry.get("bytes")) and _hex(entry.get("crc32"), 8)
               and ("sha256" not in entry or _hex(entry["sha256"], 64)), where, f"files[{name!r}]", entry,
               "{'bytes': int, 'crc32': 8 hex digits} (and 'sha256': 64)")
+
+
+def _check_state(where: str, at: str, entry: Mapping[str, Any]) -> None:
+    """A parameter's ``dtypes`` and ``scalars`` (a part's entry, or a version-2 manifest's) have the format's
+    types, and its scalars finite values (a step >= 0)."""
+    dtypes = entry.get("dtypes")
+    _need(isinstance(dtypes, dict), where, f"{at}.dtypes", dtypes, "a dict")
+    for key, dtype in dtypes.items():
+        _dtype(where, f"{at}.dtypes[{key!r}]", dtype)
+    scalars = entry.get("scalars")
+    _need(isinstance(scalars, dict), where, f"{at}.scalars", scalars, "a dict")
+    for key, scalar in scalars.items():
+        ok = isinstance(scalar, dict) and set(scalar) in ({"value"}, {"tensor", "value"})
+        value = scalar.get("value") if ok else None
+        ok = ok and (value is None or isinstance(value, bool | int | float))
+        _need(ok, where, f"{at}.scalars[{key!r}]", scalar, "{'value': a number, bool or null} (and 'tensor')")
+        if "tensor" in scalar:
+            _dtype(where, f"{at}.scalars[{key!r}].tensor", scalar["tensor"])
+        # Optimizer scalars are steps and counters: a NaN or negative one makes the next update non-finite.
+        _need(value is None or math.isfinite(value) and (key != "step" or value >= 0), where,
+              f"{at}.scalars[{key!r}]", value, "a finite number" + (" >= 0" if key == "step" else ""))
+
+
+def check_part(part: Any, where: str) -> None:
+    """A rank's part of the manifest (``PART``) has the format's types and values (``ValueError`` naming
+    ``where`` and the field); its ``packs`` are ``pack.check_packs``'s to check."""
+    _need(isinstance(part, dict) and isinstance(part.get("params"), dict) and isinstance(part.get("packs"), list),
+          where, "the part", type(part).__name__, "a dict with 'params' (a dict) and 'packs' (a list)")
+    for name, entry in part["params"].items():
+        _need(isinstance(entry, dict), where, f"params[{name!r}]", entry, "a dict")
+        _check_state(where, f"params[{name!r}]", entry)
 
 
 #: Group settings a load restores or steps with, and the range ``OptimizerConfig`` allows them.

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from optstack.checkpoint.format import decode_scalar, encode_scalar
-from optstack.checkpoint.load import read_manifest, read_ranges, verify_files
+from optstack.checkpoint.load import Saved, read_manifest, read_ranges, verify_files
 from optstack.checkpoint.save import agree, check_optimizer, local_state, together
 from optstack.checkpoint.state import collect, describe, group_map, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
@@ -54,10 +54,13 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
         raise ValueError(f"names must list exactly the checkpoint's {len(params)} parameters; these differ: "
                          f"{sorted(set(order) ^ set(params))[:8]}")
     order.sort(key=lambda n: params[n]["group"])  # group by group, each in the given order (a stable sort)
-    data = read_ranges(directory, manifest, {n: (0, torch.Size(params[n]["shape"]).numel()) for n in order},
-                       keys={n: [k for k in params[n]["dtypes"] if k != "param"] for n in order})
+    saved = Saved(directory, manifest)
+    whole = {n: (0, torch.Size(params[n]["shape"]).numel()) for n in order}
+    state = {n: saved.state(n, *whole[n]) for n in order}
+    data = read_ranges(directory, manifest, whole, keys={n: [k for k in state[n]["dtypes"] if k != "param"]
+                                                         for n in order}, saved=saved)
     entries = [{k: v.view(params[n]["shape"]) for k, v in data[n].items()}
-               | {k: decode_scalar(v) for k, v in params[n]["scalars"].items()} for n in order]
+               | {k: decode_scalar(v) for k, v in state[n]["scalars"].items()} for n in order]
     groups: list[dict[str, Any]] = []
     for g, saved in enumerate(manifest["groups"]):
         if ids := [i for i, n in enumerate(order) if params[n]["group"] == g]:

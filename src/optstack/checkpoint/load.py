@@ -19,7 +19,7 @@ import functools
 import gc
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +33,9 @@ from optstack.checkpoint import background, io
 from optstack.checkpoint.digest import check_key, check_signature, file_sha256
 from optstack.checkpoint.format import (
     MANIFEST,
+    PART,
     check_manifest,
+    check_part,
     decode_scalar,
     dtype_from_name,
     migrate,
@@ -41,16 +43,18 @@ from optstack.checkpoint.format import (
     optim_key,
     unseal,
 )
+from optstack.checkpoint.manifest import Agreement, agreement, chunk_runs, overlapping, view_of
 from optstack.checkpoint.pack import check_packs, read_packed
 from optstack.checkpoint.safe import METADATA, load_metadata_file
 from optstack.checkpoint.save import adopt_job, check_optimizer, load_into, local_state, together
-from optstack.checkpoint.state import HeldParam, check_load, restore_group_settings
+from optstack.checkpoint.state import HeldParam, ModelTable, check_load, restore_group_settings
 from optstack.checkpoint.storage import Chunk, rank_dir_name
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.schedule import Scheduler
 
-__all__ = ["CheckpointInfo", "load_checkpoint", "read_manifest", "verify_files", "read_ranges", "read_model"]
+__all__ = ["CheckpointInfo", "Read", "Saved", "check_dtypes", "load_checkpoint", "load_view", "read_manifest", "reads",
+           "verify_files", "read_ranges", "read_model"]
 
 
 @dataclass(frozen=True)
@@ -149,43 +153,150 @@ def verify_files(directory: Path, files: Mapping[str, Mapping[str, Any]], rank: 
 
 def _writers(manifest: Mapping[str, Any]) -> list[int]:
     """The ranks that wrote element-wise state or model tensors, by the manifest."""
-    ranks = {rank for entry in manifest["params"].values() for rank, lo, hi in entry["chunks"] if hi > lo}
+    ranks = {rank + i for entry in manifest["params"].values()
+             for rank, lo, hi, count in chunk_runs(entry["chunks"]) if hi > lo for i in range(count)}
     ranks |= {entry["rank"] for entry in (manifest.get("model") or {}).values() if math.prod(entry["shape"]) > 0}
     return sorted(ranks)
 
 
-def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
-                keys: Mapping[str, list[str]] | None = None, known: dict[Path, Metadata] | None = None
-                ) -> dict[str, dict[str, torch.Tensor]]:
-    """Elements ``[start, end)`` of each wanted parameter's saved state (``keys[name]`` or all): {name: {key: 1-D}}."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    by_rank: dict[int, list[Chunk]] = {}
+class Saved:
+    """The state entries of a checkpoint besides its data: each parameter's dtypes and scalars, each writer's
+    packs. In a version-3 checkpoint they are in the writers' parts (``format.PART``), each read (and checked)
+    once, when a load first needs one of its parameters; in a version-2 one, in the manifest."""
+
+    def __init__(self, directory: Path, manifest: Mapping[str, Any]) -> None:
+        self.directory, self.manifest = directory, manifest
+        self.inline = bool(manifest.get("inline"))
+        self._parts: dict[int, dict[str, Any]] = {}
+
+    def part(self, rank: int) -> dict[str, Any]:
+        if rank not in self._parts:
+            path = self.directory / rank_dir_name(rank) / PART
+            inside(self.directory, path)
+            try:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read {path}, rank {rank}'s part of the manifest: {exc}") from exc
+            part = unseal(text, str(path))
+            check_part(part, str(path))
+            check_packs({str(rank): part["packs"]}, rank + 1, str(path))
+            self._parts[rank] = part
+        return self._parts[rank]
+
+    def state(self, name: str, start: int, end: int) -> dict[str, Any]:
+        """``{"dtypes", "scalars"}`` of ``name`` as saved by the writer of its first element in ``[start, end)``
+        (of its first chunk when the range is empty)."""
+        entry = self.manifest["params"][name]
+        if self.inline:
+            return entry
+        runs = chunk_runs(entry["chunks"])
+        writer = next((rank for rank, _, _ in overlapping(runs, start, max(end, start + 1))),
+                      runs[0][0] if runs else None)
+        if writer is None:
+            raise ValueError(f"{self.directory / MANIFEST}: no rank wrote parameter {name!r}, so its state has no "
+                             "dtypes; the checkpoint holds none of it")
+        found = self.part(writer)["params"].get(name)
+        if found is None:
+            raise ValueError(f"{self.directory / rank_dir_name(writer) / PART} has no entry for {name!r}, which the "
+                             f"manifest says rank {writer} wrote: the checkpoint is damaged")
+        return cast(dict[str, Any], found)
+
+    def packs(self, ranks: Iterable[int]) -> dict[str, Any]:
+        """The packs of ``ranks`` as ``pack.read_packed`` takes them."""
+        if self.inline:
+            return cast(dict[str, Any], self.manifest.get("packs") or {})
+        return {str(r): self.part(r)["packs"] for r in ranks}
+
+
+@dataclass(frozen=True)
+class Read:
+    """Elements ``[start, end)`` of state ``key`` of parameter ``name`` (``numel`` elements, flattened) in
+    ``dtype``, from ``sources``: (writer rank, lo, hi) per stretch."""
+
+    name: str
+    key: str
+    dtype: str
+    numel: int
+    start: int
+    end: int
+    sources: list[tuple[int, int, int]]
+
+
+def reads(manifest: Mapping[str, Any], saved: Saved, wanted: Mapping[str, tuple[int, int]],
+          keys: Mapping[str, list[str]] | None = None) -> list[Read]:
+    """What to read for ``wanted`` (elements ``[start, end)`` of each parameter's state, ``keys[name]`` or all),
+    from the manifest and the parts of the ranks read from; no data read, nothing allocated."""
+    out = []
     for name, (start, end) in wanted.items():
         entry = manifest["params"][name]
-        numel = torch.Size(entry["shape"]).numel()
-        out[name] = {}
-        for key in (keys or {}).get(name, entry["dtypes"]):
-            dest = out[name][key] = torch.empty(end - start, dtype=dtype_from_name(entry["dtypes"][key]))
-            for rank, lo, hi in entry["chunks"]:
-                lo, hi = max(lo, start), min(hi, end)
-                if lo < hi:
-                    by_rank.setdefault(rank, []).append(Chunk(optim_key(name, key), dest[lo - start : hi - start],
-                                                              lo, numel))
-    read_packed(directory, manifest.get("packs"), by_rank, known)
+        dtypes = saved.state(name, start, end)["dtypes"]
+        runs = chunk_runs(entry["chunks"])
+        for key in (keys or {}).get(name, dtypes):
+            if key not in dtypes:
+                raise ValueError(f"{saved.directory}: no state {key!r} of {name!r} was saved (it has {sorted(dtypes)})")
+            out.append(Read(name, key, dtypes[key], math.prod(entry["shape"]), start, end,
+                            list(overlapping(runs, start, end))))
+    return out
+
+
+def read_ranges(directory: Path, manifest: Mapping[str, Any], wanted: Mapping[str, tuple[int, int]],
+                keys: Mapping[str, list[str]] | None = None, known: dict[Path, Metadata] | None = None,
+                saved: Saved | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Elements ``[start, end)`` of each wanted parameter's saved state (``keys[name]`` or all): {name: {key: 1-D}}."""
+    saved = saved if saved is not None else Saved(directory, manifest)
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in wanted}
+    by_rank: dict[int, list[Chunk]] = {}
+    for r in reads(manifest, saved, wanted, keys):
+        dest = out[r.name][r.key] = torch.empty(r.end - r.start, dtype=dtype_from_name(r.dtype))
+        for rank, lo, hi in r.sources:
+            by_rank.setdefault(rank, []).append(Chunk(optim_key(r.name, r.key), dest[lo - r.start : hi - r.start],
+                                                      lo, r.numel))
+    read_packed(directory, saved.packs(by_rank), by_rank, known)
     return out
 
 
 def read_model(directory: Path, manifest: Mapping[str, Any], keys: list[str],
-               known: dict[Path, Metadata] | None = None) -> dict[str, torch.Tensor]:
+               known: dict[Path, Metadata] | None = None, saved: Saved | None = None) -> dict[str, torch.Tensor]:
     """Read the model tensors ``keys`` whole, in their saved shapes and dtypes."""
+    saved = saved if saved is not None else Saved(directory, manifest)
     out, by_rank = {}, {}
     for key in keys:
         entry = manifest["model"][key]
         out[key] = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
         flat = out[key].view(-1)
         by_rank.setdefault(entry["rank"], []).append(Chunk(model_key(key), flat, 0, flat.numel()))
-    read_packed(directory, manifest.get("packs"), by_rank, known)
+    read_packed(directory, saved.packs(by_rank), by_rank, known)
     return out
+
+
+def load_view(optimizer: ChainedOptimizer, held: Mapping[str, HeldParam], table: ModelTable | None,
+              comm: Comm | NullComm) -> dict[str, HeldParam]:
+    """Every parameter of every rank, as ``check_load`` takes them (collective). From this rank's stages alone
+    when every rank computes the same view of them (``manifest.py``; only a fixed-size ``Agreement`` is
+    exchanged): this rank's own entries where it holds a part, the view's (without dtypes) elsewhere. Else the
+    ranks' tables, gathered (each parameter's first holder's entry)."""
+    view = together(comm, "cannot load the checkpoint", lambda: view_of(optimizer.stages, comm.global_ranks),
+                    f"rank {comm.rank}: ")
+    if agreement(comm.all_gather_object(Agreement.of(view, table, held, {}, comm.rank))):
+        return {n: held.get(n) or HeldParam(n, p.shape, 0, 0, {}, {}, p.identity, p.settings)
+                for n, p in view.items()}
+    everyone: dict[str, HeldParam] = {}
+    for theirs in comm.all_gather_object(held):
+        everyone |= {n: h for n, h in theirs.items() if n not in everyone}
+    return everyone
+
+
+def check_dtypes(manifest: Mapping[str, Any], saved: Saved, held: Mapping[str, HeldParam]) -> list[str]:
+    """Where the optimizer's copy ('param') of a parameter this rank holds has another dtype in the
+    checkpoint (as its writer's part says); the parts a load reads from are read and checked here."""
+    errors = []
+    for name, h in held.items():
+        if name in manifest["params"] and "param" in h.dtypes:
+            dtype = saved.state(name, h.start, h.end)["dtypes"].get("param")
+            if dtype != h.dtypes["param"]:
+                errors.append(f"parameter {name!r}: the optimizer's copy ('param') is {dtype} in the checkpoint, "
+                              f"{h.dtypes['param']} here")
+    return errors
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -243,12 +354,13 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
                      f"rank {comm.rank}: ", path=directory)
     shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model, fingerprints=False),
                                             f"rank {comm.rank}: ")
-    everyone: dict[str, HeldParam] = {}  # every rank's parameters, the first holder's entry of each
-    for theirs in comm.all_gather_object(held):
-        everyone |= {n: h for n, h in theirs.items() if n not in everyone}
+    everyone = load_view(optimizer, held, table, comm)
+    saved = Saved(directory, manifest)
 
     def check() -> None:  # and the scaler's and scheduler's state load, changing neither
         errors = check_load(manifest, everyone, table)
+        if not errors and not saved.inline:  # this rank's dtypes against its writers' parts
+            errors = check_dtypes(manifest, saved, held)
         if errors:
             raise ValueError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(errors))
         optimizer.scaler.validate_state_dict(manifest["scaler"])
@@ -264,14 +376,15 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     together(comm, where, check)
     staged, staged_model = together(
         comm, where, lambda: (read_ranges(directory, manifest, {n: (h.start, h.end) for n, h in held.items()},
-                                          known=known),
-                              read_model(directory, manifest, list(tensors), known)),
+                                          known=known, saved=saved),
+                              read_model(directory, manifest, list(tensors), known, saved)),
         f"rank {comm.rank} could not read its part: ", path=directory)
 
     # Only now is anything changed.
     optimizer.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
     params = manifest["params"]
-    loaded = {n: replace(s, tensors=staged[n], scalars={k: decode_scalar(v) for k, v in params[n]["scalars"].items()})
+    loaded = {n: replace(s, tensors=staged[n], scalars={k: decode_scalar(v) for k, v in
+                                                        saved.state(n, s.start, s.end)["scalars"].items()})
               for n, s in shards.items()}
     for stage in optimizer.stages:  # each takes the parameters it steps
         stage.load_param_shards(loaded)

@@ -35,6 +35,7 @@ from optstack.checkpoint.format import (
     FORMAT,
     GROUP_MAP,
     MANIFEST,
+    PART,
     VERSION,
     dtype_name,
     json_lines,
@@ -43,9 +44,20 @@ from optstack.checkpoint.format import (
     seal,
 )
 from optstack.checkpoint.io import FAILURES, CheckpointError
+from optstack.checkpoint.manifest import Agreement, agreement, plan_from_view, view_of
 from optstack.checkpoint.pack import pack_chunks
 from optstack.checkpoint.safe import METADATA, load_metadata
-from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan, collect, describe, group_map, plan_save
+from optstack.checkpoint.state import (
+    HeldParam,
+    ModelTable,
+    SavePlan,
+    collect,
+    describe,
+    fingerprint,
+    group_map,
+    part_of,
+    plan_save,
+)
 from optstack.checkpoint.storage import Chunk, rank_dir_name, write_chunks
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.names import model_state
@@ -53,8 +65,8 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "agree", "together", "model_tensors", "local_state", "check_optimizer", "load_into",
-           "whole_values"]
+__all__ = ["save_checkpoint", "save_plan", "manifest_of", "agree", "together", "model_tensors", "local_state",
+           "check_optimizer", "load_into", "whole_values"]
 
 T = TypeVar("T")
 
@@ -152,6 +164,41 @@ def local_state(optimizer: ChainedOptimizer, model: nn.Module | None, fingerprin
     # (a DTensor's shape is the whole tensor's: the table is the same on every rank)
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
     return shards, describe(shards, fingerprints), tensors, table
+
+
+def save_plan(optimizer: ChainedOptimizer, shards: Mapping[str, ParamShard], held: Mapping[str, HeldParam],
+              table: ModelTable | None, comm: Comm | NullComm) -> SavePlan:
+    """Who writes what and the manifest's parameters, groups and model (collective; no data is read or written).
+
+    Computed on each rank from the optimizer's stages (``manifest.py``); ranks exchange only a fixed-size
+    ``Agreement``. Where a stage cannot say what the other ranks hold, or the ranks' views differ, the ranks
+    exchange their tables instead and ``state.plan_save`` plans from them (naming any disagreement).
+
+    Raises:
+        ValueError: on every rank alike, when the ranks' state cannot be saved by name (``plan_save``).
+    """
+    where = "cannot plan the checkpoint"
+
+    def mine() -> tuple[Any, Agreement]:
+        view = view_of(optimizer.stages, comm.global_ranks)
+        whole = {} if view is None else {n: fingerprint(shards[n].tensors["param"]) for n, p in view.items()
+                                        if p.runs is None and n in shards}
+        return view, Agreement.of(view, table, held, whole, comm.rank)
+
+    view, agreed = together(comm, where, mine, f"rank {comm.rank}: ")
+    if agreement(comm.all_gather_object(agreed)):
+        return plan_from_view(view, table, comm.size, comm.rank)
+    full = together(comm, where, lambda: describe(shards), f"rank {comm.rank}: ")
+    gathered = comm.all_gather_object((full, table))
+    return plan_save([t for t, _ in gathered], None if table is None else [m for _, m in gathered])  # pure
+
+
+def manifest_of(plan: SavePlan, step: int, world_size: int, scaler: dict[str, Any],
+                scheduler: dict[str, Any] | None, files: dict[str, Any], job: str) -> dict[str, Any]:
+    """The manifest of a save (``format.py``), unsealed and unsigned."""
+    return {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+            "checksum_algorithm": "crc32", "params": plan.params, "groups": plan.groups, "scaler": scaler,
+            "scheduler": scheduler, "model": plan.model, "files": files, "job": job}
 
 
 def check_optimizer(optimizer: Any) -> ChainedOptimizer:
@@ -258,14 +305,14 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     job = job_of_optimizer(optimizer)
     optimizer.finish_param_sync()  # overlapped parameter gathers must land before the model is read
 
-    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model), f"rank {comm.rank}: ")
+    shards, held, tensors, table = together(comm, where, lambda: local_state(optimizer, model, fingerprints=False),
+                                            f"rank {comm.rank}: ")
     tensors = whole_values(tensors)  # collective where the model is sharded (FSDP2, tensor parallel)
-    gathered = comm.all_gather_object((held, table))
-    plan = plan_save([t for t, _ in gathered], None if model is None else [m for _, m in gathered])  # pure
+    plan = save_plan(optimizer, shards, held, table, comm)
     writer = background.comm_for(comm) if not blocking else comm  # created before the temporary directory
     temp = together(comm, where, lambda: io.make_temp(target) if comm.rank == 0 else None, "rank 0: ", path=target)
     path = comm.broadcast_object(temp.path if temp is not None else None)
-    save = _Save(target, step, path, temp, plan, shards, tensors, job, keep_last, key,
+    save = _Save(target, step, path, temp, plan, shards, held, tensors, job, keep_last, key,
                  optimizer.scaler.state_dict(), scheduler.state_dict() if scheduler is not None else None)
     if blocking:
         save.run(comm)
@@ -290,6 +337,7 @@ class _Save:
     temp: io.TempDir | None  # rank 0: its lock
     plan: SavePlan
     shards: dict[str, ParamShard]
+    held: dict[str, HeldParam]
     tensors: dict[str, torch.Tensor]
     job: Job
     keep_last: int | None
@@ -313,16 +361,11 @@ class _Save:
         target, path, temp, plan, key, job, keep_last = (self.target, self.path, self.temp, self.plan, self.key,
                                                          self.job, self.keep_last)
 
-        def commit(files: dict[str, Any], packs: dict[str, Any]) -> str | None:
+        def commit(files: dict[str, Any]) -> str | None:
             """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the
             error."""
             _check_written(path, files)
-            manifest = {
-                "format": FORMAT, "version": VERSION, "step": self.step,
-                "world_size": comm.size, "checksum_algorithm": "crc32", "params": plan.params, "groups": plan.groups,
-                "scaler": self.scaler, "scheduler": self.scheduler, "model": plan.model, "files": files,
-                "packs": packs, "job": job.id,
-            }
+            manifest = manifest_of(plan, self.step, comm.size, self.scaler, self.scheduler, files, job.id)
             if key is not None:
                 manifest[DIGEST] = sign(manifest, key)
             io.write_synced(path / MANIFEST, seal(manifest))
@@ -344,13 +387,12 @@ class _Save:
         failed = f"saving checkpoint {target} failed; nothing was committed, the previous checkpoints are unchanged"
         committed = False
         try:
-            written = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, self.shards, self.tensors,
-                                                                 key is not None),
+            written = together(comm, failed, lambda: _write_rank(path, comm.rank, plan, self.shards, self.held,
+                                                                 self.tensors, key is not None),
                                f"rank {comm.rank} could not write its files: ", path=target, storage=True)
-            everyone = comm.all_gather_object(written)
-            files = {k: v for mine, _ in everyone for k, v in mine.items()}
-            packs = {str(rank): segments for rank, (_, segments) in enumerate(everyone) if segments}
-            late = together(comm, failed, lambda: commit(files, packs) if comm.rank == 0 else None,
+            # each rank's few files' sizes and checksums: O(world) bytes, whatever the number of parameters
+            files = {k: v for mine in comm.all_gather_object(written) for k, v in mine.items()}
+            late = together(comm, failed, lambda: commit(files) if comm.rank == 0 else None,
                             "rank 0 could not commit: ", path=target, storage=True)
             committed = True
             _agree(comm, None if late is None else (True, f"rank 0: {late}"),
@@ -368,7 +410,7 @@ class _Save:
                 if not committed:
                     shutil.rmtree(path, ignore_errors=True)  # also after a failed collective (a rank died)
                 temp.release()
-            self.shards, self.tensors = {}, {}
+            self.shards, self.held, self.tensors = {}, {}, {}
             background.give_back(self.buffers)  # for the next asynchronous save
         return target
 
@@ -386,25 +428,30 @@ def _check_written(temp: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
 
 
 def _write_rank(temp: Path, rank: int, plan: SavePlan, shards: Mapping[str, ParamShard],
-                tensors: Mapping[str, torch.Tensor], signed: bool = False
-                ) -> tuple[dict[str, dict[str, Any]], list[Any]]:
-    """Write this rank's share of the plan as one DCP directory; return its files' sizes and checksums (and
-    SHA-256s when ``signed``), and the manifest's ``packs`` entry of this rank (``pack.py``)."""
+                held: Mapping[str, HeldParam], tensors: Mapping[str, torch.Tensor], signed: bool = False
+                ) -> dict[str, dict[str, Any]]:
+    """Write this rank's share of the plan as one DCP directory and its part of the manifest (``PART``);
+    return its files' sizes and checksums (and SHA-256s when ``signed``)."""
     chunks = [Chunk(optim_key(name, key), t, start, torch.Size(shards[name].shape).numel())
               for name, start, _ in plan.writes[rank] for key, t in shards[name].tensors.items()]
     for key in plan.model_writes[rank]:
         t = tensors[key].detach().reshape(-1)
         chunks.append(Chunk(model_key(key), t, 0, t.numel()))
-    if not any(c.tensor.numel() for c in chunks):
-        return {}, []
-    chunks, segments = pack_chunks(chunks)
+    data = any(c.tensor.numel() for c in chunks)
+    if not data and not plan.writes[rank]:
+        return {}
+    chunks, segments = pack_chunks(chunks) if data else ([], [])
     directory = temp / rank_dir_name(rank)
-    write_chunks(directory, chunks)
+    if data:
+        write_chunks(directory, chunks)
+    directory.mkdir(exist_ok=True)  # without data: a part alone, the state entries of empty parameters
+    io.write_synced(directory / PART, seal(part_of(plan.writes[rank], held, segments)))
     io.fsync_tree(directory)
     files = {f"{directory.name}/{path.name}": io.file_checksum(path) | ({"sha256": file_sha256(path)} if signed else {})
              for path in sorted(directory.iterdir())}
-    _check_named_files(directory, files)
-    return files, segments
+    if data:
+        _check_named_files(directory, files)
+    return files
 
 
 def _check_named_files(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> None:

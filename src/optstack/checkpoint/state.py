@@ -18,7 +18,7 @@ from optstack.protocol import ParamShard
 from optstack.stage import Stage
 from optstack.tensor_bytes import tensor_bytes
 
-__all__ = ["HeldParam", "SavePlan", "collect", "describe", "plan_save", "check_load",
+__all__ = ["HeldParam", "SavePlan", "collect", "describe", "fingerprint", "plan_save", "check_load", "part_of",
            "group_map", "restore_group_settings"]
 
 _MAX_NAMED = 8  # names listed in one error line before "and N more"
@@ -86,11 +86,11 @@ def describe(shards: Mapping[str, ParamShard], fingerprints: bool = True) -> dic
         out[name] = HeldParam(
             name, tuple(s.shape), s.start, s.end, {k: dtype_name(t.dtype) for k, t in s.tensors.items()},
             {k: encode_scalar(f"state {k!r} of {name!r}", v) for k, v in s.scalars.items()},
-            *groups[key], _fingerprint(s.tensors["param"]) if fingerprints else "")
+            *groups[key], fingerprint(s.tensors["param"]) if fingerprints else "")
     return out
 
 
-def _fingerprint(values: torch.Tensor) -> str:
+def fingerprint(values: torch.Tensor) -> str:
     """CRC-32 of the bits of ~1024 evenly spaced elements: cheap, exact, thread-count independent (unlike a sum)."""
     return f"{zlib.crc32(tensor_bytes(values[:: max(1, values.numel() // 1024)])):08x}"
 
@@ -118,7 +118,7 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
                 if getattr(held, field) != getattr(ref, field):
                     raise ValueError(f"ranks disagree on the {field} of {name!r}: {getattr(ref, field)} and "
                                      f"{getattr(held, field)} (rank {rank})")
-            if held.end > held.start:
+            if held.end > held.start or math.prod(held.shape) == 0:  # an empty one: a writer of its state
                 ranks = holders.setdefault((name, held.start, held.end), [])
                 if ranks and tables[ranks[0]][name].fingerprint != held.fingerprint:
                     raise ValueError(
@@ -147,8 +147,9 @@ def plan_save(tables: Sequence[Mapping[str, HeldParam]], model_tables: Sequence[
         if key not in index:
             index[key] = len(groups)
             groups[key] = {"identity": held.identity, "settings": held.settings}
-        params[name] = {"shape": list(held.shape), "dtypes": held.dtypes, "scalars": held.scalars,
-                        "group": index[key], "chunks": sorted(chunks[name], key=lambda c: c[1])}
+        # dtypes and scalars: in each writer's part of the manifest (``part_of``)
+        params[name] = {"shape": list(held.shape), "group": index[key],
+                        "chunks": sorted(chunks[name], key=lambda c: c[1])}
     model, model_writes = None, [[] for _ in tables]  # model tensors are replicated: one writer each
     if model_tables is not None:
         ref = dict(model_tables[0])
@@ -190,7 +191,8 @@ def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model
         if tuple(entry["shape"]) != h.shape:
             errors.append(f"parameter {name!r} has shape {tuple(entry['shape'])} in the checkpoint, {h.shape} here")
             continue
-        if entry["dtypes"].get("param") != h.dtypes["param"]:
+        if "dtypes" in entry and "param" in h.dtypes and entry["dtypes"].get("param") != h.dtypes["param"]:
+            # (a version-2 manifest; a version-3 one keeps dtypes in its writers' parts: ``check_part_dtypes``)
             errors.append(f"parameter {name!r}: the optimizer's copy ('param') is {entry['dtypes'].get('param')} "
                           f"in the checkpoint, {h.dtypes['param']} here")
         identity = manifest["groups"][entry["group"]]["identity"]
@@ -213,6 +215,20 @@ def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model
     if len(errors) > _MAX_LINES:
         errors = errors[:_MAX_LINES] + [f"... and {len(errors) - _MAX_LINES} more differences"]
     return errors
+
+
+def part_of(writes: Sequence[tuple[str, int, int]], held: Mapping[str, HeldParam],
+            packs: list[Any]) -> dict[str, Any]:
+    """One writing rank's part of the manifest (``format.py``): the dtypes and scalars of each parameter it
+    writes (of its own state: no other rank's table is needed), and its packs.
+
+    An entry is per parameter and per key, each with its own dtype: state that is not element-wise (e.g. a
+    preconditioner held whole by a matrix's owner) would add its keys here with their own shapes."""
+    params = {}
+    for name, _, _ in writes:
+        h = held[name]
+        params[name] = {"dtypes": h.dtypes, "scalars": h.scalars}
+    return {"params": params, "packs": packs}
 
 
 def group_map(params: Mapping[str, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -600,6 +600,7 @@ class DataParallel(nn.Module):
         comm = self.groups.expert_dp if expert else self._dense_shard
         via = gather_via(param_gather, comm.backend, overlap=overlap_param_gather)
         slices: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        where: dict[int, tuple[Any, str]] = {}
         whole = self.holds_whole(params)
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
         for param in params:
@@ -617,6 +618,7 @@ class DataParallel(nn.Module):
             if slot.name in names:
                 raise ValueError(f"parameter {slot.name!r} appears twice in param_groups")
             names.add(slot.name)
+            where[id(param)] = (buffer.layout, slot.name)
             part = buffer.layout.owned_slice(slot.name, comm.rank)  # per parameter: linear in the bucket's size
             if part is not None:
                 at = slice(part.buffer_start, part.buffer_start + part.numel)
@@ -633,7 +635,7 @@ class DataParallel(nn.Module):
         g = self.groups
         device = _device_of([b for b in self.param_and_grad_buffers if b.key.is_expert == expert])
         return ShardedLayout(slices, [comm, g.ep, g.mp] if expert else [comm, g.mp], g.tp.rank, device, gather,
-                             whole)
+                             whole, where)
 
     def grad_shards(self, params: Sequence[torch.Tensor], *, expert: bool = False) -> GradShards:
         """Where ``params``' reduced gradients lie across the ranks their buffers are sharded over (each rank

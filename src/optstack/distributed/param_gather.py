@@ -148,6 +148,8 @@ class ShardedLayout:
         reduce_over: the shard group first, then the groups holding other gradients.
         gather: the stage's parameter gather (its forward pre-hooks, with overlap, are the wrapper's).
         whole: every parameter lies whole in one rank's range: the views have the parameters' shapes.
+        where: ``id(param)`` -> (its buffer's layout, its name there): what any rank of the shard group holds
+            (``parts``, pure), so a checkpoint knows every rank's ranges without asking them.
     """
 
     slices: Mapping[int, tuple[int, int, torch.Tensor, torch.Tensor]]
@@ -156,9 +158,19 @@ class ShardedLayout:
     device: torch.device
     gather: ParamGather
     whole: bool = False
+    where: Mapping[int, tuple[Any, str]] = field(default_factory=dict)
 
     def owned(self, param: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
         return self.slices.get(id(param))
+
+    def parts(self, param: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+        """Every shard-group rank's part of ``param`` as runs ``(first rank, start, end, count)``: ranks
+        ``first .. first + count - 1`` hold consecutive stretches of ``end - start`` elements of the flattened
+        parameter, the i-th from ``start + i * (end - start)``. None: the layout is unknown here."""
+        if id(param) not in self.where:
+            return None
+        layout, name = self.where[id(param)]
+        return layout.runs(name)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,27 @@ from optstack.plan import assign_params, newton_schulz_cost
 from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
 
-__all__ = ["GradOf", "LayerWise", "OwnersOverShards", "Piece", "Placement", "Whole", "Zero1", "assign_params",
-           "newton_schulz_cost"]
+__all__ = ["GradOf", "Holdings", "LayerWise", "OwnersOverShards", "Piece", "Placement", "Run", "Whole", "Zero1",
+           "assign_params", "newton_schulz_cost"]
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+#: ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` of a group each hold a stretch of
+#: ``end - start`` elements of a flattened parameter, the i-th from ``start + i * (end - start)``
+Run = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What every rank holds of a stage's parameters, computed on any one rank (no communication).
+
+    Attributes:
+        ranks: the global ranks that the runs' ranks index, in group order; None: every rank holds every
+            parameter whole (replicated).
+        runs: per parameter (in the order asked), its ``Run``s; empty when no rank holds any of it.
+    """
+
+    ranks: tuple[int, ...] | None
+    runs: tuple[tuple[Run, ...], ...] = ()
 
 
 def _grad_attr(param: torch.Tensor) -> torch.Tensor | None:
@@ -155,7 +172,14 @@ class Placement:
         if comm is None or comm.size == 1:
             return entries
         ranges = {id(p.param): (p.start, p.end, str(p.value.device)) for p in pieces}
-        return to_sharded(entries, params, ranges, comm, whole=self.owns_whole)
+        held = self.holdings(params)
+        runs = held.runs if held is not None and held.ranks == tuple(comm.global_ranks) else None
+        return to_sharded(entries, params, ranges, comm, whole=self.owns_whole, runs=runs)
+
+    def holdings(self, params: Sequence[torch.Tensor]) -> Holdings | None:
+        """What every rank holds of ``params`` (every parameter of the stage), or None where this placement
+        cannot tell without asking the other ranks (a checkpoint then exchanges their tables)."""
+        return None
 
     def cannot_add(self) -> str | None:
         """Why parameters cannot be added after construction, or None when they can."""
@@ -172,6 +196,9 @@ class Placement:
 
 class Whole(Placement):
     """Every parameter whole on every rank (a single process, or replicated data parallelism)."""
+
+    def holdings(self, params: Sequence[torch.Tensor]) -> Holdings | None:
+        return Holdings(None)
 
 
 class WholeOverShards(Whole):
@@ -220,6 +247,15 @@ class Zero1(Placement):
 
     def cannot_add(self) -> str | None:
         return "ZeRO-1 shards the data-parallel wrapper's buffers, laid out when the model was wrapped"
+
+    def holdings(self, params: Sequence[torch.Tensor]) -> Holdings | None:
+        comm = self.shard_comm
+        if comm is None or comm.size == 1:  # one shard per group: every rank holds every parameter whole
+            return Holdings(None)
+        runs = [self.layout.parts(p) for p in params]
+        if any(r is None for r in runs):
+            return None
+        return Holdings(tuple(comm.global_ranks), tuple(tuple(r) for r in runs))  # type: ignore[arg-type]
 
     def publish(self) -> None:
         with phase("param_gather"):
@@ -296,6 +332,13 @@ class LayerWise(Placement):
 
     def cannot_add(self) -> str | None:
         return "the layer-wise placement assigns owner ranks to all parameters at construction"
+
+    def holdings(self, params: Sequence[torch.Tensor]) -> Holdings | None:
+        owner_of = {id(p): owner for p, owner in zip(self._all, self.owners, strict=True)}
+        if any(id(p) not in owner_of for p in params):
+            return None
+        return Holdings(tuple(self.dp.global_ranks),
+                        tuple(((owner_of[id(p)], 0, p.numel(), 1),) if p.numel() else () for p in params))
 
     def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
         return list(self._all)
