@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optstack.checkpoint.state import _fingerprint
+from optstack.checkpoint.state import fingerprint as _fingerprint
 from optstack.tensor_bytes import tensor_bytes
 
 CASES = [
