@@ -168,7 +168,7 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
             "correct_bias": s.correct_bias, "power_iter_steps": s.power_iter_steps}
 
 
-def _pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
+def matrix_pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
     """``matrix`` flattened and cut into zero-padded chunks shaped like ``like`` (its checkpoint form)."""
     size = like.numel()
     flat = matrix.reshape(-1)
@@ -178,7 +178,7 @@ def _pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
     return [page.view(like.shape) for page in padded.split(size)]
 
 
-def _unpage(state: dict[str, Any], key: str, size: int) -> None:
+def fold_pages(state: dict[str, Any], key: str, size: int) -> None:
     """Fold ``key``'s pages (``key.0``, ``key.1``, ...) in ``state`` back into the ``(size, size)`` matrix."""
     pages = []
     while f"{key}.{len(pages)}" in state:
@@ -235,7 +235,7 @@ class SOAP(torch.optim.Optimizer):
         for key in MATRIX_KEYS:
             matrix = state.pop(key, None)
             if matrix is not None:
-                state.update({f"{key}.{i}": page for i, page in enumerate(_pages(matrix, param))})
+                state.update({f"{key}.{i}": page for i, page in enumerate(matrix_pages(matrix, param))})
         return state
 
     @torch.no_grad()
@@ -258,7 +258,7 @@ class SOAP(torch.optim.Optimizer):
             if "exp_avg" not in state:
                 state.update(_fresh_state(p, int(group["max_precond_dim"])))
             for key, size in zip(MATRIX_KEYS, (p.size(0), p.size(1)) * 2, strict=True):
-                _unpage(state, key, size)  # state loaded from a checkpoint
+                fold_pages(state, key, size)  # state loaded from a checkpoint
             sides = tuple(key in state for key in MATRIX_KEYS)
             batches.setdefault((p.shape, p.device, int(state["step"]), sides), []).append(p)
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])

@@ -2,7 +2,7 @@
 ``SOAP`` signature), registered as the algorithm ``megatron_soap``. It differs from the core ``soap``
 (``optstack.algorithms.soap``, the SOAP paper's) in what Megatron's fields and tests expect: KL-Shampoo factors
 (``soap_use_kl_shampoo``, Megatron's default) and an update from the first step (the core's first step only fills
-the factors). Its square factors are not parameter-shaped, so its state does not go into optstack's checkpoints yet.
+the factors). Its square factors are checkpointed as the core's are, as parameter-shaped pages.
 
 SOAP (Vyas et al. 2024, arXiv:2409.11321) is Adam run in the eigenbasis of Shampoo's preconditioner. Per matrix
 ``p`` (rows ``m``, cols ``n``) with gradient ``g``, at step ``t``::
@@ -29,8 +29,12 @@ import torch
 from torch import Tensor
 
 from optstack.algorithms.registry import Capabilities, algorithm_names, register
+from optstack.algorithms.soap import fold_pages, matrix_pages
 
 __all__ = ["SOAP", "register_megatron_soap"]
+
+
+_MATRIX_KEYS = ("L", "R", "Q_L", "Q_R")  # square, one per side: checkpointed as parameter-shaped pages
 
 
 def _eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:
@@ -80,6 +84,16 @@ class SOAP(torch.optim.Optimizer):
                                  L=torch.zeros(m, m, **f32), R=torch.zeros(n, n, **f32),
                                  Q_L=torch.eye(m, **f32), Q_R=torch.eye(n, **f32))
 
+    def exported_state(self, param: Tensor) -> dict[str, Any]:
+        """``self.state[param]`` with each square matrix as pages shaped like ``param`` (the core SOAP's form,
+        ``optstack.algorithms.soap``), which name-keyed checkpoints shard and reshard."""
+        state = dict(self.state.get(param, {}))
+        for key in _MATRIX_KEYS:
+            matrix = state.pop(key, None)
+            if matrix is not None:
+                state.update({f"{key}.{i}": page for i, page in enumerate(matrix_pages(matrix, param))})
+        return state
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One SOAP step over every parameter with a gradient; returns the closure's loss (or None)."""
@@ -96,6 +110,8 @@ class SOAP(torch.optim.Optimizer):
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         state, g = self.state[p], p.grad.float()
+        for key, size in zip(_MATRIX_KEYS, (p.size(0), p.size(1)) * 2, strict=True):
+            fold_pages(state, key, size)  # state loaded from a checkpoint
         (b1, b2), bs, eps = group["betas"], group["shampoo_beta"], group["eps"]
         state["step"] += 1
         t = state["step"]
@@ -128,4 +144,5 @@ def register_megatron_soap() -> None:
     whole)."""
     if "megatron_soap" not in algorithm_names():
         register("megatron_soap", SOAP, family="other", capabilities=Capabilities(
-            elementwise=False, whole_matrices=True, matrix_ndims=(2,), state=("exp_avg", "exp_avg_sq")))
+            elementwise=False, whole_matrices=True, matrix_ndims=(2,), state=("exp_avg", "exp_avg_sq"),
+            matrix_state=_MATRIX_KEYS))
