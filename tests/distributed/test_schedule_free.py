@@ -1,6 +1,7 @@
 """Schedule-Free AdamW and SGD on real gloo ranks: ZeRO-1 range shards, a replicated wrapper and FSDP2 at dp=2
-against one process, in train mode (``y``) and after ``eval()`` from the optimizer the user holds (``x``, published
-to every rank's model), and a checkpoint saved in eval mode at dp=2 resumed in one process."""
+(ZeRO-1 at dp=3 too) against one process, in train mode (``y``) and after ``eval()`` from the optimizer the user
+holds (``x``, published to every rank's model), and a checkpoint saved in eval mode at dp=2 resumed in one
+process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from optstack import OptimizerConfig, build_optimizer, wrap_data_parallel
 from optstack.config import DistributedConfig, ScheduleFreeConfig
 from optstack.distributed.comm import world_comm
 
-STEPS, ROWS = 20, 8
+STEPS, ROWS = 20, 12  # rows split evenly over 2 and 3 ranks
 
 
 def _model() -> nn.Module:
@@ -47,10 +48,10 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def placements_vs_one_process(layout: str, algorithm: str = "schedule_free_adamw") -> dict[str, float]:
-    """On every rank: ``layout`` (zero1, replicated: the data-parallel wrapper; fsdp: FSDP2) at dp=2, each rank
-    half of every batch, against one process on whole batches; relative gaps of y and of x."""
-    rank = world_comm().rank
-    half = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
+    """On every rank: ``layout`` (zero1, replicated: the data-parallel wrapper; fsdp: FSDP2) at dp = the world's
+    size, each rank its part of every batch, against one process on whole batches; relative gaps of y and of x."""
+    rank, world = world_comm().rank, world_comm().size
+    half = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     ref = _model()
     ref_opt = build_optimizer(_config(algorithm=algorithm), ref).optimizer
     _steps(ref, ref_opt, range(STEPS), slice(None))
@@ -59,7 +60,7 @@ def placements_vs_one_process(layout: str, algorithm: str = "schedule_free_adamw
         from torch.distributed.fsdp import fully_shard
 
         model = _model()
-        mesh = init_device_mesh("cpu", (2,))
+        mesh = init_device_mesh("cpu", (world,))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -83,6 +84,13 @@ def placements_vs_one_process(layout: str, algorithm: str = "schedule_free_adamw
 def test_schedule_free_equals_one_process_in_train_and_eval(world2, layout: str, algorithm: str) -> None:
     for out in world2.run(placements_vs_one_process, layout, algorithm):
         assert out["moved"] > 1e-2, out  # the steps did something
+        assert out["y"] <= 1e-6 and out["x"] <= 1e-6, out
+
+
+@pytest.mark.parametrize("algorithm", ["schedule_free_adamw", "schedule_free_sgd"])
+def test_schedule_free_under_zero1_at_dp3_equals_one_process(world3, algorithm: str) -> None:
+    for out in world3.run(placements_vs_one_process, "zero1", algorithm):
+        assert out["moved"] > 1e-2, out
         assert out["y"] <= 1e-6 and out["x"] <= 1e-6, out
 
 
