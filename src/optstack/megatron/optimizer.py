@@ -47,6 +47,7 @@ from optstack.megatron.optimizers import (
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
 from optstack.megatron.soap import register_megatron_soap
+from optstack.megatron.torch_optimizers import Lion
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.rules import EMBEDDING_OR_OUTPUT, Ndim, Predicate, Rule, muon_routing_rule
 
@@ -255,18 +256,30 @@ def _get_megatron_optimizer_based_on_param_groups(
                          "get_megatron_optimizer(config, model_chunks) in optstack")
     core_config = to_core(config if config.lr is not None else dataclasses.replace(config, lr=0.0))
     optimizer = None
+    # Lion as Megatron builds it: Emerging-Optimizers' class (the face's, on optstack's kernel), its state made
+    # by init_state_fn before a load
+    lion = config.optimizer == "lion"
     if param_groups:
-        spec = get_algorithm(core_config.algorithm)
-        optimizer = spec.cls(param_groups, **algorithm_kwargs(core_config.algorithm, core_config))
+        cls = Lion if lion else get_algorithm(core_config.algorithm).cls
+        optimizer = cls(param_groups, **algorithm_kwargs(core_config.algorithm, core_config))
     if skip_megatron_wrapping:
         return optimizer, None
+    init_state_fn = _lion_init_state if lion else None
     if config.use_distributed_optimizer:
         scaler = core_config.loss_scale.build(core_config.precision)
-        return DistributedOptimizer(optimizer, config, scaler, model_chunks=list(model_chunks))
+        return DistributedOptimizer(optimizer, config, scaler, init_state_fn, model_chunks=list(model_chunks))
     if config.fp16 or config.bf16:
         scaler = core_config.loss_scale.build(core_config.precision)
-        return Float16OptimizerWithFloat16Params(optimizer, config, scaler)
-    return FP32Optimizer(optimizer, config)
+        return Float16OptimizerWithFloat16Params(optimizer, config, scaler, init_state_fn)
+    return FP32Optimizer(optimizer, config, init_state_fn)
+
+
+def _lion_init_state(optimizer: torch.optim.Optimizer, config: Any = None) -> None:
+    """Megatron's Lion ``init_state_fn``: every parameter's ``exp_avg``, zero, in the parameter's dtype."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
 
 
 def get_megatron_muon_optimizer(*args: Any, layer_wise_distributed_optimizer: bool = False,
