@@ -167,3 +167,19 @@ def test_soap_state_round_trips_through_the_optimizers_state_dict() -> None:
         o.step()
     for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["decoupled", "l2"])
+def test_lion_grad_scale_scales_the_gradient_not_the_decay(method: str) -> None:
+    """A stage steps Emerging-Optimizers' Lion with ``grad_scale`` (loss scale, clip): the same as stepping the
+    scaled gradient; under ``l2`` the decay term joins unscaled."""
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    a.grad = torch.randn(5, 4)
+    b.data.copy_(a.data)
+    b.grad = a.grad * 0.25
+    opts = [Lion([p], lr=0.1, weight_decay=0.5, weight_decay_method=method) for p in (a, b)]
+    for _ in range(3):
+        opts[0].step(grad_scale=0.25)
+        opts[1].step()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -185,18 +185,27 @@ class Lion(CoreLion):
             group.setdefault("weight_decay_method", weight_decay_method)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step; ``l2`` groups step on ``grad + wd * p`` with no decoupled decay (gradients restored after)."""
-        l2 = [g for g in self.param_groups if g["weight_decay_method"] == "l2" and g["weight_decay"] != 0]
-        saved = [(g, g["weight_decay"], [(p, p.grad) for p in g["params"] if p.grad is not None]) for g in l2]
-        for group, wd, grads in saved:
-            for p, grad in grads:
-                p.grad = grad.add(p, alpha=wd)
+    def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
+             grad_scale: float = 1.0) -> Any:
+        """One step; ``l2`` groups step on ``grad_scale * grad + wd * p`` with no decoupled decay (gradients and
+        settings restored after); ``grad_scale`` as the core's (a stage's loss-scale and clip factor)."""
+        l2 = {id(g) for g in self.param_groups if g["weight_decay_method"] == "l2" and g["weight_decay"] != 0}
+        if not l2:
+            return super().step(closure, grad_scale=grad_scale)
+        # wd * p joins the scaled gradient: the scale is applied here, to every group
+        grads = [(p, p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        decays = [(g, g["weight_decay"]) for g in self.param_groups if id(g) in l2]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grad = p.grad.mul(grad_scale) if grad_scale != 1.0 else p.grad
+                    p.grad = grad.add(p, alpha=group["weight_decay"]) if id(group) in l2 else grad
+        for group, _ in decays:
             group["weight_decay"] = 0.0
         try:
             return super().step(closure)
         finally:
-            for group, wd, grads in saved:
+            for group, wd in decays:
                 group["weight_decay"] = wd
-                for p, grad in grads:
-                    p.grad = grad
+            for p, grad in grads:
+                p.grad = grad
