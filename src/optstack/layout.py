@@ -28,12 +28,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-__all__ = ["BucketSlot", "Bucketing", "BufferLayout", "OwnedSlice", "ParamSlot"]
+__all__ = ["BucketSlot", "Bucketing", "BufferLayout", "OwnedSlice", "ParamSlot", "Run"]
 
 
 def _align_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
+
+
+#: ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` of a group each hold a stretch of
+#: ``end - start`` elements of a flattened parameter, the i-th from ``start + i * (end - start)``
+Run = tuple[int, int, int, int]
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -253,7 +258,7 @@ class BufferLayout:
         except KeyError:
             raise ValueError(f"no parameter {name!r} in this buffer; it has {list(self._by_name)}") from None
 
-    def runs(self, name: str) -> list[tuple[int, int, int, int]]:
+    def runs(self, name: str) -> list[Run]:
         """Every rank's part of parameter ``name`` (``owned_slice`` of each rank) in at most three runs
         ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` hold consecutive stretches of
         ``end - start`` elements of the flattened parameter, the i-th from ``start + i * (end - start)`` (the

@@ -23,9 +23,9 @@ from typing import Any
 
 from optstack.checkpoint.format import group_identity, settings_of
 from optstack.checkpoint.state import HeldParam, ModelTable, SavePlan
+from optstack.layout import Run
 from optstack.protocol import algorithm_name
 from optstack.stage import Stage
-from optstack.stage.placement import Run
 
 __all__ = ["Agreement", "View", "ViewParam", "agreement", "chunk_runs", "overlapping", "plan_from_view",
            "view_of"]

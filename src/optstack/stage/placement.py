@@ -28,6 +28,7 @@ from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.ddp import unwrapped_use_error, wrapper_holding
 from optstack.distributed.parallel import ComposedComm
 from optstack.distributed.param_gather import GradGather, GradShards, OwnerBroadcast, ParamGather, ShardedLayout
+from optstack.layout import Run
 from optstack.plan import assign_params, newton_schulz_cost
 from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
@@ -36,9 +37,6 @@ __all__ = ["GradOf", "Holdings", "LayerWise", "OwnersOverShards", "Piece", "Plac
            "assign_params", "newton_schulz_cost"]
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
-#: ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` of a group each hold a stretch of
-#: ``end - start`` elements of a flattened parameter, the i-th from ``start + i * (end - start)``
-Run = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from optstack.distributed.comm import Comm
 
 if TYPE_CHECKING:
-    from optstack.stage.placement import Run
+    from optstack.layout import Run
 
 __all__ = ["is_sharded", "local_part", "to_sharded"]
 
