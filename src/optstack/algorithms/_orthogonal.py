@@ -6,9 +6,10 @@ another algorithm's privates.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-__all__ = ["MAX_STACK_ELEMENTS", "NS_EPS", "stack_chunks"]
+__all__ = ["MAX_STACK_ELEMENTS", "NS_EPS", "momentum_updates", "stack_chunks"]
 
 #: lower bound of Newton-Schulz's normalising norm (a zero update maps to zero)
 NS_EPS = 1e-7
@@ -32,3 +33,15 @@ def stack_chunks(matrices: list[tuple[int, Tensor]], limit: int) -> list[list[tu
             chunks[-1].append((i, part))
             room -= count
     return [c for c in chunks if c]
+
+
+def momentum_updates(grads: list[Tensor], buffers: list[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
+    """Muon's momentum over a group at once: ``buffers`` (in place) ``beta * m + (1 - beta) * g``; the update is
+    the buffer, or with ``nesterov`` ``beta * m + (1 - beta) * g`` of the new buffer."""
+    torch._foreach_mul_(buffers, beta)
+    torch._foreach_add_(buffers, grads, alpha=1 - beta)
+    if not nesterov:
+        return buffers
+    updates = torch._foreach_mul(grads, 1 - beta)
+    torch._foreach_add_(updates, buffers, alpha=beta)
+    return updates

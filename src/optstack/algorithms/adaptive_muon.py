@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from optstack.algorithms._common import is_number, require
-from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, stack_chunks
+from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, momentum_updates, stack_chunks
 from optstack.algorithms.muon import Muon, ScaleMode, muon_scale_factor
 from optstack.algorithms.newton_schulz import (
     Coefficients,
@@ -179,16 +179,8 @@ class AdaptiveMuon(Muon):
                 state["moment2_buffer"] = p.new_zeros(shape)
             elif method == "normuon" and v.shape == p.shape:  # loaded in its exported (element-wise) form
                 state["moment2_buffer"] = v[..., :1].contiguous()
-        grads = [p.grad for p in params]
-        buffers = [self.state[p]["momentum_buffer"] for p in params]
-        beta = group["momentum"]
-        torch._foreach_mul_(buffers, beta)
-        torch._foreach_add_(buffers, grads, alpha=1 - beta)
-        if group["nesterov"]:
-            updates = torch._foreach_mul(grads, 1 - beta)
-            torch._foreach_add_(updates, buffers, alpha=beta)
-        else:
-            updates = buffers
+        updates = momentum_updates([p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                                   group["momentum"], group["nesterov"])
         if method == "adamuon" and group["sign_stabilised"]:
             updates = [u.sign() for u in updates]
         steps = _normalised_steps(updates, [self.state[p]["moment2_buffer"] for p in params], group)

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from optstack.algorithms._common import check_min, is_number, require
-from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, stack_chunks
+from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, momentum_updates, stack_chunks
 from optstack.algorithms.newton_schulz import (
     MATMUL_PRECISIONS,
     Coefficients,
@@ -228,17 +228,9 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        grads = [p.grad for p in params]
-        buffers = [self.state[p]["momentum_buffer"] for p in params]
-        beta = group["momentum"]
         # The same elementwise formulas as muon_reference, over the whole group at once.
-        torch._foreach_mul_(buffers, beta)
-        torch._foreach_add_(buffers, grads, alpha=1 - beta)
-        if group["nesterov"]:
-            updates = torch._foreach_mul(grads, 1 - beta)
-            torch._foreach_add_(updates, buffers, alpha=beta)
-        else:
-            updates = buffers
+        updates = momentum_updates([p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                                   group["momentum"], group["nesterov"])
         steps = _orthogonalise(updates, group, [n for _, n in named])
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])  # a scheduler may write tensors
         if weight_decay != 0:

@@ -178,6 +178,24 @@ def matrix_pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
     return [page.view(like.shape) for page in padded.split(size)]
 
 
+def export_pages(state: dict[str, Any], keys: tuple[str, ...], param: Tensor) -> dict[str, Any]:
+    """A copy of ``state`` with each square matrix under ``keys`` as pages shaped like ``param`` (``key.0``,
+    ``key.1``, ...), the form name-keyed checkpoints shard and reshard (``exported_state``)."""
+    state = dict(state)
+    for key in keys:
+        matrix = state.pop(key, None)
+        if matrix is not None:
+            state.update({f"{key}.{i}": page for i, page in enumerate(matrix_pages(matrix, param))})
+    return state
+
+
+def fold_matrix_pages(state: dict[str, Any], keys: tuple[str, ...], shape: tuple[int, ...]) -> None:
+    """Fold the pages of each of ``keys`` (left, right, left, ... sides of a ``shape`` matrix) in ``state`` back
+    into its square matrix: state loaded from a checkpoint."""
+    for i, key in enumerate(keys):
+        fold_pages(state, key, shape[i % 2])
+
+
 def fold_pages(state: dict[str, Any], key: str, size: int) -> None:
     """Fold ``key``'s pages (``key.0``, ``key.1``, ...) in ``state`` back into the ``(size, size)`` matrix."""
     pages = []
@@ -231,12 +249,7 @@ class SOAP(torch.optim.Optimizer):
     def exported_state(self, param: Tensor) -> dict[str, Any]:
         """``self.state[param]`` with each square matrix as pages shaped like ``param`` (``key.0``, ``key.1``,
         ...), the form name-keyed checkpoints shard and reshard."""
-        state = dict(self.state.get(param, {}))
-        for key in MATRIX_KEYS:
-            matrix = state.pop(key, None)
-            if matrix is not None:
-                state.update({f"{key}.{i}": page for i, page in enumerate(matrix_pages(matrix, param))})
-        return state
+        return export_pages(self.state.get(param, {}), MATRIX_KEYS, param)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -257,8 +270,7 @@ class SOAP(torch.optim.Optimizer):
             state = self.state[p]
             if "exp_avg" not in state:
                 state.update(_fresh_state(p, int(group["max_precond_dim"])))
-            for key, size in zip(MATRIX_KEYS, (p.size(0), p.size(1)) * 2, strict=True):
-                fold_pages(state, key, size)  # state loaded from a checkpoint
+            fold_matrix_pages(state, MATRIX_KEYS, tuple(p.shape))
             sides = tuple(key in state for key in MATRIX_KEYS)
             batches.setdefault((p.shape, p.device, int(state["step"]), sides), []).append(p)
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])

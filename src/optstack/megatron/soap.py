@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from optstack.algorithms.registry import Capabilities, algorithm_names, register
-from optstack.algorithms.soap import fold_pages, matrix_pages
+from optstack.algorithms.soap import export_pages, fold_matrix_pages
 
 __all__ = ["SOAP", "register_megatron_soap"]
 
@@ -87,12 +87,7 @@ class SOAP(torch.optim.Optimizer):
     def exported_state(self, param: Tensor) -> dict[str, Any]:
         """``self.state[param]`` with each square matrix as pages shaped like ``param`` (the core SOAP's form,
         ``optstack.algorithms.soap``), which name-keyed checkpoints shard and reshard."""
-        state = dict(self.state.get(param, {}))
-        for key in _MATRIX_KEYS:
-            matrix = state.pop(key, None)
-            if matrix is not None:
-                state.update({f"{key}.{i}": page for i, page in enumerate(matrix_pages(matrix, param))})
-        return state
+        return export_pages(self.state.get(param, {}), _MATRIX_KEYS, param)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -110,8 +105,7 @@ class SOAP(torch.optim.Optimizer):
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         state, g = self.state[p], p.grad.float()
-        for key, size in zip(_MATRIX_KEYS, (p.size(0), p.size(1)) * 2, strict=True):
-            fold_pages(state, key, size)  # state loaded from a checkpoint
+        fold_matrix_pages(state, _MATRIX_KEYS, tuple(p.shape))
         (b1, b2), bs, eps = group["betas"], group["shampoo_beta"], group["eps"]
         state["step"] += 1
         t = state["step"]
