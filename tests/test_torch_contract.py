@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from optstack.config import DistributedConfig, OptimizerConfig
+from optstack import optim as optstack_optim
+from optstack.config import DistributedConfig, OptimizerConfig, SGDConfig
 from optstack.distributed.ddp import DataParallel
 from optstack.factory import build_optimizer
 from optstack.protocol import StepResult
@@ -326,10 +327,44 @@ def test_a_parameter_listed_twice_has_one_id_and_duplicates_warn() -> None:
 
 def test_sparse_gradients_are_refused_naming_the_parameter() -> None:
     model = nn.Embedding(10, 4, sparse=True)
-    opt = build_optimizer(OptimizerConfig(lr=0.1, algorithm="sgd"), model, rules=[]).optimizer
+    opt = build_optimizer(OptimizerConfig(lr=0.1, algorithm="adamw"), model, rules=[]).optimizer
     model(torch.tensor([1, 2])).sum().backward()
+    before = model.weight.detach().clone()
     with pytest.raises(RuntimeError, match="'weight' has a torch.sparse_coo gradient.*sparse=False"):
         opt.step()
+    assert torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sgd_steps_sparse_gradients_as_their_dense_equals(momentum: float, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    sparse, dense = nn.Embedding(10, 4, sparse=True).to(dtype), nn.Embedding(10, 4).to(dtype)
+    dense.load_state_dict(sparse.state_dict())
+    config = OptimizerConfig(lr=0.1, algorithm="sgd", weight_decay=0.01, clip_grad=0.5, sgd=SGDConfig(momentum=momentum),
+                             precision="bf16" if dtype == torch.bfloat16 else "fp32")
+    opts = [build_optimizer(config, m, rules=[]).optimizer for m in (sparse, dense)]
+    for step in range(4):
+        ids = torch.tensor([1, 2, 2, step + 3])  # a repeated row: an uncoalesced gradient
+        for model, opt in zip((sparse, dense), opts, strict=True):
+            opt.zero_grad()
+            model(ids).square().sum().backward()
+        assert sparse.weight.grad.is_sparse
+        opts[0].step()
+        opts[1].step()
+        torch.testing.assert_close(sparse.weight, dense.weight, rtol=0, atol=0)
+    # the reference: torch's SGD on the sparse gradients (no clipping there: compare one unclipped step)
+    model = nn.Embedding(10, 4, sparse=True)
+    theirs = nn.Embedding(10, 4, sparse=True)
+    theirs.load_state_dict(model.state_dict())
+    ours = optstack_optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    ref = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=momentum)
+    for step in range(3):
+        for m, opt in ((model, ours), (theirs, ref)):
+            opt.zero_grad()
+            m(torch.tensor([0, step, step])).sum().backward()
+            opt.step()
+    torch.testing.assert_close(model.weight, theirs.weight)
 
 
 def test_a_single_tensor_as_params_is_a_type_error() -> None:

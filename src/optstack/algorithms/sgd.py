@@ -67,6 +67,9 @@ class SGD(PerDeviceOptimizer):
     """
 
     _name, _checked = "SGD", ("lr", "momentum", "weight_decay")
+    # Its update is linear in the gradient, so a stage may hand it a sparse gradient densified (the same result
+    # as torch's SGD stepping the sparse one); Adam-like state would read the missing rows as zero gradients.
+    accepts_sparse_grads = True
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,

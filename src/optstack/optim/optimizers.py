@@ -103,7 +103,7 @@ class Adam(_Adam):
 class SGD(TorchStyleOptimizer):
     """``torch.optim.SGD``'s constructor over optstack's SGD (momentum, dampening, nesterov, L2 weight decay,
     maximize). ``foreach`` / ``fused`` as ``AdamW``'s; ``differentiable`` refused unless False. Sparse
-    gradients are refused at the step (torch's SGD takes them)."""
+    gradients are stepped as their dense equals (same result as torch's; the memory of a dense gradient)."""
 
     def __init__(self, params: Any, lr: float | torch.Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, *, maximize: bool = False,

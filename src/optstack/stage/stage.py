@@ -184,13 +184,18 @@ class Stage:
         self.reload_states()
         self.placement.finish()
         grads = self.placement.grads(self.pieces)
-        for piece, grad in zip(self.pieces, grads, strict=True):
-            if grad is not None and grad.layout is not torch.strided:
+        for k, (piece, grad) in enumerate(zip(self.pieces, grads, strict=True)):
+            if grad is None or grad.layout is torch.strided:
+                continue
+            if not getattr(self.optimizer, "accepts_sparse_grads", False):
                 raise RuntimeError(
-                    f"{self.name}: parameter {piece.name!r} has a {grad.layout} gradient; optstack steps dense "
-                    "gradients only (its norms, clipping, masters and fused kernels read them whole). Use a dense "
-                    "gradient (e.g. nn.Embedding(..., sparse=False)), or torch.optim.SparseAdam / SGD for that "
-                    "parameter")
+                    f"{self.name}: parameter {piece.name!r} has a {grad.layout} gradient, which "
+                    f"{type(self.optimizer).__name__} cannot step (its state would treat the missing rows as "
+                    "zero gradients). Use a dense gradient (e.g. nn.Embedding(..., sparse=False)), SGD "
+                    "(algorithm='sgd' steps sparse gradients), or torch.optim.SparseAdam for that parameter")
+            # an update linear in the gradient (SGD) is the same for a sparse gradient and its dense equal;
+            # norms, clipping and masters then read it as any other
+            grads[k] = grad.to_dense()
         self._ready = self.precision.ready(grads)
         pows = norm_pows(self.placement.norm_grads(self._ready), norm_type, self.device)
         inf = math.isinf(norm_type)
