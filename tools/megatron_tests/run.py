@@ -31,7 +31,8 @@ MIRROR = os.environ.get("MEGATRON_LM_MIRROR") or None
 FILES = ("test_optimizer.py", "test_optimizer_param_scheduler.py", "test_layer_wise_optimizer.py",
          "test_optimizer_cpu_offloading.py", "test_muon_optimizer.py", "test_lion_optimizer.py",
          "test_emerging_optimizers.py", "optimizer/",
-         "distributed/test_param_and_grad_buffer.py", "distributed/test_distributed_data_parallel.py")
+         "distributed/test_param_and_grad_buffer.py", "distributed/test_distributed_data_parallel.py",
+         "distributed/test_param_layout.py", "distributed/test_layer_wise_param_layout.py")
 #: Failures out of scope (issue 14's acceptance: CUDA-only libraries, Megatron's model classes or internals,
 #: tensor-parallel size > 1): test name fragment -> why.
 OUT_OF_SCOPE = {
