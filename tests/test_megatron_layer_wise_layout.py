@@ -105,9 +105,23 @@ def test_layer_wise_layout_keeps_each_managed_matrix_in_one_shard(dp: int, bucke
     plain = DistributedOptimizer.compute_full_param_layout(others, bucket_size, dp, config)
     (only,) = plain.layouts.values()
     assert rest.param_index_map == only.param_index_map and rest.bucket_indices == only.bucket_indices
-    # the distributed optimizer's own layout keeps the tagged parameters apart but cuts them across shards
+    # the distributed optimizer's keeps the tagged parameters apart too, laid out as the wrapper lays them out
+    # (both are views of the wrapper's plan)
     distopt = DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, config)
     assert set(distopt.layouts) == set(full.layouts)
+    assert distopt.layouts[BufferKey(bf16, bf16, False, True)].param_index_map == managed.param_index_map
+
+
+def test_expert_layouts_are_split_over_the_expert_data_parallel_size() -> None:
+    dense, expert = nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(1000))
+    expert.allreduce = False
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    full = DistributedOptimizer.compute_full_param_layout([dense, expert], None, 3, config, 256)
+    f32 = torch.float32
+    for key, divisor in ((BufferKey(f32, f32, False), math.lcm(3, 128)), (BufferKey(f32, f32, True), 256)):
+        layout = full.layouts[key]
+        assert layout.num_optimizer_shards == (256 if key.is_expert_parallel else 3)
+        assert [end % divisor for _, end in layout.bucket_indices] == [0]
 
 
 def test_wrap_model_chunks_with_ddp_lays_out_what_the_optimizer_needs() -> None:

@@ -341,8 +341,8 @@ def test_sgd_steps_sparse_gradients_as_their_dense_equals(momentum: float, dtype
     torch.manual_seed(0)
     sparse, dense = nn.Embedding(10, 4, sparse=True).to(dtype), nn.Embedding(10, 4).to(dtype)
     dense.load_state_dict(sparse.state_dict())
-    config = OptimizerConfig(lr=0.1, algorithm="sgd", weight_decay=0.01, clip_grad=0.5, sgd=SGDConfig(momentum=momentum),
-                             precision="bf16" if dtype == torch.bfloat16 else "fp32")
+    config = OptimizerConfig(lr=0.1, algorithm="sgd", weight_decay=0.01, clip_grad=0.5,
+                             sgd=SGDConfig(momentum=momentum), precision="bf16" if dtype == torch.bfloat16 else "fp32")
     opts = [build_optimizer(config, m, rules=[]).optimizer for m in (sparse, dense)]
     for step in range(4):
         ids = torch.tensor([1, 2, 2, step + 3])  # a repeated row: an uncoalesced gradient

@@ -49,6 +49,7 @@ with a truthy ``shared_embedding`` attribute gets a bucket of its own; without i
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,14 @@ from torch import nn
 from optstack.config import DistributedConfig, OptimizerConfig
 from optstack.distributed.comm import Comm, NullComm, new_subgroups, world_comm
 from optstack.distributed.parallel import ParallelGroups
-from optstack.megatron.param_and_grad_buffer import megatron_bucketing_for
+from optstack.megatron.param_and_grad_buffer import (
+    BufferKey,
+    FullParamLayout,
+    PerBufferParamLayout,
+    group_params_for_buffers,
+    megatron_bucketing_for,
+    per_buffer_layout,
+)
 from optstack.names import named_parameters
 from optstack.plan import ParamPlan, Topology, specs_of
 from optstack.rules import Attr, Rule, resolve
@@ -269,26 +277,67 @@ def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dic
             and any(pat == "all" or fnmatch.fnmatch(name, pat) for pat in patterns)}
 
 
-def megatron_plan(module: nn.Module, ddp_config: DistributedDataParallelConfig, groups: ParallelGroups, *,
-                  bucket_size: int | None, instances: int = 1) -> ParamPlan:
-    """The core ``ParamPlan`` of the face's wrapper: ``ddp_config`` translated (module docstring) into a config,
-    rules and a topology. Parameters tagged for the layer-wise optimizer by Megatron's
-    ``tag_params_for_buffer_routing`` (``is_managed_by_layer_wise_optimizer``) are planned as Muon's, so under the
-    distributed optimizer they get whole-shard buffers of their own (Megatron's current main); the rest as AdamW's
+def megatron_layout_plan(named: Sequence[tuple[str, torch.Tensor]], ddp_config: Any, topology: Topology, *,
+                         bucket_size: int | None, sharded: bool) -> ParamPlan:
+    """The core ``ParamPlan`` of the face's buffers for ``named`` parameters (model order): ``ddp_config``
+    (Megatron's fields, read with their defaults) translated (module docstring) into a config, rules and the
+    given topology. Parameters tagged for the layer-wise optimizer by Megatron's ``tag_params_for_buffer_routing``
+    (``is_managed_by_layer_wise_optimizer``) are planned as Muon's, so under the distributed optimizer
+    (``sharded``) they get whole-shard buffers of their own (Megatron's current main); the rest as AdamW's
     (element-wise: any range of a bucket). Only the layout is the face's: its optimizers plan their stages."""
-    named = named_parameters(module)
-    sharded = ddp_config.use_distributed_optimizer
     config = OptimizerConfig(algorithm="adamw", distributed=DistributedConfig(
         sharding="zero1" if sharded else "replicated", whole_matrices="whole_shards",
-        overlap_grad_reduce=ddp_config.overlap_grad_reduce, average_in_collective=ddp_config.average_in_collective))
+        overlap_grad_reduce=bool(getattr(ddp_config, "overlap_grad_reduce", False)),
+        average_in_collective=bool(getattr(ddp_config, "average_in_collective", False))))
     rules = [Rule(Attr("is_managed_by_layer_wise_optimizer"), algorithm="muon",
                   why="tag_params_for_buffer_routing: the layer-wise optimizer's")]
+    bucketing = megatron_bucketing_for(named, distributed_optimizer=sharded,
+                                       high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw",
+                                                                    False)))
+    fp32 = bool(getattr(ddp_config, "grad_reduce_in_fp32", False))
+    return ParamPlan.build(config, specs_of(named), resolve(named, rules), topology, bucketing=bucketing,
+                           bucket_size=bucket_size, grad_dtype=torch.float32 if fp32 else None)
+
+
+def megatron_plan(module: nn.Module, ddp_config: DistributedDataParallelConfig, groups: ParallelGroups, *,
+                  bucket_size: int | None, instances: int = 1) -> ParamPlan:
+    """The core ``ParamPlan`` of the face's wrapper over ``module`` (``megatron_layout_plan`` on this rank's
+    groups)."""
     dp = groups.dp.size
     topology = Topology(dp=dp, rank=groups.dp.rank, instances=instances, ep=max(1, dp // groups.expert_dp.size),
                         tp=groups.tp.size, pp=groups.pp.size)
-    bucketing = megatron_bucketing_for(named, distributed_optimizer=sharded,
-                                       high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw)
-    return ParamPlan.build(config, specs_of(named), resolve(named, rules), topology, bucketing=bucketing,
-                           bucket_size=bucket_size,
-                           grad_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else None)
+    return megatron_layout_plan(named_parameters(module), ddp_config, topology, bucket_size=bucket_size,
+                                sharded=ddp_config.use_distributed_optimizer)
 
+
+def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None,
+                              data_parallel_world_size: int, ddp_config: Any,
+                              expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
+    """Megatron's ``DistributedOptimizer.compute_full_param_layout`` (and ``LayerWiseDistributedOptimizer``'s): the
+    layout of each buffer of ``params`` (forward order; Megatron's ``group_params_for_buffers``) as a view of the
+    plan the face's wrapper is built from (``megatron_layout_plan`` with the distributed optimizer), buckets split
+    across ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``, planned apart as
+    Megatron sizes them independently). Parameters tagged ``is_managed_by_layer_wise_optimizer`` lie each whole
+    inside one rank's shard, since that is the wrapper's layout of them."""
+    groups = group_params_for_buffers([p for p in params if p.requires_grad],
+                                      bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
+    layouts: dict[BufferKey, PerBufferParamLayout] = {}
+    for expert in (False, True):
+        members = [(key, ps, idx) for key, (ps, idx) in groups.items() if key.is_expert_parallel == expert]
+        if not members:
+            continue
+        dp = (expert_data_parallel_world_size or data_parallel_world_size) if expert else data_parallel_world_size
+        position = {id(p): (key, i) for key, ps, idx in members for p, i in zip(ps, idx, strict=True)}
+        ordered = [p for p in params if id(p) in position]
+        named = [(str(i), p) for i, p in enumerate(ordered)]
+        plan = megatron_layout_plan(named, ddp_config, Topology(dp=dp), bucket_size=bucket_size, sharded=True)
+        by_name = dict(named)
+        for planned in plan.buffers:
+            backward = [by_name[n] for n in planned.names]
+            key = position[id(backward[0])][0]
+            if any(position[id(p)][0] != key for p in backward):  # the plan's buffers are Megatron's groups
+                raise AssertionError(f"compute_full_param_layout: a planned buffer mixes Megatron's buffer keys "
+                                     f"({sorted({str(position[id(p)][0]) for p in backward})})")
+            layouts[key] = per_buffer_layout(planned.layout, backward, shards=dp,
+                                             indices=[position[id(p)][1] for p in backward])
+    return FullParamLayout({key: layouts[key] for key in groups})

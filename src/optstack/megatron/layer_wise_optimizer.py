@@ -18,6 +18,7 @@ from optstack.distributed.ddp import DataParallel
 from optstack.megatron.chained import ChainedOptimizer
 from optstack.megatron.core_chain import _core_chain, _plain_groups, _rebind
 from optstack.megatron.ddp import DistributedDataParallel
+from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.layer_wise import (
     bucket_synced_layer_wise,
     comm_of,
@@ -32,7 +33,6 @@ from optstack.megatron.param_and_grad_buffer import (
     FullParamLayout,
     PerBufferParamLayout,
     bucket_end_divisor,
-    compute_full_param_layout,
     plan_buffer,
 )
 from optstack.precision.scaler import NoScaler
@@ -165,9 +165,9 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         """Megatron's (current main): the layouts of the buffers of ``params`` (forward order) for a wrapper with
         ``use_distributed_optimizer``, the parameters tagged ``is_managed_by_layer_wise_optimizer``
         (``tag_params_for_buffer_routing``) each whole inside one rank's shard, the others in the distributed
-        optimizer's layout (``DistributedOptimizer.compute_full_param_layout``)."""
+        optimizer's layout: the face's wrapper's plan, as ``DistributedOptimizer.compute_full_param_layout``."""
         return compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
-                                         expert_data_parallel_world_size, whole_for_layer_wise=True)
+                                         expert_data_parallel_world_size)
 
     def finish_param_sync(self) -> None:
         """Make every rank hold every updated parameter: with ``overlap_param_gather`` the bucket groups' gathers

@@ -39,12 +39,12 @@ from optstack.megatron.core_chain import (
     _step,
     _whole_placement,
 )
+from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.norm_groups import GradNormGroups
 from optstack.megatron.param_and_grad_buffer import (
     PerBufferParamLayout,
     build_model_gbuf_range,
-    compute_full_param_layout,
     plan_buffer,
 )
 from optstack.optimizer import ChainedOptimizer as CoreChained

@@ -5,8 +5,10 @@ Megatron code reads its ``_ParamAndGradBuffer`` and buckets by attribute (``para
 (``DistributedOptimizer.compute_full_param_layout``, or ``LayerWiseDistributedOptimizer``'s) and hands it to
 ``DistributedDataParallel``. optstack's core buffers (``optstack.distributed.buffers``) hold the same layout
 under their own names; ``BufferView`` and ``BucketView`` present one core buffer with Megatron's names (reads
-only, plus Megatron's per-bucket scratch attribute ``layerwise_gather_list``), and ``compute_full_param_layout``
-runs the core's layout plan with Megatron's bucket rule, so a precomputed layout is the layout the wrapper builds.
+only, plus Megatron's per-bucket scratch attribute ``layerwise_gather_list``). ``compute_full_param_layout``
+(``megatron.ddp_config``) is a view of the plan the wrapper is built from, so a precomputed layout is the layout
+the wrapper builds; ``plan_buffer`` lays out one buffer's parameters with the same rule (Megatron's per-buffer
+helpers).
 
 Megatron's ``param_layout`` names live here too: its ``BufferKey`` (``is_expert_parallel``,
 ``is_managed_by_layer_wise_optimizer``: the core's ``BufferKey.is_expert`` and ``whole``), the padding helpers
@@ -31,8 +33,9 @@ from optstack.distributed.buffers import BufferKey as CoreBufferKey
 from optstack.distributed.comm import Comm, NullComm, torch_group
 
 __all__ = ["BucketView", "BufferKey", "BufferView", "FullParamLayout", "PerBufferParamLayout", "Range",
-           "bucket_end_divisor", "build_model_gbuf_range", "compute_full_param_layout", "group_params_for_buffers",
-           "megatron_bucketing_for", "megatron_key", "pad_bucket_end", "pad_param_start", "pad_to_divisor"]
+           "bucket_end_divisor", "build_model_gbuf_range", "group_params_for_buffers",
+           "megatron_bucketing_for", "megatron_key", "pad_bucket_end", "pad_param_start", "pad_to_divisor",
+           "per_buffer_layout", "plan_buffer"]
 
 
 def pad_to_divisor(value: int, divisor: int) -> int:
@@ -138,7 +141,7 @@ class FullParamLayout:
     layouts: dict[BufferKey, PerBufferParamLayout] = field(default_factory=dict)
 
 
-def _per_buffer(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards: int | None,
+def per_buffer_layout(layout: BufferLayout, params: Sequence[nn.Parameter], *, shards: int | None,
                 indices: Sequence[int] | None = None) -> PerBufferParamLayout:
     """Megatron's ``PerBufferParamLayout`` of a core layout whose slots are ``params`` (backward order);
     ``indices``: each parameter's index among its key's in forward order (default: their backward positions
@@ -162,7 +165,7 @@ def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size
                                   high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
     plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp_size, bucket_size=bucket_size,
                              bucketing=rule, whole=whole)
-    return _per_buffer(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
+    return per_buffer_layout(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
 
 
 def _compute_default_per_buffer_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None
@@ -173,29 +176,9 @@ def _compute_default_per_buffer_param_layout(params: Sequence[nn.Parameter], buc
     named = [(str(i), p) for i, p in enumerate(backward)]
     plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=1, bucket_size=bucket_size,
                              bucketing=megatron_bucketing_for(named, distributed_optimizer=False))
-    out = _per_buffer(plan, backward, shards=None)
+    out = per_buffer_layout(plan, backward, shards=None)
     out.param_indices = []
     return out
-
-
-def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int | None,
-                              data_parallel_world_size: int, ddp_config: Any,
-                              expert_data_parallel_world_size: int | None = None, *,
-                              whole_for_layer_wise: bool = False) -> FullParamLayout:
-    """Megatron's ``DistributedOptimizer.compute_full_param_layout``: the padded layout of each buffer group of
-    ``params`` (forward order; ``group_params_for_buffers``), its buckets split across
-    ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``). ``whole_for_layer_wise``
-    (``LayerWiseDistributedOptimizer.compute_full_param_layout``): the buffers of parameters tagged
-    ``is_managed_by_layer_wise_optimizer`` hold each parameter whole inside one shard."""
-    groups = group_params_for_buffers([p for p in params if p.requires_grad],
-                                      bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
-    layouts = {}
-    for key, (members, indices) in groups.items():
-        dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert_parallel \
-            else data_parallel_world_size
-        whole = whole_for_layer_wise and key.is_managed_by_layer_wise_optimizer
-        layouts[key] = plan_buffer(members, bucket_size, dp, ddp_config, whole=whole, indices=indices)
-    return FullParamLayout(layouts)
 
 
 @dataclass(frozen=True)
@@ -328,7 +311,7 @@ class BufferView:
 
     def param_layout(self) -> PerBufferParamLayout:
         """This buffer's layout as Megatron's ``PerBufferParamLayout``."""
-        return _per_buffer(self.core.layout, self.core.params, shards=self.num_optimizer_shards)
+        return per_buffer_layout(self.core.layout, self.core.params, shards=self.num_optimizer_shards)
 
 
 def build_model_gbuf_range(buffer: BufferView, bucket_index: int) -> dict[str, Any]:

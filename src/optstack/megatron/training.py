@@ -28,9 +28,9 @@ from torch import nn
 from optstack.distributed.comm import Comm, is_initialized, world_size
 from optstack.distributed.parallel import ParallelGroups
 from optstack.megatron.ddp import DistributedDataParallel
-from optstack.megatron.ddp_config import DistributedDataParallelConfig, megatron_bucket_size
+from optstack.megatron.ddp_config import DistributedDataParallelConfig, compute_full_param_layout, megatron_bucket_size
 from optstack.megatron.layer_wise import tag_params_for_buffer_routing
-from optstack.megatron.param_and_grad_buffer import FullParamLayout, compute_full_param_layout
+from optstack.megatron.param_and_grad_buffer import FullParamLayout
 from optstack.megatron.process_groups import collection_group, megatron_mpu_collection, to_parallel_groups
 
 __all__ = ["wrap_model_chunks_with_ddp"]
@@ -110,8 +110,7 @@ def wrap_model_chunks_with_ddp(
             size = bucket_sizes[i] if bucket_sizes is not None else megatron_bucket_size(
                 ddp_config, dp_size=dp_size, bucketing=not disable[i] and pp_rank == 0,
                 num_parameters=sum(p.numel() for p in chunk.parameters()))
-            layouts[i] = compute_full_param_layout(params, size, dense, ddp_config, expert,
-                                                   whole_for_layer_wise=layer_wise)
+            layouts[i] = compute_full_param_layout(params, size, dense, ddp_config, expert)
     wrapped = []
     for chunk, layout, one_bucket in zip(chunks, layouts, disable, strict=True):
         kwargs: dict[str, Any] = {}
