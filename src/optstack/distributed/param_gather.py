@@ -1,7 +1,8 @@
-"""Every parameter publication: after a step, each bucket's updated ranges to every rank (ZeRO-1), whole
-parameters from their owners (layer-wise), and DTensor shards scattered back from the owner that stepped their
-whole matrix (``OwnerRoutes``, which also gathers them to it); before one, whole reduced gradients from
-reduce-scattered shards (``GradShards`` for owners, ``GradGather`` for a replicated stage).
+"""Every parameter publication: after a step, each bucket's updated ranges to every rank (ZeRO-1; with overlap,
+forward pre-hooks wait for each module's buckets: ``register_wait_hooks``), whole parameters from their owners
+(layer-wise), and DTensor shards scattered back from the owner that stepped their whole matrix (``OwnerRoutes``,
+which also gathers them to it); before one, whole reduced gradients from reduce-scattered shards (``GradShards``
+for owners, ``GradGather`` for a replicated stage).
 
 A ZeRO-1 gather is planned once per bucket: whole and in place when the bucket holds only this stage's
 parameters, else this stage's pieces packed per rank, so two stages sharing a bucket (e.g. Muon matrices
@@ -10,6 +11,8 @@ layer-wise, biases by ZeRO-1) never write the same elements.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ from optstack.distributed.buffers import ParamAndGradBuffer
 from optstack.distributed.comm import Comm, Handle, NullComm
 
 __all__ = ["BucketGather", "GatherVia", "GradShards", "OwnerBroadcast", "OwnerRoutes", "ParamGather",
-           "ShardedLayout", "gather_via", "plan_bucket_gathers", "root_placements"]
+           "ShardedLayout", "gather_via", "plan_bucket_gathers", "register_wait_hooks", "root_placements"]
 
 GatherVia = Literal["all_gather", "broadcast"]
 
@@ -140,6 +143,31 @@ class ParamGather:
             for gather in self.gathers:
                 gather.wait()
             self.pending = False
+
+
+def register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
+    """A forward pre-hook per submodule of ``module`` waiting for just its buckets of ``gather`` (the overlap: the
+    first layer starts while the others' gathers travel). Returns the hooks' handles."""
+    # Sorted spans and a binary search per parameter: linear in parameters, whatever the number of buckets.
+    spans = sorted(((g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g)
+                    for g in gather.gathers), key=lambda span: span[0])
+    starts = [lo for lo, _, _ in spans]
+
+    def gather_of(param: torch.Tensor) -> Any:
+        i = bisect.bisect_right(starts, param.data_ptr()) - 1
+        return spans[i][2] if i >= 0 and param.data_ptr() < spans[i][1] else None
+
+    hooks = []
+    for sub in module.modules():
+        needed = [g for g in dict.fromkeys(gather_of(p) for p in sub.parameters(recurse=False)) if g is not None]
+        if needed:
+            hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
+    return hooks
+
+
+def _wait_for(gathers: list[BucketGather], module: nn.Module, args: Any) -> None:
+    for gather in gathers:
+        gather.wait()
 
 
 @dataclass(frozen=True, eq=False)

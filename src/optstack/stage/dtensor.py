@@ -6,8 +6,8 @@ tensor parallelism's ``parallelize_module``, both on a 2-D ``DeviceMesh``, or HS
   so there is nothing to publish. For element-wise algorithms (AdamW, SGD, Lion, ...).
 - ``DTensorOwners``: whole matrices, for Muon: each parameter has one owner rank (cost-balanced over the
   ranks); its gradient (and value, where stepped without a master) is gathered to the owner only, one copy of
-  each distinct shard (``Comm.gather_async``), the owner steps the whole matrix (its state and fp32 master are
-  whole, on the owner only), then scatters each rank its shard of the result (``Comm.scatter_async``).
+  each distinct shard, the owner steps the whole matrix (its state and fp32 master are whole, on the owner
+  only), then scatters each rank its shard of the result (both moves: ``distributed.param_gather.OwnerRoutes``).
 
 The global grad norm counts every element once across shards and replicas: when the stage is built every
 rank tells the others which shard of which parameter it holds (a parameter's name and its mesh coordinates
