@@ -18,10 +18,8 @@ bucket at launch.
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import enum
-import functools
 import hashlib
 import os
 import time
@@ -42,6 +40,7 @@ from optstack.distributed.param_gather import (
     ShardedLayout,
     gather_via,
     plan_bucket_gathers,
+    register_wait_hooks,
 )
 from optstack.names import named_parameters
 from optstack.plan import ParamPlan, first_difference
@@ -629,7 +628,7 @@ class DataParallel(nn.Module):
         # with overlap, each module's forward pre-hook waits for its buckets (installed at the first launch)
         gather = ParamGather(plan_bucket_gathers(list(in_buckets.values()), comm, via, self.module),
                              overlap=overlap_param_gather,
-                             attach=(lambda: self._gather_hooks.extend(_register_wait_hooks(self.module, gather)))
+                             attach=(lambda: self._gather_hooks.extend(register_wait_hooks(self.module, gather)))
                              if overlap_param_gather else None)
         self._param_gathers.append(gather)
         g = self.groups
@@ -765,30 +764,6 @@ def unwrapped_use_error(name: str, what: str) -> str:
 def _quiesce_at_exit() -> None:
     for ddp in list(_LIVE):
         ddp.quiesce()
-
-
-def _register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
-    """A forward pre-hook per submodule waiting for just its buckets (the first layer starts while others travel)."""
-    # Sorted spans and a binary search per parameter: linear in parameters, whatever the number of buckets.
-    spans = sorted(((g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g)
-                    for g in gather.gathers), key=lambda span: span[0])
-    starts = [lo for lo, _, _ in spans]
-
-    def gather_of(param: torch.Tensor) -> Any:
-        i = bisect.bisect_right(starts, param.data_ptr()) - 1
-        return spans[i][2] if i >= 0 and param.data_ptr() < spans[i][1] else None
-
-    hooks = []
-    for sub in module.modules():
-        needed = [g for g in dict.fromkeys(gather_of(p) for p in sub.parameters(recurse=False)) if g is not None]
-        if needed:
-            hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
-    return hooks
-
-
-def _wait_for(gathers: list[Any], module: nn.Module, args: Any) -> None:
-    for gather in gathers:
-        gather.wait()
 
 
 def _check_same_plan(comm: Comm | NullComm, plan: ParamPlan) -> None:

@@ -1,6 +1,8 @@
-"""The gathers of the data-parallel path: after a step, each bucket's updated ranges to every rank (ZeRO-1) and
-whole parameters from their owners (layer-wise); before one, whole reduced gradients from reduce-scattered shards
-(``GradShards`` for owners, ``GradGather`` for a replicated stage).
+"""Every parameter publication: after a step, each bucket's updated ranges to every rank (ZeRO-1; with overlap,
+forward pre-hooks wait for each module's buckets: ``register_wait_hooks``), whole parameters from their owners
+(layer-wise), and DTensor shards scattered back from the owner that stepped their whole matrix (``OwnerRoutes``,
+which also gathers them to it); before one, whole reduced gradients from reduce-scattered shards (``GradShards``
+for owners, ``GradGather`` for a replicated stage).
 
 A ZeRO-1 gather is planned once per bucket: whole and in place when the bucket holds only this stage's
 parameters, else this stage's pieces packed per rank, so two stages sharing a bucket (e.g. Muon matrices
@@ -9,18 +11,23 @@ layer-wise, biases by ZeRO-1) never write the same elements.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from optstack.distributed.buffers import ParamAndGradBuffer
 from optstack.distributed.comm import Comm, Handle, NullComm
 
-__all__ = ["BucketGather", "GatherVia", "GradShards", "OwnerBroadcast", "ParamGather", "ShardedLayout",
-           "gather_via", "plan_bucket_gathers"]
+__all__ = ["BucketGather", "GatherVia", "GradShards", "OwnerBroadcast", "OwnerRoutes", "ParamGather",
+           "ShardedLayout", "gather_via", "plan_bucket_gathers", "register_wait_hooks", "root_placements"]
 
 GatherVia = Literal["all_gather", "broadcast"]
 
@@ -136,6 +143,31 @@ class ParamGather:
             for gather in self.gathers:
                 gather.wait()
             self.pending = False
+
+
+def register_wait_hooks(module: nn.Module, gather: ParamGather) -> list[Any]:
+    """A forward pre-hook per submodule of ``module`` waiting for just its buckets of ``gather`` (the overlap: the
+    first layer starts while the others' gathers travel). Returns the hooks' handles."""
+    # Sorted spans and a binary search per parameter: linear in parameters, whatever the number of buckets.
+    spans = sorted(((g.bucket_data.data_ptr(), g.bucket_data.data_ptr() + g.bucket_data.nbytes, g)
+                    for g in gather.gathers), key=lambda span: span[0])
+    starts = [lo for lo, _, _ in spans]
+
+    def gather_of(param: torch.Tensor) -> Any:
+        i = bisect.bisect_right(starts, param.data_ptr()) - 1
+        return spans[i][2] if i >= 0 and param.data_ptr() < spans[i][1] else None
+
+    hooks = []
+    for sub in module.modules():
+        needed = [g for g in dict.fromkeys(gather_of(p) for p in sub.parameters(recurse=False)) if g is not None]
+        if needed:
+            hooks.append(sub.register_forward_pre_hook(functools.partial(_wait_for, needed)))
+    return hooks
+
+
+def _wait_for(gathers: list[BucketGather], module: nn.Module, args: Any) -> None:
+    for gather in gathers:
+        gather.wait()
 
 
 @dataclass(frozen=True, eq=False)
@@ -280,3 +312,177 @@ class OwnerBroadcast:
                 if owner != comm.rank:
                     for p, part in zip(members, packet.split([p.numel() for p in members]), strict=True):
                         p.copy_(part.view_as(p))
+
+
+def _shard(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard: a view of its live storage, not a copy."""
+    with torch.no_grad():
+        return param.to_local()
+
+
+def root_placements(param: torch.Tensor) -> tuple[torch.Tensor, list[Any], list[int], list[int] | None]:
+    """The DTensor ``param``'s placement over the root of its mesh: the root's global ranks, one placement per root
+    dim (``Replicate()`` for a dim the parameter's submesh leaves out: its ranks hold replicas, e.g. FSDP2 over the
+    "dp" half of a dp x tp mesh), the root's dim sizes and this rank's root coordinate. A mesh that is its own
+    root, or whose dims cannot be matched to its root's by name, is taken as it is."""
+    mesh = param.device_mesh
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, root_names = list(mesh.mesh_dim_names or ()), list(root.mesh_dim_names or ())
+    if root is mesh or not names or any(n not in root_names for n in names) \
+            or [root_names.index(n) for n in names] != sorted(root_names.index(n) for n in names):
+        return torch.as_tensor(mesh.mesh), list(param.placements), list(mesh.shape), mesh.get_coordinate()
+    placements = [param.placements[names.index(n)] if n in names else Replicate() for n in root_names]
+    return torch.as_tensor(root.mesh), placements, list(root.shape), root.get_coordinate()
+
+
+class _Route:
+    """Who sends which part of one DTensor parameter to its owner, and who gets which part back, decided from the
+    mesh on every rank without an exchange: a shard is fixed by its coordinates on the mesh dims the parameter is
+    sharded over (its replicas differ only on the others); the owner sends itself what it holds, else the lowest
+    rank holding a shard sends it. Only the owner computes every rank's indices (``sends``, ``gets``)."""
+
+    def __init__(self, param: torch.Tensor, owner: int, comm: Comm | NullComm) -> None:
+        me = comm.rank
+        ranks, placements, sizes, mine = root_placements(param)
+        sharded = [i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
+        rank_of = {g: r for r, g in enumerate(comm.global_ranks)}
+
+        def holders(coordinate: Sequence[int]) -> list[int]:
+            select = tuple(coordinate[i] if i in sharded else slice(None) for i in range(ranks.dim()))
+            return sorted(rank_of[g] for g in ranks[select].flatten().tolist() if g in rank_of)
+
+        def sender(group: list[int]) -> int:
+            return owner if owner in group else group[0]
+
+        has_mine = mine is not None and bool(_shard(param).numel())
+        self.sends_mine = has_mine and me != owner and sender(holders(mine)) == me
+        self.gets_mine = has_mine and me != owner
+        self.sends: list[tuple[int, list[torch.Tensor | None]]] = []
+        self.gets: list[tuple[int, list[torch.Tensor | None]]] = []
+        if me != owner:
+            return
+        per_dim = [_split_indices(int(n), [(i, p, sizes[i]) for i, p in enumerate(placements)
+                                           if isinstance(p, (Shard, _StridedShard)) and p.dim == dim])
+                   for dim, n in enumerate(param.shape)]
+        for key in itertools.product(*(range(sizes[i]) for i in sharded)):
+            coordinate = [0] * len(sizes)
+            for i, c in zip(sharded, key, strict=True):
+                coordinate[i] = c
+            indices = [table(coordinate) for table in per_dim]
+            group = holders(coordinate)
+            if any(x is not None and not x.numel() for x in indices) or not group:
+                continue
+            self.sends.append((sender(group), indices))
+            self.gets += [(rank, indices) for rank in group]
+        self.sends.sort(key=lambda item: item[0])
+        self.gets.sort(key=lambda item: item[0])
+
+
+def _split_indices(numel: int, splits: Sequence[tuple[int, Any, int]]) -> Callable[[Sequence[int]], Any]:
+    """For one dim of ``numel`` elements split by ``splits`` ((mesh dim, placement, mesh dim size), in mesh-dim
+    order): a function of a mesh coordinate giving the global indices (in local order) of that rank's part of the
+    dim, None when the dim is whole. DTensor's own split (each mesh dim splits what the previous left, strided
+    shards too), computed once for every coordinate as views of one ``arange``, so nothing is exchanged."""
+    if not splits:
+        return lambda coordinate: None
+    tree: dict[tuple[int, ...], torch.Tensor] = {(): torch.arange(numel)}
+    for _, placement, size in splits:
+        split = (_StridedShard(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard)
+                 else Shard(0))
+        nxt = {}
+        for path, index in tree.items():
+            chunks = split._split_tensor(index, size, with_padding=False, contiguous=False)[0]
+            for c in range(size):
+                nxt[(*path, c)] = chunks[c] if c < len(chunks) else index[:0]
+        tree = nxt
+    dims = [i for i, _, _ in splits]
+    return lambda coordinate: tree[tuple(coordinate[i] for i in dims)]
+
+
+def _region(indices: Sequence[torch.Tensor | None], shape: torch.Size, device: torch.device
+            ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """Advanced indices selecting a shard of a whole tensor of ``shape`` (broadcast per dim), and its shape."""
+    index, sizes = [], []
+    for dim, values in enumerate(indices):
+        values = torch.arange(shape[dim]) if values is None else values
+        index.append(values.to(device).view([1] * dim + [-1] + [1] * (len(shape) - dim - 1)))
+        sizes.append(values.numel())
+    return tuple(index), sizes
+
+
+class OwnerRoutes:
+    """DTensor parameters stepped whole by one owner rank each: the ranks' shards gathered to the owner (each
+    distinct shard sent once, point to point: ``Comm.gather_async``) and each rank's shard of the stepped whole
+    scattered back (``Comm.scatter_async``); a parameter that is not a DTensor (replicated) is broadcast from its
+    owner. Routes are planned here, once, from the meshes (no exchange).
+
+    Args:
+        comm: the ranks the owners are ranks of (every rank holding a part of ``params``).
+        params: the parameters, in one order on every rank; calls name them by index in it.
+        owners: each parameter's owner rank of ``comm``.
+    """
+
+    def __init__(self, comm: Comm | NullComm, params: Sequence[torch.Tensor], owners: Sequence[int]) -> None:
+        self.comm = comm
+        self.params = list(params)
+        self.owners = list(owners)
+        self.routes = [_Route(p, owner, comm) if isinstance(p, DTensor) else None
+                       for p, owner in zip(self.params, self.owners, strict=True)]
+
+    @torch.no_grad()
+    def gather(self, locals_: Sequence[torch.Tensor | None], into: Mapping[int, torch.Tensor]) -> None:
+        """Assemble ``into[i]`` (an owner's whole tensor of parameter i) from the ranks' local shards
+        ``locals_[i]`` (contiguous; None where parameter i is skipped, and for parameters that are not
+        DTensors). Collective over ``comm``: every rank passes the same skips."""
+        comm, me = self.comm, self.comm.rank
+        handles, placed = [], []
+        for i, (route, local) in enumerate(zip(self.routes, locals_, strict=True)):
+            if route is None or local is None:
+                continue
+            owner = self.owners[i]
+            if me != owner:
+                handles.append(comm.gather_async(local if route.sends_mine else None, owner, (), tag=i))
+                continue
+            whole = into[i]
+            parts: list[torch.Tensor | None] = [None] * comm.size
+            regions = []
+            for rank, indices in route.sends:
+                region, sizes = _region(indices, whole.shape, whole.device)
+                parts[rank] = whole.new_empty(sizes)
+                regions.append((rank, region))
+            handles.append(comm.gather_async(local, owner, parts, tag=i))
+            placed.append((whole, parts, regions))
+        for handle in handles:
+            handle.wait()
+        for whole, parts, regions in placed:
+            for rank, region in regions:
+                whole[region] = parts[rank]
+
+    @torch.no_grad()
+    def scatter(self, wholes: Mapping[int, torch.Tensor]) -> None:
+        """Write every rank's shard of each parameter from its owner's whole ``wholes[i]`` (given on the owner
+        only) into the parameter's local shard; broadcast parameters that are not DTensors from their owners.
+        Collective over ``comm``."""
+        comm, me = self.comm, self.comm.rank
+        handles, copies = [], []
+        for i, (param, owner, route) in enumerate(zip(self.params, self.owners, self.routes, strict=True)):
+            if route is None:
+                if comm.size > 1:
+                    handles.append(comm.broadcast_async(param.data, owner))
+                continue
+            local = _shard(param)
+            out = local if local.is_contiguous() else torch.empty_like(local)
+            if out is not local:
+                copies.append((local, out))
+            if me != owner:
+                handles.append(comm.scatter_async(out if route.gets_mine else None, owner, (), tag=i))
+                continue
+            whole = wholes[i]
+            parts: list[torch.Tensor | None] = [None] * comm.size
+            for rank, indices in route.gets:
+                parts[rank] = whole[_region(indices, whole.shape, whole.device)[0]]
+            handles.append(comm.scatter_async(out if parts[me] is not None else None, owner, parts, tag=i))
+        for handle in handles:
+            handle.wait()
+        for local, out in copies:
+            local.copy_(out)

@@ -6,8 +6,8 @@ tensor parallelism's ``parallelize_module``, both on a 2-D ``DeviceMesh``, or HS
   so there is nothing to publish. For element-wise algorithms (AdamW, SGD, Lion, ...).
 - ``DTensorOwners``: whole matrices, for Muon: each parameter has one owner rank (cost-balanced over the
   ranks); its gradient (and value, where stepped without a master) is gathered to the owner only, one copy of
-  each distinct shard (``Comm.gather_async``), the owner steps the whole matrix (its state and fp32 master are
-  whole, on the owner only), then scatters each rank its shard of the result (``Comm.scatter_async``).
+  each distinct shard, the owner steps the whole matrix (its state and fp32 master are whole, on the owner
+  only), then scatters each rank its shard of the result (both moves: ``distributed.param_gather.OwnerRoutes``).
 
 The global grad norm counts every element once across shards and replicas: when the stage is built every
 rank tells the others which shard of which parameter it holds (a parameter's name and its mesh coordinates
@@ -28,7 +28,6 @@ makes over tensor-parallel dims), is refused at construction, naming the paramet
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -40,6 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from optstack.distributed.comm import Comm, NullComm
+from optstack.distributed.param_gather import OwnerRoutes, root_placements
 from optstack.protocol import MakeOptimizer, ParamShard, phase
 from optstack.stage.placement import Piece, Placement, assign_params, newton_schulz_cost
 from optstack.stage.precision import Direct, Masters, Precision
@@ -122,26 +122,11 @@ def _tiles(ranges: Sequence[tuple[int, int]], numel: int) -> bool:
     return end >= numel
 
 
-def _on_root(param: torch.Tensor) -> tuple[torch.Tensor, list[Any], list[int], list[int] | None]:
-    """The parameter's placement over the root of its mesh: the root's global ranks, one placement per root dim
-    (``Replicate()`` for a dim the parameter's submesh leaves out: its ranks hold replicas, e.g. FSDP2 over the
-    "dp" half of a dp x tp mesh), the root's dim sizes and this rank's root coordinate. A mesh that is its own
-    root, or whose dims cannot be matched to its root's by name, is taken as it is."""
-    mesh = param.device_mesh
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    names, root_names = list(mesh.mesh_dim_names or ()), list(root.mesh_dim_names or ())
-    if root is mesh or not names or any(n not in root_names for n in names) \
-            or [root_names.index(n) for n in names] != sorted(root_names.index(n) for n in names):
-        return torch.as_tensor(mesh.mesh), list(param.placements), list(mesh.shape), mesh.get_coordinate()
-    placements = [param.placements[names.index(n)] if n in names else Replicate() for n in root_names]
-    return torch.as_tensor(root.mesh), placements, list(root.shape), root.get_coordinate()
-
-
 def _counted_once(flat: Sequence[tuple[str, torch.Tensor]], comm: Comm | NullComm) -> list[bool]:
     """For each parameter, whether this rank counts its shard in the norm, so that every element counts once.
 
     A DTensor's shard is counted by its holder at coordinate 0 of every dim of its root mesh it is not sharded
-    over (``_on_root``; decided here, from the mesh: no exchange); an empty shard, or none, is not counted.
+    over (``root_placements``; decided here, from the mesh: no exchange); an empty shard, or none, is not counted.
     Plain parameters (replicated) are counted by the lowest rank holding them: ranks exchange a digest of their
     names (O(world) bytes) and only when those differ (pipeline stages holding different layers) the names
     themselves. Collective."""
@@ -152,7 +137,7 @@ def _counted_once(flat: Sequence[tuple[str, torch.Tensor]], comm: Comm | NullCom
             plain.append(name)
             counted.append(False)
             continue
-        _, placements, _, coordinate = _on_root(p)
+        _, placements, _, coordinate = root_placements(p)
         counted.append(coordinate is not None and bool(_local(p).numel()) and all(
             c == 0 for c, placement in zip(coordinate, placements, strict=True)
             if not isinstance(placement, (Shard, _StridedShard))))
@@ -327,70 +312,6 @@ class DTensorLocal(_DTensorPlacement):
         return out
 
 
-class _Route:
-    """Who sends which part of one DTensor parameter to its owner, and who gets which part back, decided from the
-    mesh on every rank without an exchange: a shard is fixed by its coordinates on the mesh dims the parameter is
-    sharded over (its replicas differ only on the others); the owner sends itself what it holds, else the lowest
-    rank holding a shard sends it. Only the owner computes every rank's indices (``_indices_at``)."""
-
-    def __init__(self, param: torch.Tensor, owner: int, comm: Comm | NullComm) -> None:
-        me = comm.rank
-        ranks, placements, sizes, mine = _on_root(param)
-        sharded = [i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
-        rank_of = {g: r for r, g in enumerate(comm.global_ranks)}
-
-        def holders(coordinate: Sequence[int]) -> list[int]:
-            select = tuple(coordinate[i] if i in sharded else slice(None) for i in range(ranks.dim()))
-            return sorted(rank_of[g] for g in ranks[select].flatten().tolist() if g in rank_of)
-
-        def sender(group: list[int]) -> int:
-            return owner if owner in group else group[0]
-
-        has_mine = mine is not None and bool(_local(param).numel())
-        self.sends_mine = has_mine and me != owner and sender(holders(mine)) == me
-        self.gets_mine = has_mine and me != owner
-        self.sends: list[tuple[int, list[torch.Tensor | None]]] = []
-        self.gets: list[tuple[int, list[torch.Tensor | None]]] = []
-        if me != owner:
-            return
-        per_dim = [_split_indices(int(n), [(i, p, sizes[i]) for i, p in enumerate(placements)
-                                           if isinstance(p, (Shard, _StridedShard)) and p.dim == dim])
-                   for dim, n in enumerate(param.shape)]
-        for key in itertools.product(*(range(sizes[i]) for i in sharded)):
-            coordinate = [0] * len(sizes)
-            for i, c in zip(sharded, key, strict=True):
-                coordinate[i] = c
-            indices = [table(coordinate) for table in per_dim]
-            group = holders(coordinate)
-            if any(x is not None and not x.numel() for x in indices) or not group:
-                continue
-            self.sends.append((sender(group), indices))
-            self.gets += [(rank, indices) for rank in group]
-        self.sends.sort(key=lambda item: item[0])
-        self.gets.sort(key=lambda item: item[0])
-
-
-def _split_indices(numel: int, splits: Sequence[tuple[int, Any, int]]) -> Callable[[Sequence[int]], Any]:
-    """For one dim of ``numel`` elements split by ``splits`` ((mesh dim, placement, mesh dim size), in mesh-dim
-    order): a function of a mesh coordinate giving the global indices (in local order) of that rank's part of the
-    dim, None when the dim is whole. DTensor's own split (each mesh dim splits what the previous left, strided
-    shards too), computed once for every coordinate as views of one ``arange``, so nothing is exchanged."""
-    if not splits:
-        return lambda coordinate: None
-    tree: dict[tuple[int, ...], torch.Tensor] = {(): torch.arange(numel)}
-    for _, placement, size in splits:
-        split = (_StridedShard(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard)
-                 else Shard(0))
-        nxt = {}
-        for path, index in tree.items():
-            chunks = split._split_tensor(index, size, with_padding=False, contiguous=False)[0]
-            for c in range(size):
-                nxt[(*path, c)] = chunks[c] if c < len(chunks) else index[:0]
-        tree = nxt
-    dims = [i for i, _, _ in splits]
-    return lambda coordinate: tree[tuple(coordinate[i] for i in dims)]
-
-
 #: mesh dims with these names are tensor-parallel: a matrix split over them is what Muon's ``tp_mode`` is about
 TP_MESH_DIMS = ("tp",)
 
@@ -413,21 +334,10 @@ def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None | bool:
     return first.dim, param.device_mesh.shape[param.placements.index(first)]
 
 
-def _region(indices: Sequence[torch.Tensor | None], shape: torch.Size, device: torch.device
-            ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
-    """Advanced indices selecting a shard of a whole tensor of ``shape`` (broadcast per dim), and its shape."""
-    index, sizes = [], []
-    for dim, values in enumerate(indices):
-        values = torch.arange(shape[dim]) if values is None else values
-        index.append(values.to(device).view([1] * dim + [-1] + [1] * (len(shape) - dim - 1)))
-        sizes.append(values.numel())
-    return tuple(index), sizes
-
-
 class DTensorOwners(_DTensorPlacement):
     """Whole matrices stepped by owner ranks (Muon): each gradient is gathered to its owner only (one copy of
-    each distinct shard, point-to-point: ``Comm.gather_async``), the owner steps the whole matrix (state and
-    master whole, on the owner only), and scatters each rank its shard of the result (``Comm.scatter_async``).
+    each distinct shard), the owner steps the whole matrix (state and master whole, on the owner only), and
+    scatters each rank its shard of the result; the moves are ``OwnerRoutes``', planned when the pieces are.
 
     Args:
         comm: every rank holding a part of these parameters (owners are assigned over it).
@@ -448,8 +358,8 @@ class DTensorOwners(_DTensorPlacement):
         self.cost = cost
         self.owners: list[int] = []
         self._all: list[tuple[str, torch.Tensor]] = []
-        self._routes: list[_Route | None] = []  # per parameter of _all; None: not a DTensor (replicated)
-        self._whole: dict[int, torch.Tensor] = {}  # id(param) -> the owner's whole copy (model dtype)
+        self._routes = OwnerRoutes(comm, (), ())  # over _all, planned by pieces()
+        self._whole: dict[int, torch.Tensor] = {}  # index in _all -> the owner's whole copy (model dtype)
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         self._all = [(n, p) for gn, gp in zip(names, params, strict=True) for n, p in zip(gn, gp, strict=True)]
@@ -457,14 +367,14 @@ class DTensorOwners(_DTensorPlacement):
         self.owners = assign_params([self.cost(tuple(p.shape)) for _, p in self._all], self.dp.size)
         mine = {id(p) for (_, p), owner in zip(self._all, self.owners, strict=True) if owner == self.dp.rank}
         self._counted.update({id(p): id(p) in mine for _, p in self._all})
-        self._routes = [_Route(p, owner, self.dp) if is_dtensor(p) else None
-                        for (_, p), owner in zip(self._all, self.owners, strict=True)]
-        for _, param in self._all:
+        self._routes = OwnerRoutes(self.dp, [p for _, p in self._all], self.owners)
+        for i, (_, param) in enumerate(self._all):
             if id(param) in mine:
-                self._whole[id(param)] = (torch.empty(param.shape, dtype=param.dtype, device=_local(param).device)
-                                          if is_dtensor(param) else param)
+                self._whole[i] = (torch.empty(param.shape, dtype=param.dtype, device=_local(param).device)
+                                  if is_dtensor(param) else param)
         self.refresh()
-        return [[Piece(n, p, 0, p.numel(), self._whole[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
+        whole_of = {id(p): self._whole[i] for i, (_, p) in enumerate(self._all) if i in self._whole}
+        return [[Piece(n, p, 0, p.numel(), whole_of[id(p)]) for n, p in zip(gn, gp, strict=True) if id(p) in mine]
                 for gn, gp in zip(names, params, strict=True)]
 
     def group_settings(self, pieces: Sequence[Piece]) -> dict[str, Any]:
@@ -472,34 +382,6 @@ class DTensorOwners(_DTensorPlacement):
         blocks = {p.name: None if split is True else split for p in pieces
                   if (split := tp_blocks(p.param)) is not None}  # None: split in a way only `duplicated` takes
         return {"tp_blocks": blocks} if blocks else {}
-
-    def _gather(self, locals_: Sequence[torch.Tensor | None], into: dict[int, torch.Tensor]) -> None:
-        """Assemble ``into[i]`` (an owner's whole tensor of parameter i) from the ranks' local shards
-        ``locals_[i]`` (each distinct shard sent once; None where parameter i is skipped). Collective over
-        ``comm``: every rank passes the same skips."""
-        comm, me = self.dp, self.dp.rank
-        handles, placed = [], []
-        for i, (route, local) in enumerate(zip(self._routes, locals_, strict=True)):
-            if route is None or local is None:
-                continue
-            owner = self.owners[i]
-            if me != owner:
-                handles.append(comm.gather_async(local if route.sends_mine else None, owner, (), tag=i))
-                continue
-            whole = into[i]
-            parts: list[torch.Tensor | None] = [None] * comm.size
-            regions = []
-            for rank, indices in route.sends:
-                region, sizes = _region(indices, whole.shape, whole.device)
-                parts[rank] = whole.new_empty(sizes)
-                regions.append((rank, region))
-            handles.append(comm.gather_async(local, owner, parts, tag=i))
-            placed.append((whole, parts, regions))
-        for handle in handles:
-            handle.wait()
-        for whole, parts, regions in placed:
-            for rank, region in regions:
-                whole[region] = parts[rank]
 
     def refresh(self, stepped_only: bool = False) -> None:
         """Copy the model's current values into the owners' whole copies (collective; before a load, where a
@@ -510,8 +392,7 @@ class DTensorOwners(_DTensorPlacement):
         skip = [stepped_only and self.masters and p.dtype in low for _, p in self._all]
         with torch.no_grad():
             values = [None if s else _local(p).contiguous() for (_, p), s in zip(self._all, skip, strict=True)]
-            into = {i: self._whole[id(p)] for i, (_, p) in enumerate(self._all) if id(p) in self._whole}
-            self._gather(values, into)
+            self._routes.gather(values, self._whole)
 
     def grads(self, pieces: Sequence[Piece]) -> list[torch.Tensor | None]:
         self.refresh(stepped_only=True)
@@ -534,35 +415,12 @@ class DTensorOwners(_DTensorPlacement):
                 if owner == self.dp.rank:
                     into[i] = local.new_empty(param.shape)
                     held[id(param)] = into[i] if grad is not None else None
-            self._gather(locals_, into)
+            self._routes.gather(locals_, into)
         return [held[id(p.param)] for p in pieces]
 
     def publish(self) -> None:
-        comm, me = self.dp, self.dp.rank
-        with phase("scatter_params"), torch.no_grad():
-            handles, copies = [], []
-            for i, ((_, param), owner) in enumerate(zip(self._all, self.owners, strict=True)):
-                route = self._routes[i]
-                if route is None:
-                    if comm.size > 1:
-                        handles.append(comm.broadcast_async(param.data, owner))
-                    continue
-                local = _local(param)
-                out = local if local.is_contiguous() else torch.empty_like(local)
-                if out is not local:
-                    copies.append((local, out))
-                if me != owner:
-                    handles.append(comm.scatter_async(out if route.gets_mine else None, owner, (), tag=i))
-                    continue
-                whole = self._whole[id(param)]
-                parts: list[torch.Tensor | None] = [None] * comm.size
-                for rank, indices in route.gets:
-                    parts[rank] = whole[_region(indices, whole.shape, whole.device)[0]]
-                handles.append(comm.scatter_async(out if parts[me] is not None else None, owner, parts, tag=i))
-            for handle in handles:
-                handle.wait()
-            for local, out in copies:
-                local.copy_(out)
+        with phase("scatter_params"):
+            self._routes.scatter(self._whole)
 
 
 def dtensor_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, comm: Comm | NullComm,
