@@ -25,11 +25,12 @@ means over two whole refresh periods; ``optimizer.step()``'s own mean beside it.
 Why the optimizer alone cannot reach 2x of AdamW on a CPU: AdamW is memory-bound, a few passes over 4 tensors of
 the parameters' size (~3.2M elements here: ~5 ms). SOAP's ordinary step is six matrix products per ``(m, n)``
 matrix (``G G^T``, ``G^T G``, two into the eigenbasis, two back: ``6 m n (m + n)`` FLOPs), 21.7 GFLOP at width 256;
-at this 2-core machine's best fp32 matmul rate (~60-90 GFLOP/s when unloaded, printed) that is ~250-350 ms before any
-element-wise work: ~50x AdamW's step whatever the implementation; each refresh adds per side a product and a QR
-(Householder, LAPACK: a few GFLOP/s on these cores) and four products moving the momentum between bases. The ratio
-is FLOPs against bytes; it shrinks where a training step's forward and backward (6 x parameters x tokens FLOPs)
-dominate: in the demo's train step SOAP's products are ~9 GFLOP against ~47 of forward and backward.
+at this shared 2-core machine's best fp32 matmul rate (measured 69 GFLOP/s on 1 thread, 80-129 on 2; printed) that
+is 170-320 ms before any element-wise work: 40-50x AdamW's step whatever the implementation. Each refresh adds per
+side a product and a QR (Householder, LAPACK: ~0.5 s for four 1024 x 1024 on 1 thread) and four products moving
+the momentum between bases: amortised SOAP is ~80-95x AdamW here. The ratio is FLOPs against bytes; it shrinks where
+a training step's forward and backward (6 x parameters x tokens FLOPs) dominate: in the demo's train step SOAP's
+products are ~9 GFLOP against ~47 of forward and backward, and the target holds (1.15-1.20x AdamW, measured).
 """
 
 from __future__ import annotations
