@@ -86,12 +86,10 @@ def _refresh(factor: Tensor, q: Tensor, v: Tensor, dim: int, power_iter_steps: i
     return q, v
 
 
-def _ema_product(factor: Tensor, a: Tensor, b: Tensor, beta: float) -> None:
-    """``factor = beta * factor + (1 - beta) * a @ b`` in place, in the product itself (no temporary)."""
-    if factor.ndim == 2:
-        factor.addmm_(a, b, beta=beta, alpha=1 - beta)
-    else:
-        factor.baddbmm_(a, b, beta=beta, alpha=1 - beta)
+def _addmm_(out: Tensor, a: Tensor, b: Tensor, *, beta: float, alpha: float) -> Tensor:
+    """``out = beta * out + alpha * a @ b`` in place (matrices or stacks): the scalars ride in the BLAS call instead
+    of a temporary and passes over it (``beta=0``: ``out``'s values are ignored)."""
+    return (out.addmm_ if out.ndim == 2 else out.baddbmm_)(a, b, beta=beta, alpha=alpha)
 
 
 def _to_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
@@ -106,14 +104,9 @@ def _from_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None, scale: float = 
     if ql is None and qr is None:
         return x * scale
     if qr is None:
-        return _product(ql, x, scale)
-    return _product(x if ql is None else ql @ x, qr.mT, scale)
-
-
-def _product(a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """``scale * a @ b`` (matrices or stacks), the scale as the product's alpha rather than another pass."""
-    out = a.new_empty(*a.shape[:-1], b.shape[-1])
-    return out.addmm_(a, b, beta=0, alpha=scale) if a.ndim == 2 else out.baddbmm_(a, b, beta=0, alpha=scale)
+        return _addmm_(torch.empty_like(x), ql, x, beta=0, alpha=scale)
+    x = x if ql is None else ql @ x
+    return _addmm_(torch.empty_like(x), x, qr.mT, beta=0, alpha=scale)
 
 
 def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float, eps: float,
@@ -125,9 +118,9 @@ def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, 
     b = _shampoo_beta(shampoo_beta, k + 1, correct_bias)
     left, right = state.get("GG_left"), state.get("GG_right")
     if left is not None:
-        _ema_product(left, grad, grad.mT, b)
+        _addmm_(left, grad, grad.mT, beta=b, alpha=1 - b)
     if right is not None:
-        _ema_product(right, grad.mT, grad, b)
+        _addmm_(right, grad.mT, grad, beta=b, alpha=1 - b)
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] = k + 1
     if k == 0:
