@@ -224,3 +224,13 @@ def test_a_registered_whole_matrix_algorithm_gets_layerwise_and_refuses_vectors_
                                          r"'0.bias' has shape \(6,\).*Rule\(Ndim\(lt=2\), algorithm=\"adamw\"\)"):
         build_optimizer(OptimizerConfig(algorithm="whole_sgd"), torch.nn.Sequential(torch.nn.Linear(4, 6)),
                         rules=[Rule(Name("*"), algorithm="whole_sgd")])
+
+
+def test_matrix_state_numel_counts_a_square_per_side_up_to_the_declared_limit() -> None:
+    caps = get_algorithm("soap").capabilities  # GG_left, GG_right, Q_left, Q_right; limit max_precond_dim
+    assert caps.matrix_state_numel((96, 64), {"max_precond_dim": 8192}) == 2 * 96**2 + 2 * 64**2
+    assert caps.matrix_state_numel((96, 64), {"max_precond_dim": 64}) == 2 * 64**2  # rows above: not kept
+    assert caps.matrix_state_numel((3, 8, 4), {"max_precond_dim": 8}) == 3 * (2 * 8**2 + 2 * 4**2)  # a stack
+    assert get_algorithm("muon").capabilities.matrix_state_numel((96, 64), {}) == 0
+    with pytest.raises(ValueError, match="matrix_state_max_side='max_precond_dim' needs matrix_state"):
+        registry.Capabilities(elementwise=False, whole_matrices=True, matrix_state_max_side="max_precond_dim")

@@ -27,7 +27,8 @@ def _size(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class RankCost:
-    """One rank's bytes (optimizer state in fp32, per the algorithm's declared state tensors)."""
+    """One rank's bytes (optimizer state in fp32, per the algorithm's declared state: its parameter-shaped
+    tensors, and its ``matrix_state`` on the rank that steps the whole matrix)."""
 
     rank: int
     param_bytes: int
@@ -90,6 +91,21 @@ def _elements_below(x: int, starts: list[int], ends: list[int], prefix: list[int
     return prefix[i - 1] + max(0, min(ends[i - 1], x) - starts[i - 1])
 
 
+def _matrix_state_bytes(plan: ParamPlan, config: Any) -> dict[str, int]:
+    """Bytes (fp32) of each parameter's ``matrix_state`` (SOAP's factors and eigenbases), sized by its algorithm's
+    declared capabilities under its group's settings (the config's kwargs, then the group's keys)."""
+    out: dict[str, int] = {}
+    kwargs: dict[str, dict[str, Any]] = {}
+    for p in plan.params:
+        spec = get_algorithm(p.algorithm)
+        if spec.capabilities.matrix_state:
+            if p.algorithm not in kwargs:
+                kwargs[p.algorithm] = spec.kwargs(config)
+            settings = kwargs[p.algorithm] | dict(plan.keys[p.group].settings)
+            out[p.name] = 4 * spec.capabilities.matrix_state_numel(p.spec.shape, settings)
+    return out
+
+
 def report(plan: ParamPlan, config: Any) -> PlanReport:
     """The costs of ``plan`` under ``config`` (its precision decides the masters) for every data-parallel rank."""
     dp = plan.topology.dp
@@ -103,6 +119,7 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
     owner_cost = [0.0] * dp
     comm = [0] * dp
     state_per_element = [len(get_algorithm(s.algorithm).capabilities.state) * 4 for s in plan.stages]
+    matrix_state = _matrix_state_bytes(plan, config)  # on whoever steps the whole matrix
     by_buffer: dict[int, list[Any]] = {}
     for p in plan.params:
         if p.buffer is not None:
@@ -147,7 +164,7 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
                     mine = members
                 own = sum(p.spec.numel for p in mine)
                 stepped[r] += own
-                state[r] += own * per_element
+                state[r] += own * per_element + sum(matrix_state.get(p.name, 0) for p in mine)
                 master[r] += own * 4 if half else 0
                 # a broadcast from owners: every rank receives (and, pipelined, forwards) what it does not own
                 broadcast = member_bytes - own * _size(b.param_dtype)
@@ -162,7 +179,7 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
             for p in plan.params:
                 per_element = state_per_element[p.stage]
                 stepped[r] += p.spec.numel
-                state[r] += p.spec.numel * per_element
+                state[r] += p.spec.numel * per_element + matrix_state.get(p.name, 0)
                 master[r] += p.spec.numel * 4 if masters and p.spec.dtype != torch.float32 else 0
     ranks = [RankCost(r, param_bytes, grad_bytes, master[r], state[r], stepped[r], comm[r], owner_cost[r])
              for r in range(dp)]

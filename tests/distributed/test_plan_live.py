@@ -1,4 +1,5 @@
-"""``optstack plan``'s byte figures (``plan_report``) equal the live tensors of a real 2-rank gloo run."""
+"""``optstack plan``'s byte figures (``plan_report``) equal the live tensors of a real 2-rank gloo run (SOAP: its
+square factors and eigenbases on the rank owning each matrix, none for a side above ``max_precond_dim``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ def _live(algorithm: str) -> dict:
     from torch import nn
 
     from optstack import DistributedConfig, OptimizerConfig, build_optimizer, wrap_data_parallel
+    from optstack.config import SOAPConfig
     from optstack.plan_report import report
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 64), nn.Linear(64, 32)).to(torch.bfloat16)
-    config = OptimizerConfig(algorithm=algorithm, precision="bf16",
+    config = OptimizerConfig(algorithm=algorithm, precision="bf16", soap=SOAPConfig(max_precond_dim=64),  # 96: not
                              distributed=DistributedConfig(sharding="zero1", bucket_size=4000))
     ddp = wrap_data_parallel(config, model)
     opt = build_optimizer(config, ddp).optimizer
@@ -32,13 +34,21 @@ def _live(algorithm: str) -> dict:
                  sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.param_and_grad_buffers),
                  masters, state),
         "placements": [s.placement for s in ddp.plan.stages],
+        "square": sorted((k, tuple(v.shape)) for s in opt.stages for st in s.optimizer.state.values()
+                         for k, v in st.items() if k.startswith(("GG_", "Q_"))),
     }
 
 
-@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+@pytest.mark.parametrize("algorithm", ["adamw", "muon", "soap"])
 def test_plan_report_bytes_equal_the_live_tensors(world2, algorithm):
-    for out in world2.run(_live, algorithm):
+    ranks = world2.run(_live, algorithm)
+    for out in ranks:
         assert out["planned"] == out["live"], out
+    if algorithm == "soap":  # each matrix's square state on its owner only; (96, 64) and (64, 96): the 64-side
+        assert sorted(sq for out in ranks for sq in out["square"]) == sorted(
+            [("GG_right", (64, 64)), ("Q_right", (64, 64)), ("GG_left", (64, 64)), ("Q_left", (64, 64)),
+             ("GG_left", (32, 32)), ("Q_left", (32, 32)), ("GG_right", (64, 64)), ("Q_right", (64, 64))])
+        assert all(out["square"] for out in ranks), ranks  # both ranks own a matrix: the per-rank split is tested
 
 
 def _mlp():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -43,9 +44,12 @@ class Capabilities:
         host_kernel: it has a host kernel fast enough for offloaded state (CPU offload).
         state: its per-element state tensors, each shaped like the parameter (memory estimates).
         matrix_state: its state that is not shaped like the parameter (SOAP's square Kronecker factors and
-            eigenbases, one per side of a matrix). Only a whole-matrix algorithm may keep it (its owner holds the
-            whole parameter), and its optimizer's ``exported_state`` must give it in a parameter-shaped form
-            (pages) that name-keyed checkpoints shard and reshard, folding it back when stepped.
+            eigenbases): the i-th key a square fp32 matrix over side ``i % 2`` of each matrix (rows, columns).
+            Only a whole-matrix algorithm may keep it (its owner holds the whole parameter), and its optimizer's
+            ``exported_state`` must give it in a parameter-shaped form (pages) that name-keyed checkpoints shard
+            and reshard, folding it back when stepped.
+        matrix_state_max_side: the constructor kwarg (or group key) above whose value a side keeps no
+            ``matrix_state`` (SOAP's ``max_precond_dim``); None: every side keeps it.
         reads_loss: its step calls the closure (reads a loss).
         swaps_weights: its optimizer has ``train()`` / ``eval()`` that swap the parameters between the sequence
             it steps and the weights to evaluate (Schedule-Free); ``ChainedOptimizer.train`` / ``eval`` forward
@@ -58,6 +62,7 @@ class Capabilities:
     host_kernel: bool = False
     state: tuple[str, ...] = ()
     matrix_state: tuple[str, ...] = ()
+    matrix_state_max_side: str | None = None
     reads_loss: bool = False
     swaps_weights: bool = False
 
@@ -67,6 +72,18 @@ class Capabilities:
         if self.matrix_state and not self.whole_matrices:
             raise ValueError(f"Capabilities: matrix_state {self.matrix_state} needs whole_matrices=True (only the "
                              "owner of a whole matrix can keep state that is not shaped like a range of it)")
+        if self.matrix_state_max_side is not None and not self.matrix_state:
+            raise ValueError(f"Capabilities: matrix_state_max_side={self.matrix_state_max_side!r} needs matrix_state")
+
+    def matrix_state_numel(self, shape: Sequence[int], settings: Mapping[str, Any]) -> int:
+        """Elements of the ``matrix_state`` of a parameter of ``shape`` (a matrix, or a stack of them: its last two
+        dims) in a group with ``settings`` (constructor kwargs, then group keys): memory estimates."""
+        if not self.matrix_state:
+            return 0
+        *batch, rows, cols = shape
+        limit = math.inf if self.matrix_state_max_side is None else settings[self.matrix_state_max_side]
+        sides = [(rows, cols)[i % 2] for i in range(len(self.matrix_state))]
+        return math.prod(batch) * sum(side * side for side in sides if side <= limit)
 
 
 # What each built-in family declares (a registration may pass its own).
@@ -260,7 +277,8 @@ def _register_builtins() -> None:
              kwargs="optstack.algorithms.soap:kwargs_from_config",
              capabilities=Capabilities(elementwise=False, whole_matrices=True, matrix_ndims=(2,),
                                        state=("exp_avg", "exp_avg_sq"),
-                                       matrix_state=("GG_left", "GG_right", "Q_left", "Q_right")))
+                                       matrix_state=("GG_left", "GG_right", "Q_left", "Q_right"),
+                                       matrix_state_max_side="max_precond_dim"))
     register("schedule_free_adamw", "optstack.algorithms.schedule_free:ScheduleFreeAdamW", family="other",
              kwargs="optstack.algorithms.schedule_free:kwargs_from_config",
              capabilities=Capabilities(state=("z", "exp_avg_sq"), swaps_weights=True))

@@ -24,10 +24,11 @@ of the gradient's own factors the projected gradient is diagonal but for round-o
 update would turn that round-off into unit-size steps (Emerging-Optimizers updates on step 0 anyway).
 
 A side longer than ``max_precond_dim`` is not preconditioned (its ``Q`` is the identity, its factor not kept).
-The first eigenbases come from ``eigh``; later refreshes cost two matmuls and a QR per side. A factor's null space
-(the long side of a matrix before enough steps have filled it) has no preferred basis: there SOAP's update
-follows round-off, so runs whose gradients differ in the last bits may differ along it (a property of SOAP, not
-of a placement); the equality tests use factors of full rank.
+The first eigenbases come from ``eigh``; later refreshes cost one product ``F Q`` per side (it gives both the
+estimated eigenvalues and the first power iteration) and a QR. A factor's null space (the long side of a matrix
+before enough steps have filled it) has no preferred basis: there SOAP's update follows round-off, so runs whose
+gradients differ in the last bits may differ along it (a property of SOAP, not of a placement); the equality tests
+use factors of full rank.
 
 State per parameter: ``"exp_avg"``, ``"exp_avg_sq"`` (the parameter's shape, in the eigenbasis), ``"step"``, and
 ``"GG_left"``, ``"GG_right"``, ``"Q_left"``, ``"Q_right"`` (square, per preconditioned side). Checkpoints key
@@ -38,7 +39,9 @@ so each owner reads all of a matrix's pages.
 
 The step batches the matrices of a group by shape and step count: one ``bmm`` per product, one batched ``eigh``
 or ``qr`` per refresh, the state of a batch laid out as one stack (copied once into it, then updated in place),
-equal to ``soap_reference`` to fp32 round-off.
+equal to ``soap_reference`` to fp32 round-off. Scalars ride in the BLAS calls (the factors' EMA is ``baddbmm``'s
+beta and alpha; lr and Adam's first-moment correction the last product's alpha), so an ordinary step is its six
+products (``G G^T``, ``G^T G``, two into the eigenbasis, two back) and a few element-wise passes.
 """
 
 from __future__ import annotations
@@ -71,14 +74,22 @@ def _refresh(factor: Tensor, q: Tensor, v: Tensor, dim: int, power_iter_steps: i
     """One QR refresh of the eigenbasis ``q`` of ``factor`` (a matrix or stack): columns sorted by their estimated
     eigenvalues (largest first, ``v`` permuted alike along ``dim``), then power iteration + QR. Returns the new
     ``(q, v)``."""
-    estimated = torch.diagonal(q.mT @ factor @ q, dim1=-2, dim2=-1)
+    fq = factor @ q  # one product serves the estimate and the first power iteration
+    estimated = (q * fq).sum(-2)  # diag(Q^T F Q)
     order = torch.argsort(estimated, dim=-1, descending=True, stable=True)
-    q = q.gather(-1, order.unsqueeze(-2).expand_as(q))
     index = order.unsqueeze(-1) if dim == -2 else order.unsqueeze(-2)  # V's rows (left) or columns (right)
     v = v.gather(dim, index.expand_as(v))
-    for _ in range(power_iter_steps):
+    columns = order.unsqueeze(-2).expand_as(q)
+    q = torch.linalg.qr(fq.gather(-1, columns)).Q  # F Q[:, order] = (F Q)[:, order]
+    for _ in range(power_iter_steps - 1):
         q = torch.linalg.qr(factor @ q).Q
     return q, v
+
+
+def _addmm_(out: Tensor, a: Tensor, b: Tensor, *, beta: float, alpha: float) -> Tensor:
+    """``out = beta * out + alpha * a @ b`` in place (matrices or stacks): the scalars ride in the BLAS call instead
+    of a temporary and passes over it (``beta=0``: ``out``'s values are ignored)."""
+    return (out.addmm_ if out.ndim == 2 else out.baddbmm_)(a, b, beta=beta, alpha=alpha)
 
 
 def _to_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
@@ -88,11 +99,14 @@ def _to_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
     return x @ qr if qr is not None else x
 
 
-def _from_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
-    """``QL x QR^T`` (a missing side: the identity)."""
-    if ql is not None:
-        x = ql @ x
-    return x @ qr.mT if qr is not None else x
+def _from_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None, scale: float = 1.0) -> Tensor:
+    """``scale * QL x QR^T`` (a missing side: the identity), the scale applied by the last product."""
+    if ql is None and qr is None:
+        return x * scale
+    if qr is None:
+        return _addmm_(torch.empty_like(x), ql, x, beta=0, alpha=scale)
+    x = x if ql is None else ql @ x
+    return _addmm_(torch.empty_like(x), x, qr.mT, beta=0, alpha=scale)
 
 
 def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float, eps: float,
@@ -104,9 +118,9 @@ def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, 
     b = _shampoo_beta(shampoo_beta, k + 1, correct_bias)
     left, right = state.get("GG_left"), state.get("GG_right")
     if left is not None:
-        left.lerp_(grad @ grad.mT, 1 - b)
+        _addmm_(left, grad, grad.mT, beta=b, alpha=1 - b)
     if right is not None:
-        right.lerp_(grad.mT @ grad, 1 - b)
+        _addmm_(right, grad.mT, grad, beta=b, alpha=1 - b)
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] = k + 1
     if k == 0:
@@ -125,12 +139,13 @@ def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, 
     g = _to_basis(grad, state.get("Q_left"), state.get("Q_right"))
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    if correct_bias:  # Adam's t: its k-th update (the first step made none)
-        u = m / (v / (1 - beta2**k)).sqrt_().add_(eps)
-        u.mul_(1 / (1 - beta1**k))
-    else:
-        u = m / v.sqrt().add_(eps)
-    return _from_basis(u, state.get("Q_left"), state.get("Q_right")).mul_(lr)
+    # Adam's t is k: its k-th update (the first step made none); lr and M's correction go into the last product
+    denom = v.sqrt()
+    if correct_bias:
+        denom.mul_(1 / math.sqrt(1 - beta2**k))
+    u = torch.div(m, denom.add_(eps), out=denom)
+    scale = lr / (1 - beta1**k) if correct_bias else lr
+    return _from_basis(u, state.get("Q_left"), state.get("Q_right"), scale)
 
 
 def soap_reference(param: Tensor, grad: Tensor, state: dict[str, Any], *, lr: float, betas: tuple[float, float],
