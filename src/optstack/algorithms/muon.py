@@ -133,19 +133,28 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
 
 
 def newton_schulz_blocks(blocks: Sequence[Tensor], dim: int, *, steps: int, coefficients: Coefficients,
-                         eps: float = _NS_EPS, matmul_dtype: torch.dtype | None = None) -> list[Tensor]:
+                         eps: float = _NS_EPS, matmul_dtype: torch.dtype | None = None,
+                         all_reduce: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
     """``newton_schulz`` of the matrix the ``(m, n)`` ``blocks`` make when joined along ``dim``, block by block:
     the norm and the Gram products are sums over the blocks (``A = sum X_i X_i^T`` for column blocks, the right
-    Gram ``G = sum X_i^T X_i`` with ``X <- a X + X (b G + c G^2)`` for row blocks), as tensor-parallel ranks
-    compute it with one all-reduce each; here the blocks are on one rank. Equal to ``newton_schulz`` of the
-    joined matrix to round-off. Returns the blocks of the result, in ``blocks``' dtype."""
+    Gram ``G = sum X_i^T X_i`` with ``X <- a X + X (b G + c G^2)`` for row blocks). Equal to ``newton_schulz`` of
+    the joined matrix to round-off. Returns the blocks of the result, in ``blocks``' dtype.
+
+    ``all_reduce``: the blocks are this rank's of a matrix whose other blocks other ranks hold (tensor
+    parallelism); each sum over the local blocks is then summed over the ranks by it (one all-reduce per norm and
+    per Gram product, in fp32: gloo sums bf16 poorly)."""
     schedule = coefficient_schedule(coefficients, steps)
     work = torch.float32 if matmul_dtype is None else matmul_dtype
     xs = [b.to(torch.float32) for b in blocks]
-    norm = torch.stack([torch.linalg.vector_norm(x) ** 2 for x in xs]).sum().sqrt().clamp_min(eps)
+    norm_sq = torch.stack([torch.linalg.vector_norm(x) ** 2 for x in xs]).sum()
+    if all_reduce is not None:
+        norm_sq = all_reduce(norm_sq.reshape(1))[0]
+    norm = norm_sq.sqrt().clamp_min(eps)
     xs = [(x / norm).to(work) for x in xs]
     for a, b, c in schedule:
         gram = sum(x @ x.mT for x in xs) if dim == 1 else sum(x.mT @ x for x in xs)
+        if all_reduce is not None:
+            gram = all_reduce(gram.float()).to(work)  # type: ignore[union-attr]
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         xs = [torch.addmm(x, poly, x, beta=a) if dim == 1 else torch.addmm(x, x, poly, beta=a) for x in xs]
     return [x.to(blk.dtype) for x, blk in zip(xs, blocks, strict=True)]

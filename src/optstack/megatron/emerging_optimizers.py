@@ -37,10 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from optstack.algorithms.muon import Muon, muon_scale_factor
+from optstack.algorithms.muon import Muon, muon_scale_factor, newton_schulz_blocks
 from optstack.algorithms.newton_schulz import (
     COEFFICIENT_SETS,
-    coefficient_schedule,
     matmul_precision,
     newton_schulz,
     ns_matmul_dtype,
@@ -216,25 +215,6 @@ def _renamed(owner: str, name: str, value: Any, default: Any, old_name: str, old
     return old_value
 
 
-def newton_schulz_sharded(x: Tensor, comm: Comm, dim: int, *, steps: int, coefficients: Any,
-                          matmul_dtype: torch.dtype | None = None) -> Tensor:
-    """Newton-Schulz of the matrix whose shards along ``dim`` the ranks of ``comm`` hold (``x`` is this rank's),
-    returning this rank's shard of the result: the norm and the Gram products are sums over the shards, one
-    all-reduce each (``A = sum X_i X_i^T`` for column shards; for row shards the right Gram ``G = sum X_i^T X_i``
-    with ``X <- a X + X (b G + c G^2)``). Equal to ``newton_schulz`` of the whole matrix to fp32 round-off."""
-    work = torch.float32 if matmul_dtype is None else matmul_dtype
-    X = x.to(torch.float32)
-    norm_sq = torch.linalg.vector_norm(X).square().reshape(1)
-    comm.all_reduce(norm_sq)
-    X = (X / norm_sq.sqrt().clamp_min(_NS_EPS)).to(work)
-    for a, b, c in coefficient_schedule(coefficients, steps):
-        gram = X @ X.mT if dim == 1 else X.mT @ X
-        gram = comm.all_reduce(gram.float()).to(work)  # summed in fp32 (gloo reduces bf16 poorly)
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        X = torch.addmm(X, poly, X, beta=a) if dim == 1 else torch.addmm(X, X, poly, beta=a)
-    return X.to(x.dtype)
-
-
 class TensorParallelMuon(Muon):
     """Megatron's ``TensorParallelMuon`` (Megatron's defaults) on optstack's ``Muon``; see the module docstring.
 
@@ -308,8 +288,9 @@ class TensorParallelMuon(Muon):
                 out = newton_schulz(grad, steps=steps, coefficients=coefficients, eps=_NS_EPS,
                                     matmul_dtype=matmul_dtype)
             elif self.tp_mode == "distributed":
-                out = newton_schulz_sharded(grad, Comm(tp_group, name="tensor-parallel"), partition_dim,
-                                            steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
+                (out,) = newton_schulz_blocks([grad], partition_dim, steps=steps, coefficients=coefficients,
+                                              matmul_dtype=matmul_dtype,
+                                              all_reduce=Comm(tp_group, name="tensor-parallel").all_reduce)
             else:  # duplicated: the whole matrix on every rank, this rank's part kept
                 whole = self._all_gather_tensor(grad, tp_group, partition_dim)
                 out = newton_schulz(whole, steps=steps, coefficients=coefficients, eps=_NS_EPS,
