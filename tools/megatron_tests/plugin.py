@@ -2,7 +2,9 @@
 
 Reads ``OPTSTACK_MEGATRON_SRC`` (the folder holding Megatron's ``megatron/`` package); with
 ``OPTSTACK_MEGATRON_STATS`` set, writes there (JSON) the process's peak thread count and resident memory, read
-from ``/proc/self/status`` after every test, and the test at the thread peak.
+from ``/proc/self/status`` after every test, and the test at the thread peak; with ``OPTSTACK_MEGATRON_SEED`` set,
+seeds torch with it before each test (Megatron's tests draw unseeded, so their values otherwise depend on the tests
+run before them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ def pytest_configure(config: Any) -> None:
                  extra={"megatron.core.optimizer": {"HAVE_EMERGING_OPTIMIZERS": True}})
     for marker in ("internal", "flaky", "flaky_in_dev", "experimental", "failing_on_rocm"):
         config.addinivalue_line("markers", f"{marker}: Megatron's marker")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: Any) -> Any:
+    seed = os.environ.get("OPTSTACK_MEGATRON_SEED")
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(int(seed))
+    yield
 
 
 @pytest.hookimpl(hookwrapper=True)

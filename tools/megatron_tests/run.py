@@ -70,11 +70,14 @@ def test_paths(src: Path, files: list[str]) -> tuple[list[Path], list[str]]:
     return found, missing
 
 
-def run_pytest(src: Path, paths: list[Path], nproc: int, extra: list[str], out: Path) -> list[Path]:
+def run_pytest(src: Path, paths: list[Path], nproc: int, extra: list[str], out: Path,
+               seed: int | None = None) -> list[Path]:
     """pytest over ``paths`` in ``nproc`` gloo processes; returns each rank's junit XML."""
     env = {**os.environ, "OPTSTACK_MEGATRON_SRC": str(src), "NVIDIA_PYTORCH_VERSION": "25.09",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
            "WORLD_SIZE": str(nproc), "OPTSTACK_MEGATRON_STORE": str(out / "store"), "OMP_NUM_THREADS": "1"}
+    if seed is not None:
+        env["OPTSTACK_MEGATRON_SEED"] = str(seed)
     # NVIDIA_PYTORCH_VERSION: Megatron skips its layer-wise tests on the "LTS" containers (<= 25.05).
     xmls = [out / f"rank{rank}.xml" for rank in range(nproc)]
     procs = []
@@ -228,6 +231,7 @@ def main() -> None:
                         help="gloo processes, one run per value (default 1)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "optstack-megatron-tests")
     parser.add_argument("-k", help="pytest -k expression")
+    parser.add_argument("--seed", type=int, help="seed torch before each test (default: unseeded, as Megatron's CI)")
     parser.add_argument("-v", "--verbose", action="store_true", help="list every failure and skip with its reason")
     args = parser.parse_args()
     if args.megatron_src is None and args.mirror is None:
@@ -239,7 +243,7 @@ def main() -> None:
         paths, missing = test_paths(src, args.files)
         for nproc in args.nproc:
             out = Path(tempfile.mkdtemp(prefix=f"run{nproc}-", dir=args.work if args.work.is_dir() else None))
-            xmls = run_pytest(src, paths, nproc, ["-k", args.k] if args.k else [], out) if paths else []
+            xmls = run_pytest(src, paths, nproc, ["-k", args.k] if args.k else [], out, args.seed) if paths else []
             print(table(f"{ref}, {nproc} process{'es' if nproc > 1 else ''}", outcomes(xmls, src), missing,
                         args.verbose))
             print(f"\n{peaks(out, nproc)}\n(pytest logs: {out})\n")
