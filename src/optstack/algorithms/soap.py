@@ -31,7 +31,8 @@ Options for NVIDIA Emerging-Optimizers' variant (what Megatron's ``optimizer='so
 - ``use_kl_shampoo``: KL-Shampoo's factors (Lin et al. 2025, arXiv:2509.03378) from the second step, when both
   sides are preconditioned: ``L`` from ``G R^-1 G^T / n`` and ``R`` from ``G^T L^-1 G / m``, each inverse taken in
   its factor's current eigenbasis (``Q diag(1 / max(diag(Q^T F Q), eps)) Q^T``), both from the factors before this
-  step's EMA.
+  step's EMA; ``b`` as above (with ``correct_bias`` the factors are bias-corrected, which rescales the inverses).
+  A matrix with one side preconditioned keeps the plain update (only that factor's eigenvectors matter).
 
 Momentum lives in the eigenbasis and is rotated at each refresh; Emerging-Optimizers' versions keep it there too
 (optstack's earlier Megatron-face copy kept it in the parameter's basis: the same update up to round-off).
