@@ -210,3 +210,77 @@ def test_bad_config_names_the_field(field: str, value: object, message: str) -> 
 def test_bad_group_setting_names_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SOAP([nn.Parameter(torch.zeros(2, 2))], **kwargs)
+
+
+EMERGING = dict(use_kl_shampoo=True, update_first_step=True, use_eigh=True)
+
+
+@pytest.mark.parametrize("options", [EMERGING, dict(use_kl_shampoo=True), dict(update_first_step=True)],
+                         ids=["all", "kl", "first_step"])
+def test_batched_step_equals_reference_with_emerging_optimizers_options(options: dict) -> None:
+    params = _params(SHAPES, 1)
+    refs = [p.detach().clone() for p in params]
+    states: list[dict] = [{} for _ in refs]
+    opt = SOAP(params, max_precond_dim=MAX_DIM, **HYPER, **options)
+    for t in range(10):
+        grads = _grads(params, 200 + t)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        for p, g, s in zip(refs, grads, states, strict=True):
+            soap_reference(p, g, s, max_precond_dim=MAX_DIM, **HYPER, **options)
+    for p, r, s0 in zip(params, refs, _params(SHAPES, 1), strict=True):
+        assert (r - s0.detach()).abs().max() > 1e-2
+        torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-6)
+    for p, s in zip(params, states, strict=True):
+        for key in ("exp_avg_sq", "GG_left", "GG_right"):
+            if key in s:
+                torch.testing.assert_close(opt.state[p][key], s[key], rtol=1e-5, atol=1e-7)
+
+
+def test_emerging_optimizers_options_equal_their_written_out_formula() -> None:
+    """KL-Shampoo's factors, an update from the first step, eigh at every refresh, typed out in float64 as
+    Emerging-Optimizers' SOAP (momentum in the parameter's basis: the core's rotated momentum is the same)."""
+    (p,) = _params([(6, 5)], 4)
+    p0 = p.detach().clone()
+    grads = _grads([p] * 6, 9)
+    lr, b1, b2, sb, wd, eps, freq = 0.01, 0.9, 0.95, 0.9, 0.1, 1e-3, 2
+    state: dict = {}
+    for g in grads:
+        soap_reference(p.data, g, state, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, shampoo_beta=sb,
+                       precondition_frequency=freq, max_precond_dim=64, correct_bias=True, **EMERGING)
+    w = p0.double().clone()
+    L, R = torch.zeros(6, 6, dtype=torch.float64), torch.zeros(5, 5, dtype=torch.float64)
+    M, V = torch.zeros_like(w), torch.zeros_like(w)
+    QL, QR = torch.eye(6, dtype=torch.float64), torch.eye(5, dtype=torch.float64)
+    for k, g in enumerate(grads):
+        g, t = g.double(), k + 1
+        b = 1 - (1 - sb) / (1 - sb**t)
+
+        def inverse(F: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+            return Q @ torch.diag(1 / (Q.T @ F @ Q).diagonal().clamp_min(eps)) @ Q.T
+
+        if k > 0:  # KL-Shampoo from the second step, both from the factors before this step's update
+            L, R = b * L + (1 - b) * g @ inverse(R, QR) @ g.T / 5, b * R + (1 - b) * g.T @ inverse(L, QL) @ g / 6
+        else:
+            L, R = b * L + (1 - b) * g @ g.T, b * R + (1 - b) * g.T @ g
+        if k % freq == 0:
+            QL, QR = torch.linalg.eigh(L).eigenvectors, torch.linalg.eigh(R).eigenvectors
+        M = b1 * M + (1 - b1) * g
+        V = b2 * V + (1 - b2) * (QL.T @ g @ QR) ** 2
+        u = QL @ ((QL.T @ M @ QR) / (1 - b1**t) / ((V / (1 - b2**t)).sqrt() + eps)) @ QR.T
+        w = w * (1 - lr * wd) - lr * u
+    torch.testing.assert_close(p.detach().double(), w, rtol=1e-4, atol=1e-5)
+    assert (w - p0.double()).abs().max() > 1e-2
+
+
+def test_update_first_step_updates_and_defaults_do_not() -> None:
+    (p,) = _params([(8, 8)], 5)
+    p0 = p.detach().clone()
+    p.grad = _grads([p], 6)[0]
+    SOAP([p], lr=0.1, update_first_step=True).step()
+    assert not torch.equal(p.detach(), p0)
+    with pytest.raises(ValueError, match="use_kl_shampoo needs eps > 0"):
+        SOAP([p], eps=0.0, use_kl_shampoo=True)
+    with pytest.raises(ValueError, match="soap.eps must be > 0 with soap.use_kl_shampoo"):
+        SOAPConfig(eps=0.0, use_kl_shampoo=True)

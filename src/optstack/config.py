@@ -303,7 +303,9 @@ class SOAPConfig:
     """SOAP (``soap``, ``algorithms/soap.py``; Megatron's ``soap_*`` fields): Adam's ``beta1`` / ``beta2`` /
     ``eps`` in the eigenbasis of the Kronecker factors, whose EMA coefficient is ``shampoo_beta``; the eigenbases
     are refreshed every ``precondition_frequency`` steps (``power_iter_steps`` power iterations + QR); a side longer
-    than ``max_precond_dim`` is not preconditioned; ``correct_bias``: Adam's and the factors' bias correction."""
+    than ``max_precond_dim`` is not preconditioned; ``correct_bias``: Adam's and the factors' bias correction.
+    Emerging-Optimizers' variant (Megatron's ``optimizer='soap'``): ``use_kl_shampoo`` (KL-Shampoo's factors),
+    ``update_first_step`` (an update on the first step too), ``use_eigh`` (``eigh`` at every refresh)."""
 
     beta1: float = 0.9
     beta2: float = 0.95
@@ -313,11 +315,17 @@ class SOAPConfig:
     max_precond_dim: int = 8192
     correct_bias: bool = True
     power_iter_steps: int = 1
+    use_kl_shampoo: bool = False
+    update_first_step: bool = False
+    use_eigh: bool = False
 
     def __post_init__(self) -> None:
         _validate("soap.", self, beta1=_BETA, beta2=_BETA, eps=_NON_NEGATIVE, shampoo_beta=_BETA,
                   precondition_frequency=_int(1), max_precond_dim=_int(1), correct_bias=_flag,
-                  power_iter_steps=_int(1))
+                  power_iter_steps=_int(1), use_kl_shampoo=_flag, update_first_step=_flag, use_eigh=_flag)
+        if self.use_kl_shampoo and self.eps <= 0:
+            raise ValueError(f"soap.eps must be > 0 with soap.use_kl_shampoo (it floors the factors' eigenvalues), "
+                             f"got {self.eps}")
 
 
 @dataclass(frozen=True, kw_only=True)

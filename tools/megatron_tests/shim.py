@@ -96,7 +96,7 @@ MODULES: dict[str, str] = {
 #: NVIDIA Emerging-Optimizers' modules the test files import when ``HAVE_EMERGING_OPTIMIZERS`` (the face's classes
 #: with that package's signatures), registered only when the package is not installed.
 EMERGING_PACKAGE: dict[str, dict[str, str]] = {
-    "emerging_optimizers.soap": {"SOAP": "optstack.megatron.soap:SOAP"},
+    "emerging_optimizers.soap": {"SOAP": "optstack.megatron.emerging_optimizers:SOAP"},
     "emerging_optimizers.scalar_optimizers": {"Lion": "optstack.megatron.torch_optimizers:Lion"},
 }
 

@@ -21,7 +21,21 @@ eigenbasis)::
 
 The first step only fills the factors and computes their eigenbases, as the SOAP paper's code does: in the basis
 of the gradient's own factors the projected gradient is diagonal but for round-off, and Adam's sign-like first
-update would turn that round-off into unit-size steps (Emerging-Optimizers updates on step 0 anyway).
+update would turn that round-off into unit-size steps.
+
+Options for NVIDIA Emerging-Optimizers' variant (what Megatron's ``optimizer='soap'`` builds; all off by default):
+
+- ``update_first_step``: step 0 goes on to an update in the eigenbases it just computed (Adam's ``t`` is ``k + 1``).
+- ``use_eigh``: every refresh is an ``eigh`` of the factor (largest first; ``V`` left as it is, its entries
+  already in eigenvalue order) instead of power iteration + QR.
+- ``use_kl_shampoo``: KL-Shampoo's factors (Lin et al. 2025, arXiv:2509.03378) from the second step, when both
+  sides are preconditioned: ``L`` from ``G R^-1 G^T / n`` and ``R`` from ``G^T L^-1 G / m``, each inverse taken in
+  its factor's current eigenbasis (``Q diag(1 / max(diag(Q^T F Q), eps)) Q^T``), both from the factors before this
+  step's EMA; ``b`` as above (with ``correct_bias`` the factors are bias-corrected, which rescales the inverses).
+  A matrix with one side preconditioned keeps the plain update (only that factor's eigenvectors matter).
+
+Momentum lives in the eigenbasis and is rotated at each refresh; Emerging-Optimizers' versions keep it there too
+(optstack's earlier Megatron-face copy kept it in the parameter's basis: the same update up to round-off).
 
 A side longer than ``max_precond_dim`` is not preconditioned (its ``Q`` is the identity, its factor not kept).
 The first eigenbases come from ``eigh``; later refreshes cost one product ``F Q`` per side (it gives both the
@@ -59,6 +73,7 @@ __all__ = ["SOAP", "kwargs_from_config", "soap_reference", "MATRIX_KEYS"]
 
 #: the square state of each side: Kronecker factor and its eigenbasis
 MATRIX_KEYS: tuple[str, ...] = ("GG_left", "GG_right", "Q_left", "Q_right")
+_OPTIONS = ("use_kl_shampoo", "update_first_step", "use_eigh")  # Emerging-Optimizers' variant (module docstring)
 
 
 def _shampoo_beta(shampoo_beta: float, t: int, correct_bias: bool) -> float:
@@ -68,6 +83,23 @@ def _shampoo_beta(shampoo_beta: float, t: int, correct_bias: bool) -> float:
 def _eigh_descending(factor: Tensor) -> Tensor:
     """Eigenvectors of the symmetric ``factor`` (or a stack), largest eigenvalue first."""
     return torch.linalg.eigh(factor).eigenvectors.flip(-1)
+
+
+def _estimated_eigenvalues(factor: Tensor, q: Tensor) -> Tensor:
+    """``diag(Q^T F Q)``: the eigenvalues of ``factor`` as its (possibly stale) basis ``q`` sees them."""
+    return (q * (factor @ q)).sum(-2)
+
+
+def _kl_factor_update(grad: Tensor, left: Tensor, right: Tensor, ql: Tensor, qr: Tensor, b: float,
+                      eps: float) -> None:
+    """KL-Shampoo's factor EMA in place (module docstring): ``L = b L + (1 - b) G R^-1 G^T / n`` and
+    ``R = b R + (1 - b) G^T L^-1 G / m``, the inverses in the current bases, both read before either changes."""
+    m, n = grad.shape[-2:]
+    inv_r = _estimated_eigenvalues(right, qr).clamp_min_(eps).reciprocal_().unsqueeze(-2)
+    inv_l = _estimated_eigenvalues(left, ql).clamp_min_(eps).reciprocal_().unsqueeze(-2)
+    gr, gl = grad @ qr, ql.mT @ grad  # G R^-1 G^T = (G QR) diag(1 / lambda_R) (G QR)^T; alike on the left
+    _addmm_(left, gr * inv_r, gr.mT, beta=b, alpha=(1 - b) / n)
+    _addmm_(right, gl.mT * inv_l, gl, beta=b, alpha=(1 - b) / m)
 
 
 def _refresh(factor: Tensor, q: Tensor, v: Tensor, dim: int, power_iter_steps: int) -> tuple[Tensor, Tensor]:
@@ -110,28 +142,37 @@ def _from_basis(x: Tensor, ql: Tensor | None, qr: Tensor | None, scale: float = 
 
 
 def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float, eps: float,
-               shampoo_beta: float, precondition_frequency: int, correct_bias: bool,
-               power_iter_steps: int) -> Tensor | None:
+               shampoo_beta: float, precondition_frequency: int, correct_bias: bool, power_iter_steps: int,
+               use_kl_shampoo: bool = False, update_first_step: bool = False,
+               use_eigh: bool = False) -> Tensor | None:
     """The module docstring's formulas on one matrix or a stack (leading batch dimension), state updated in place;
-    returns ``lr * QL u QR^T`` (weight decay is the caller's), or None on the first step (no update)."""
+    returns ``lr * QL u QR^T`` (weight decay is the caller's), or None on a first step without an update."""
     k = int(state["step"])
     b = _shampoo_beta(shampoo_beta, k + 1, correct_bias)
     left, right = state.get("GG_left"), state.get("GG_right")
-    if left is not None:
-        _addmm_(left, grad, grad.mT, beta=b, alpha=1 - b)
-    if right is not None:
-        _addmm_(right, grad.mT, grad, beta=b, alpha=1 - b)
+    if use_kl_shampoo and k > 0 and left is not None and right is not None:
+        _kl_factor_update(grad, left, right, state["Q_left"], state["Q_right"], b, eps)
+    else:
+        if left is not None:
+            _addmm_(left, grad, grad.mT, beta=b, alpha=1 - b)
+        if right is not None:
+            _addmm_(right, grad.mT, grad, beta=b, alpha=1 - b)
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] = k + 1
     if k == 0:
         for side, factor in (("left", left), ("right", right)):
             if factor is not None:
                 state[f"Q_{side}"].copy_(_eigh_descending(factor))
-        return None
-    if k % precondition_frequency == 0:
+        if not update_first_step:
+            return None
+    elif k % precondition_frequency == 0:
         original = _from_basis(m, state.get("Q_left"), state.get("Q_right"))
         for side, factor, dim in (("left", left, -2), ("right", right, -1)):
-            if factor is not None:
+            if factor is None:
+                continue
+            if use_eigh:  # eigenvalue order both times: V's entries stay with their eigenvalues' ranks
+                state[f"Q_{side}"].copy_(_eigh_descending(factor))
+            else:
                 q, v_sorted = _refresh(factor, state[f"Q_{side}"], v, dim, power_iter_steps)
                 state[f"Q_{side}"].copy_(q)
                 v.copy_(v_sorted)
@@ -139,25 +180,29 @@ def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, 
     g = _to_basis(grad, state.get("Q_left"), state.get("Q_right"))
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    # Adam's t is k: its k-th update (the first step made none); lr and M's correction go into the last product
+    # Adam's t counts its updates (the first step made none unless update_first_step); lr and M's correction go
+    # into the last product
+    t = k + 1 if update_first_step else k
     denom = v.sqrt()
     if correct_bias:
-        denom.mul_(1 / math.sqrt(1 - beta2**k))
+        denom.mul_(1 / math.sqrt(1 - beta2**t))
     u = torch.div(m, denom.add_(eps), out=denom)
-    scale = lr / (1 - beta1**k) if correct_bias else lr
+    scale = lr / (1 - beta1**t) if correct_bias else lr
     return _from_basis(u, state.get("Q_left"), state.get("Q_right"), scale)
 
 
 def soap_reference(param: Tensor, grad: Tensor, state: dict[str, Any], *, lr: float, betas: tuple[float, float],
                    eps: float, weight_decay: float, shampoo_beta: float, precondition_frequency: int,
-                   max_precond_dim: int, correct_bias: bool, power_iter_steps: int = 1) -> None:
+                   max_precond_dim: int, correct_bias: bool, power_iter_steps: int = 1,
+                   use_kl_shampoo: bool = False, update_first_step: bool = False, use_eigh: bool = False) -> None:
     """One SOAP step on one ``(m, n)`` parameter, in place (``param`` and ``state``, a dict that starts empty):
     the formulas of the module docstring, the test oracle."""
     if not state:
         state.update(_fresh_state(param, max_precond_dim))
     step = _soap_math(grad.float(), state, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, shampoo_beta=shampoo_beta,
                       precondition_frequency=precondition_frequency, correct_bias=correct_bias,
-                      power_iter_steps=power_iter_steps)
+                      power_iter_steps=power_iter_steps, use_kl_shampoo=use_kl_shampoo,
+                      update_first_step=update_first_step, use_eigh=use_eigh)
     if step is None:
         return
     param.mul_(1 - lr * weight_decay)
@@ -180,7 +225,8 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
     s = config.soap
     return {"betas": (s.beta1, s.beta2), "eps": s.eps, "shampoo_beta": s.shampoo_beta,
             "precondition_frequency": s.precondition_frequency, "max_precond_dim": s.max_precond_dim,
-            "correct_bias": s.correct_bias, "power_iter_steps": s.power_iter_steps}
+            "correct_bias": s.correct_bias, "power_iter_steps": s.power_iter_steps,
+            "use_kl_shampoo": s.use_kl_shampoo, "update_first_step": s.update_first_step, "use_eigh": s.use_eigh}
 
 
 def matrix_pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
@@ -235,6 +281,10 @@ class SOAP(torch.optim.Optimizer):
         max_precond_dim: a side longer than this is not preconditioned (>= 1).
         correct_bias: Adam's bias correction, and the factors' (Emerging-Optimizers ties the two).
         power_iter_steps: power iterations before the QR of each refresh (>= 1).
+        use_kl_shampoo: KL-Shampoo's factor updates from the second step (module docstring; needs eps > 0, the
+            eigenvalue floor).
+        update_first_step: update on the first step too, in the eigenbases it computes.
+        use_eigh: refresh the eigenbases by ``eigh`` instead of power iteration + QR.
 
     Every argument is also a per-group key.
     """
@@ -242,11 +292,13 @@ class SOAP(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.01, *,
                  shampoo_beta: float = 0.95, precondition_frequency: int = 10, max_precond_dim: int = 8192,
-                 correct_bias: bool = True, power_iter_steps: int = 1) -> None:
+                 correct_bias: bool = True, power_iter_steps: int = 1, use_kl_shampoo: bool = False,
+                 update_first_step: bool = False, use_eigh: bool = False) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       shampoo_beta=shampoo_beta, precondition_frequency=precondition_frequency,
                                       max_precond_dim=max_precond_dim, correct_bias=correct_bias,
-                                      power_iter_steps=power_iter_steps))
+                                      power_iter_steps=power_iter_steps, use_kl_shampoo=use_kl_shampoo,
+                                      update_first_step=update_first_step, use_eigh=use_eigh))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (defaults fill missing keys) after checking its settings and parameters.
@@ -274,17 +326,25 @@ class SOAP(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
+            for key in _OPTIONS:  # groups loaded from a state dict saved before these options existed
+                group.setdefault(key, self.defaults[key])
             _validate_settings(group, index)  # a scheduler may have written them
             self._step_group(group)
         return loss
 
+    def _init_group(self, group: dict[str, Any], skip_non_grad_params: bool = True) -> None:
+        """Create the state of the group's parameters that have none (those with a gradient unless
+        ``skip_non_grad_params``: Megatron's checkpoint formats want every parameter's state before a step)."""
+        for p in group["params"]:
+            if (p.grad is not None or not skip_non_grad_params) and "exp_avg" not in self.state[p]:
+                self.state[p].update(_fresh_state(p, int(group["max_precond_dim"])))
+
     def _step_group(self, group: dict[str, Any]) -> None:
+        self._init_group(group)
         params = [p for p in group["params"] if p.grad is not None]
         batches: dict[tuple[Any, ...], list[Tensor]] = {}
         for p in params:
             state = self.state[p]
-            if "exp_avg" not in state:
-                state.update(_fresh_state(p, int(group["max_precond_dim"])))
             fold_matrix_pages(state, MATRIX_KEYS, tuple(p.shape))
             sides = tuple(key in state for key in MATRIX_KEYS)
             batches.setdefault((p.shape, p.device, int(state["step"]), sides), []).append(p)
@@ -292,7 +352,9 @@ class SOAP(torch.optim.Optimizer):
         settings = dict(lr=lr, beta1=float(group["betas"][0]), beta2=float(group["betas"][1]), eps=float(group["eps"]),
                         shampoo_beta=float(group["shampoo_beta"]),
                         precondition_frequency=int(group["precondition_frequency"]),
-                        correct_bias=bool(group["correct_bias"]), power_iter_steps=int(group["power_iter_steps"]))
+                        correct_bias=bool(group["correct_bias"]), power_iter_steps=int(group["power_iter_steps"]),
+                        use_kl_shampoo=bool(group["use_kl_shampoo"]),
+                        update_first_step=bool(group["update_first_step"]), use_eigh=bool(group["use_eigh"]))
         for (_, _, step, _), members in batches.items():
             states = [self.state[p] for p in members]
             stacked: dict[str, Any] = {"step": step}
@@ -339,8 +401,10 @@ def _validate_settings(group: dict[str, Any], index: int) -> None:
         value = group[key]
         require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                 f"{where}: {key} must be an integer >= 1, got {value!r}")
-    require(isinstance(group["correct_bias"], bool),
-            f"{where}: correct_bias must be True or False, got {group['correct_bias']!r}")
+    for key in ("correct_bias", "use_kl_shampoo", "update_first_step", "use_eigh"):
+        require(isinstance(group[key], bool), f"{where}: {key} must be True or False, got {group[key]!r}")
+    require(not group["use_kl_shampoo"] or group["eps"] > 0,
+            f"{where}: use_kl_shampoo needs eps > 0 (it floors the factors' eigenvalues), got eps={group['eps']!r}")
 
 
 def _validate_group(group: dict[str, Any], index: int) -> None:

@@ -13,9 +13,10 @@ logging: ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
 ``optimizer_cpu_offload`` is False (as in Megatron).
 
 ``optimizer='adaptive_muon'`` -> the core's ``adaptive_muon`` (``adaptive_muon_moment2_method`` / ``_beta2`` /
-``_eps``; not sign-stabilised, no norm restore: Megatron's ``adamuon``); ``optimizer='soap'`` -> the algorithm
-``megatron_soap`` (Emerging-Optimizers' SOAP: ``optstack.megatron.soap``), its ``soap_*`` fields and Adam's
-betas / eps passed by ``get_megatron_optimizer`` as the SOAP groups' settings. An emerging optimizer
+``_eps``; not sign-stabilised, no norm restore: Megatron's ``adamuon``); ``optimizer='soap'`` -> the core's
+``soap`` with Emerging-Optimizers' options (``use_kl_shampoo`` from ``soap_use_kl_shampoo``, an update from the
+first step, ``eigh`` at every refresh, every side preconditioned), its ``soap_*`` fields and Adam's betas / eps.
+An emerging optimizer
 (``muon``, ``adaptive_muon``, ``soap``) with ``fp16=True`` is refused when the optimizer is built (Megatron's
 ``get_megatron_optimizer``), not when the config is.
 
@@ -48,6 +49,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 import types
 import typing
 import warnings
@@ -324,6 +326,17 @@ def _adaptive_muon(config: OptimizerConfig) -> core.AdaptiveMuonConfig:
                                    sign_stabilised=False, preserve_norm=False)
 
 
+def _soap(config: OptimizerConfig) -> core.SOAPConfig:
+    """The core's SOAP section as Emerging-Optimizers' SOAP (read only for ``optimizer='soap'``)."""
+    if config.optimizer != "soap":
+        return core.SOAPConfig()
+    return core.SOAPConfig(beta1=config.adam_beta1, beta2=config.adam_beta2, eps=config.adam_eps,
+                           shampoo_beta=config.soap_shampoo_beta,
+                           precondition_frequency=config.soap_precondition_frequency,
+                           use_kl_shampoo=config.soap_use_kl_shampoo, update_first_step=True, use_eigh=True,
+                           max_precond_dim=sys.maxsize)  # Emerging-Optimizers has no size limit
+
+
 _MAIN_DTYPES = (torch.float32, torch.bfloat16)  # main params / grads: fp32, or bf16 without a copy
 
 
@@ -438,6 +451,7 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
             ),
             sgd=core.SGDConfig(momentum=config.sgd_momentum, nesterov=False),
             adaptive_muon=_adaptive_muon(config),
+            soap=_soap(config),
             lion=core.LionConfig(beta1=config.lion_beta1, beta2=config.lion_beta2),
             muon=core.MuonConfig(
                 momentum=config.muon_momentum,

@@ -20,7 +20,10 @@ per-parameter overrides). Here the classes are optstack's own, so the package is
   tensor-parallel shards where the mean runs along the split.
   (optstack's core ``adaptive_muon`` is dion's NorMuon / the sign-stabilised AdaMuon paper form; this class is
   Megatron's.)
-- ``soap``: ``optstack.megatron.soap.SOAP`` (see there: the core algorithm replaces it once it is registered).
+- ``SOAP``: Emerging-Optimizers' ``SOAP`` arguments and defaults on the core ``SOAP`` (``optstack.algorithms.soap``)
+  with that package's options: KL-Shampoo factors (``use_kl_shampoo``), an update from the first step, ``eigh``
+  at every refresh, every side preconditioned. ``get_megatron_optimizer(optimizer='soap')`` builds the core
+  ``soap`` set up alike (``optstack.megatron.config.to_core``).
 
 Megatron's tests patch this module's ``get_pg_size`` / ``get_pg_rank`` and ``is_emerging_optimizers_min_version``:
 the classes look them up here at call time, and the shim registers this module itself (not a copy).
@@ -29,6 +32,7 @@ the classes look them up here at call time, and the shim registers this module i
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +48,9 @@ from optstack.algorithms.newton_schulz import (
     newton_schulz,
     ns_matmul_dtype,
 )
+from optstack.algorithms.soap import SOAP as CoreSOAP
 from optstack.distributed.comm import Comm
 from optstack.megatron.keys import ParamKey, ParamPredicate
-from optstack.megatron.soap import SOAP
 
 __all__ = ["HAVE_EMERGING_OPTIMIZERS", "EmergingOptimizerEntry", "TensorParallelMuon", "TensorParallelAdaptiveMuon",
            "get_supported_coefficient_types", "validate_coefficient_type", "get_emerging_optimizers_version",
@@ -499,6 +503,22 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon):
 
     def _per_parameter(self) -> bool:
         return True  # core Muon's batched step has no second moment
+
+
+class SOAP(CoreSOAP):
+    """Emerging-Optimizers' ``SOAP`` (its arguments and defaults: what Megatron's tests construct) on the core
+    ``SOAP``; see the module docstring. State and ``exported_state`` are the core's.
+
+    Raises:
+        ValueError: a bad setting; a parameter that is not 2-D (route it to Adam).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
+                 shampoo_beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.01,
+                 precondition_frequency: int = 1, use_kl_shampoo: bool = False) -> None:
+        super().__init__(params, lr, tuple(betas), eps, weight_decay, shampoo_beta=shampoo_beta,
+                         precondition_frequency=precondition_frequency, use_kl_shampoo=use_kl_shampoo,
+                         update_first_step=True, use_eigh=True, max_precond_dim=sys.maxsize)
 
 
 #: Megatron's registry: optimizer name -> how to build it.

@@ -46,10 +46,9 @@ from optstack.megatron.optimizers import (
     MegatronOptimizer,
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
-from optstack.megatron.soap import register_megatron_soap
 from optstack.megatron.torch_optimizers import Lion
 from optstack.optimizer import ChainedOptimizer as CoreChained
-from optstack.rules import EMBEDDING_OR_OUTPUT, Ndim, Predicate, Rule, muon_routing_rule
+from optstack.rules import Ndim, Predicate, Rule, muon_routing_rule
 
 __all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
 
@@ -125,7 +124,7 @@ def get_megatron_optimizer(
         scalar = core_config.muon.scalar_algorithm
         rules.append(muon_routing_rule(scalar))
     if config.optimizer == "soap":
-        rules += _soap_rules(config, scalar)
+        rules.append(Rule(Ndim(eq=3), algorithm=scalar, why="SOAP preconditions 2-D matrices"))
     elif core_config.algorithm in ("muon", "adaptive_muon"):
         rules.append(Rule(Predicate(_muon_excluded, "use_muon=False"), algorithm=scalar,
                           why="excluded from Muon (use_muon=False)"))
@@ -147,18 +146,6 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None:
         _dump_group_map(built, dump_param_to_param_group_map)
     return _as_megatron(built, config)
-
-
-def _soap_rules(config: OptimizerConfig, scalar: str) -> list[Rule]:
-    """SOAP (Emerging-Optimizers', ``megatron_soap``) takes 2-D matrices (3-D stacks go to ``scalar`` too); its
-    settings, from the ``soap_*`` fields and Adam's betas / eps as in Megatron, are its groups' keys. Registered
-    here, when asked for, so the registry holds only optstack's own algorithms until then."""
-    register_megatron_soap()
-    return [Rule(Ndim(eq=3), algorithm=scalar, why="SOAP preconditions 2-D matrices"),
-            Rule(Ndim(eq=2) & ~EMBEDDING_OR_OUTPUT, algorithm="megatron_soap",
-                 shampoo_beta=config.soap_shampoo_beta, precondition_frequency=config.soap_precondition_frequency,
-                 use_kl_shampoo=config.soap_use_kl_shampoo, betas=(config.adam_beta1, config.adam_beta2),
-                 eps=config.adam_eps, why="SOAP's settings (soap_*, adam_beta1/2, adam_eps)")]
 
 
 def _muon_excluded(param: torch.Tensor) -> bool:
