@@ -142,3 +142,44 @@ def test_single_process_wrapper_works_without_a_process_group():
             o.step()
     for p, q in zip(model.module.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _grad_norms(placements: list[tuple[str, str]], steps: int) -> dict[str, list[float]]:
+    """Per (sharding, whole_matrices): the grad norm each step reports, for Muon over bias-free matrices."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from optstack.config import DistributedConfig, OptimizerConfig
+    from optstack.factory import build_optimizer, wrap_data_parallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for sharding, whole in placements:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(n, m, bias=False) for n, m in ((7, 13), (13, 11), (11, 9), (9, 8),
+                                                                         (8, 6), (6, 5))))
+        cfg = OptimizerConfig(algorithm="muon", lr=1e-2, clip_grad=0.5, distributed=DistributedConfig(
+            sharding=sharding, whole_matrices=whole, bucket_size=100))
+        wrapped = wrap_data_parallel(cfg, model)
+        opt = build_optimizer(cfg, wrapped).optimizer
+        norms = []
+        for x, y in _data(steps, world):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+            norms.append(opt.last_result.grad_norm)
+            opt.finish_param_sync()
+        out[f"{sharding}/{whole}"] = norms
+    return out
+
+
+def test_the_grad_norm_is_bitwise_the_same_however_the_matrices_are_placed(world2):
+    # each matrix's term is computed whole on one rank in every placement; the norm sums the terms in one
+    # order on every rank, so the clip factor (and so the step) does not depend on the split
+    placements = [("replicated", "auto"), ("zero1", "whole_shards"), ("zero1", "gather"), ("layerwise", "auto")]
+    ranks = world2.run(_grad_norms, placements, 4)
+    assert ranks[0] == ranks[1]
+    (first, *others) = ranks[0].items()
+    for name, norms in others:
+        assert norms == first[1], f"{name} vs {first[0]}: {norms} != {first[1]}"

@@ -119,6 +119,7 @@ class Stage:
         self._ready: list[torch.Tensor | None] = []
         self._counts = self.placement.norm_counts(self.placement.norm_params(self.pieces))
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
+        self._slot_norm_terms()
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
         self._host: HostCopy | None = None  # the state while offload_states() holds it on the host
         self._piece_of: dict[int, int] = {}  # id of a model parameter -> index of its piece (torch_entry)
@@ -165,6 +166,7 @@ class Stage:
         self._stepped += stepped
         self._counts += self.placement.norm_counts(self.placement.norm_params(pieces))
         self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
+        self._slot_norm_terms()
         return self.param_groups[-1]
 
     # -- the step ------------------------------------------------------------------------------------
@@ -199,17 +201,29 @@ class Stage:
         self._ready = self.precision.ready(grads)
         pows = norm_pows(self.placement.norm_grads(self._ready), norm_type, self.device)
         inf = math.isinf(norm_type)
+        # Each term goes to its parameter's slot (the stage's parameters in group order, the same on every rank)
+        # and every rank sums the reduced slots in that order: where each parameter's term is computed on one
+        # rank (owners, whole shards, replicated) the all-reduce only adds zeros, so the norm is bitwise the
+        # same however the stage is placed; summing per rank first would make its last bit depend on the split.
+        slots, width = self._norm_slots
+        rows = (torch.zeros_like(slots) if groups is None else groups.to(slots.device)) * width + slots
+        table = pows.new_zeros(num_groups * width)
+        counted = self._counted
+        table.scatter_reduce_(0, rows[counted], pows[counted], reduce="amax" if inf else "sum")
+        nonfinite = (~torch.isfinite(pows)).sum().to(torch.float32).reshape(1)
+        reduced = self.placement.comm.all_reduce(torch.cat([table, nonfinite]), op="max" if inf else "sum")
+        per_group = reduced[:-1].view(num_groups, width)
+        sums = per_group.amax(1) if inf else per_group.sum(1)
+        return torch.cat([sums, reduced[-1:]])
 
-        def reduce(mask: torch.Tensor) -> torch.Tensor:
-            counted = pows[mask]
-            return (counted.max() if counted.numel() else pows.new_zeros(())) if inf else counted.sum()
-
-        if groups is None:
-            sums = [reduce(self._counted)] + [pows.new_zeros(())] * (num_groups - 1)
-        else:
-            sums = [reduce(self._counted & (groups == k)) for k in range(num_groups)]
-        stats = torch.stack([*sums, (~torch.isfinite(pows)).sum().to(torch.float32)])
-        return self.placement.comm.all_reduce(stats, op="max" if inf else "sum")
+    def _slot_norm_terms(self) -> None:
+        """Each norm term's slot: its parameter's index among the stage's parameters (group order, the same on
+        every rank; one slot past them for a term whose parameter is not one of them), and the slot count."""
+        index: dict[int, int] = {}
+        for p in (p for g in self.param_groups for p in g["params"]):
+            index.setdefault(id(p), len(index))
+        slots = [index.get(id(p), len(index)) for p in self.placement.norm_params(self.pieces)]
+        self._norm_slots = (torch.tensor(slots, dtype=torch.long, device=self.device), len(index) + 1)
 
     def count_zeros(self) -> torch.Tensor:
         """Zero elements of the counted ready gradients, summed over the placement's groups (0-d int64)."""
