@@ -61,3 +61,22 @@ def test_a_file_that_fails_to_collect_fails_all_its_tests(tmp_path: Path) -> Non
     table = run.table("ref", merged, [], verbose=False)
     assert "| tests/unit_tests/test_bad.py | 0 | 8 | 0 | 0 |" in table
     assert "| tests/unit_tests/test_good.py | 1 | 0 | 0 | 0 |" in table
+
+
+_CUDA_JUNIT = '''<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="2">
+<testcase classname="tests.unit_tests.test_x" name="test_on_cuda" file="tests/unit_tests/test_x.py">
+<failure message="assert False">&gt;  assert state["exp_avg"].is_cuda
+E   assert False</failure></testcase>
+<testcase classname="tests.unit_tests.test_x" name="test_values" file="tests/unit_tests/test_x.py">
+<failure message="assert False">&gt;  assert torch.equal(a, b)
+E   assert False</failure></testcase>
+</testsuite></testsuites>'''
+
+
+def test_a_cuda_placement_assertion_is_out_of_scope_and_other_failures_are_not(tmp_path: Path) -> None:
+    xml = tmp_path / "rank0.xml"
+    xml.write_text(_CUDA_JUNIT)
+    merged = run.outcomes([xml])
+    by_test = {test.split("::")[-1]: result for (_, test), result in merged.items()}
+    assert by_test["test_on_cuda"][0] == "out" and "CUDA device" in by_test["test_on_cuda"][1]
+    assert by_test["test_values"][0] == "fail"
