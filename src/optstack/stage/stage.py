@@ -332,7 +332,7 @@ class Stage:
         self._ready = []  # the next step makes them ready again
         state = [v for t in self._stepped for v in (self.optimizer.state.get(t) or {}).values()
                  if isinstance(v, torch.Tensor)]
-        self._host = HostCopy(self.precision.held() + state + [self._counted], self.device,
+        self._host = HostCopy(self.precision.held() + state + [self._counted, self._norm_slots[0]], self.device,
                               scratch=self.precision.scratch() + scratch_of(self.optimizer))
         return self._host.nbytes
 
