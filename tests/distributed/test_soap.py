@@ -1,6 +1,7 @@
 """SOAP on real gloo ranks over 20 steps: ZeRO-1 at dp=2 and dp=3 (whole matrices on owner ranks) and layer-wise at
 dp=2 against one process, the matrices' factors of full rank (square 8 x 8 weights, 12 rows a batch), eigenbases
-refreshed every 3 steps; the biases on AdamW through the default rule.
+refreshed every 3 steps; the biases on AdamW through the default rule. The adaptive Muons (NorMuon, AdaMuon) at
+ZeRO-1 dp=3 the same way (their dp=2 and layer-wise cases: test_factory_distributed.py).
 
 Every rank trains on the same whole batch (as test_checkpoint_reshard.py), and the one process averages its
 gradient as the ranks do (``_rank_average``: each of ``dp`` equal gradients scaled by ``1 / dp`` before the sum, the
@@ -30,8 +31,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
 
 
-def _config(sharding: str = "replicated") -> OptimizerConfig:
-    return OptimizerConfig(algorithm="soap", lr=0.01, weight_decay=0.1, clip_grad=0.0,
+def _config(sharding: str = "replicated", algorithm: str = "soap") -> OptimizerConfig:
+    return OptimizerConfig(algorithm=algorithm, lr=0.01, weight_decay=0.1, clip_grad=0.0,
                            soap=SOAPConfig(precondition_frequency=3, shampoo_beta=0.9),
                            distributed=DistributedConfig(sharding=sharding, bucket_size=64))
 
@@ -57,13 +58,14 @@ def _steps(model: nn.Module, opt: Any, rows: slice, average_over: int = 1) -> No
         opt.zero_grad()
 
 
-def soap_vs_one_process(sharding: str) -> dict[str, Any]:
+def soap_vs_one_process(sharding: str, algorithm: str = "soap") -> dict[str, Any]:
     import torch.distributed as dist
 
     ref = _model()  # in the rank's process: one thread, as the ranks (world.py)
-    _steps(ref, build_optimizer(_config(), ref).optimizer, slice(None), average_over=dist.get_world_size())
+    _steps(ref, build_optimizer(_config(algorithm=algorithm), ref).optimizer, slice(None),
+           average_over=dist.get_world_size())
     model = _model()
-    config = _config(sharding)
+    config = _config(sharding, algorithm)
     wrapped = wrap_data_parallel(config, model)
     built = build_optimizer(config, wrapped)
     _steps(wrapped, built.optimizer, slice(None))
@@ -79,3 +81,12 @@ def test_soap_equals_one_process_over_20_steps(request: pytest.FixtureRequest, w
         assert out["moved"] > 1e-2, out
         assert out["gap"] <= 1e-6, out
         assert out["kinds"]["SOAP"] != "whole", out  # owners step whole matrices, not every rank all of them
+
+
+@pytest.mark.parametrize("algorithm", ["normuon", "adamuon"])
+def test_adaptive_muon_under_zero1_at_dp3_equals_one_process_over_20_steps(world3, algorithm: str) -> None:
+    # the adaptive Muons' whole matrices on owner ranks at dp=3, the gradients averaged as the ranks do
+    for out in world3.run(soap_vs_one_process, "zero1", algorithm):
+        assert out["moved"] > 1e-2, out
+        assert out["gap"] <= 1e-6, out
+        assert "whole" not in out["kinds"].values(), out
