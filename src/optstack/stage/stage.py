@@ -118,7 +118,6 @@ class Stage:
         self._stepped = [t for group in stepped for t in group]
         self._ready: list[torch.Tensor | None] = []
         self._counts = self.placement.norm_counts(self.placement.norm_params(self.pieces))
-        self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._slot_norm_terms()
         self._takes_grad_scale = bool(getattr(optimizer, "takes_grad_scale", False))
         self._host: HostCopy | None = None  # the state while offload_states() holds it on the host
@@ -165,7 +164,6 @@ class Stage:
         self.pieces += pieces
         self._stepped += stepped
         self._counts += self.placement.norm_counts(self.placement.norm_params(pieces))
-        self._counted = torch.tensor(self._counts, dtype=torch.bool, device=self.device)
         self._slot_norm_terms()
         return self.param_groups[-1]
 
@@ -205,11 +203,10 @@ class Stage:
         # and every rank sums the reduced slots in that order: where each parameter's term is computed on one
         # rank (owners, whole shards, replicated) the all-reduce only adds zeros, so the norm is bitwise the
         # same however the stage is placed; summing per rank first would make its last bit depend on the split.
-        slots, width = self._norm_slots
-        rows = (torch.zeros_like(slots) if groups is None else groups.to(slots.device)) * width + slots
+        terms, slots, width = self._norm_terms
+        rows = slots if groups is None else groups.to(terms.device)[terms] * width + slots
         table = pows.new_zeros(num_groups * width)
-        counted = self._counted
-        table.scatter_reduce_(0, rows[counted], pows[counted], reduce="amax" if inf else "sum")
+        table.scatter_reduce_(0, rows, pows[terms], reduce="amax" if inf else "sum")
         nonfinite = (~torch.isfinite(pows)).sum().to(torch.float32).reshape(1)
         reduced = self.placement.comm.all_reduce(torch.cat([table, nonfinite]), op="max" if inf else "sum")
         per_group = reduced[:-1].view(num_groups, width)
@@ -217,13 +214,17 @@ class Stage:
         return torch.cat([sums, reduced[-1:]])
 
     def _slot_norm_terms(self) -> None:
-        """Each norm term's slot: its parameter's index among the stage's parameters (group order, the same on
-        every rank; one slot past them for a term whose parameter is not one of them), and the slot count."""
+        """The norm terms counted on this rank (indices into ``norm_params``), each one's slot (its parameter's
+        index among the stage's parameters, in group order, the same on every rank; one slot past them for a
+        term whose parameter is not one of them), and the number of slots. Fixed with the parameters."""
         index: dict[int, int] = {}
         for p in (p for g in self.param_groups for p in g["params"]):
             index.setdefault(id(p), len(index))
-        slots = [index.get(id(p), len(index)) for p in self.placement.norm_params(self.pieces)]
-        self._norm_slots = (torch.tensor(slots, dtype=torch.long, device=self.device), len(index) + 1)
+        params = self.placement.norm_params(self.pieces)
+        terms = [i for i, counts in enumerate(self._counts) if counts]
+        slots = [index.get(id(params[i]), len(index)) for i in terms]
+        self._norm_terms = (torch.tensor(terms, dtype=torch.long, device=self.device),
+                            torch.tensor(slots, dtype=torch.long, device=self.device), len(index) + 1)
 
     def count_zeros(self) -> torch.Tensor:
         """Zero elements of the counted ready gradients, summed over the placement's groups (0-d int64)."""
@@ -332,7 +333,7 @@ class Stage:
         self._ready = []  # the next step makes them ready again
         state = [v for t in self._stepped for v in (self.optimizer.state.get(t) or {}).values()
                  if isinstance(v, torch.Tensor)]
-        self._host = HostCopy(self.precision.held() + state + [self._counted, self._norm_slots[0]], self.device,
+        self._host = HostCopy(self.precision.held() + state + list(self._norm_terms[:2]), self.device,
                               scratch=self.precision.scratch() + scratch_of(self.optimizer))
         return self._host.nbytes
 
