@@ -162,6 +162,29 @@ def test_state_dict_and_paged_export_continue_identically() -> None:
     assert opt_ex.state[again[1]]["GG_right"].shape == (10, 10)
 
 
+
+def test_a_state_dict_saved_before_the_options_existed_loads_with_the_defaults() -> None:
+    params = _params([(6, 6)], 7)
+    opt = SOAP(params, precondition_frequency=2, lr=0.01)
+    for t in range(2):
+        params[0].grad = _grads(params, t)[0]
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        for key in ("use_kl_shampoo", "update_first_step", "use_eigh"):
+            del group[key]
+    fresh = [nn.Parameter(params[0].detach().clone())]
+    loaded = SOAP(fresh, precondition_frequency=2, lr=0.01)
+    loaded.load_state_dict(saved)
+    assert {k: loaded.param_groups[0][k] for k in ("use_kl_shampoo", "update_first_step", "use_eigh")} == {
+        "use_kl_shampoo": False, "update_first_step": False, "use_eigh": False}
+    for t in range(3):
+        for group in (params, fresh):
+            group[0].grad = _grads(group, 20 + t)[0]
+        opt.step()
+        loaded.step()
+    assert torch.equal(params[0].detach(), fresh[0].detach())
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))

@@ -96,6 +96,19 @@ def resolve_impl(impl: str, device: torch.device, has_fused: bool) -> str:
     return "fused" if has_fused and device.type in FUSED_DEVICE_TYPES else "foreach"
 
 
+def add_checked_group(optimizer: torch.optim.Optimizer, add: Callable[[dict[str, Any]], None],
+                      param_group: dict[str, Any], check: Callable[[dict[str, Any], int], None]) -> None:
+    """``add`` (the base class's ``add_param_group``) a copy of ``param_group`` (torch fills defaults into the dict
+    it is given; the caller's is theirs), then ``check(group, index)`` it; a group that fails is taken off again,
+    so a refused group leaves the optimizer as it was."""
+    add(dict(param_group))
+    try:
+        check(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)
+    except ValueError:
+        optimizer.param_groups.pop()
+        raise
+
+
 def check_min(owner: str, index: int, group: dict[str, Any], key: str, low: float = 0.0) -> None:
     """Raise a ValueError naming ``owner``, the group and the field unless ``group[key] >= low``."""
     value = group[key]

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optstack.algorithms._common import is_number, require
+from optstack.algorithms._common import add_checked_group, is_number, require
 from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, momentum_updates, stack_chunks
 from optstack.algorithms.muon import Muon, ScaleMode, muon_scale_factor
 from optstack.algorithms.newton_schulz import (
@@ -147,13 +147,7 @@ class AdaptiveMuon(Muon):
         Raises:
             ValueError: a bad setting or parameter; the group is not added.
         """
-        group = {**self._adaptive, **param_group}
-        super().add_param_group(group)
-        try:
-            _validate_adaptive(self.param_groups[-1], len(self.param_groups) - 1)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+        add_checked_group(self, super().add_param_group, {**self._adaptive, **param_group}, _validate_adaptive)
 
     def exported_state(self, param: Tensor) -> dict[str, Any]:
         """``self.state[param]`` with a per-row ``moment2_buffer`` spread over its row (element-wise, the

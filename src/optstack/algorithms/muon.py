@@ -42,7 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optstack.algorithms._common import check_min, is_number, require
+from optstack.algorithms._common import add_checked_group, check_min, is_number, require
 from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, momentum_updates, stack_chunks
 from optstack.algorithms.newton_schulz import (
     MATMUL_PRECISIONS,
@@ -209,13 +209,7 @@ class Muon(torch.optim.Optimizer):
         Raises:
             ValueError: a bad setting or a parameter Muon cannot take; the group is not added.
         """
-        # A copy: torch fills defaults into the dict it is given, and the caller's dict is theirs.
-        super().add_param_group(dict(param_group))
-        try:
-            _validate_group(self.param_groups[-1], len(self.param_groups) - 1)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+        add_checked_group(self, super().add_param_group, param_group, _validate_group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optstack.algorithms._common import check_betas, check_min, is_number, require
+from optstack.algorithms._common import add_checked_group, check_betas, check_min, is_number, require
 
 __all__ = ["SOAP", "kwargs_from_config", "soap_reference", "MATRIX_KEYS"]
 
@@ -306,12 +306,13 @@ class SOAP(torch.optim.Optimizer):
         Raises:
             ValueError: a bad setting or a parameter SOAP cannot take; the group is not added.
         """
-        super().add_param_group(dict(param_group))  # a copy: the caller's dict is theirs
-        try:
-            _validate_group(self.param_groups[-1], len(self.param_groups) - 1)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+        add_checked_group(self, super().add_param_group, param_group, _validate_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # a state dict saved before these options existed (as torch's classes do)
+            for key in _OPTIONS:
+                group.setdefault(key, self.defaults[key])
 
     def exported_state(self, param: Tensor) -> dict[str, Any]:
         """``self.state[param]`` with each square matrix as pages shaped like ``param`` (``key.0``, ``key.1``,
@@ -326,8 +327,6 @@ class SOAP(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            for key in _OPTIONS:  # groups loaded from a state dict saved before these options existed
-                group.setdefault(key, self.defaults[key])
             _validate_settings(group, index)  # a scheduler may have written them
             self._step_group(group)
         return loss
