@@ -323,11 +323,11 @@ def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int |
                                       bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
     layouts: dict[BufferKey, PerBufferParamLayout] = {}
     for expert in (False, True):
-        members = [(key, ps, idx) for key, (ps, idx) in groups.items() if key.is_expert_parallel == expert]
-        if not members:
+        position = {id(p): (key, i) for key, (ps, idx) in groups.items() if key.is_expert_parallel == expert
+                    for p, i in zip(ps, idx, strict=True)}
+        if not position:
             continue
         dp = (expert_data_parallel_world_size or data_parallel_world_size) if expert else data_parallel_world_size
-        position = {id(p): (key, i) for key, ps, idx in members for p, i in zip(ps, idx, strict=True)}
         ordered = [p for p in params if id(p) in position]
         named = [(str(i), p) for i, p in enumerate(ordered)]
         plan = megatron_layout_plan(named, ddp_config, Topology(dp=dp), bucket_size=bucket_size, sharded=True)
