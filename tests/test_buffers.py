@@ -216,3 +216,20 @@ def test_build_buffers_groups_by_dtype_and_expert_flag():
     assert "whole" in repr(bufs[1]) and torch.equal(m, torch.arange(12.0).view(3, 4))  # values kept
     assert m.data_ptr() == bufs[1].param_shard_view(0, 0).data_ptr()  # shard 0 is "m", shard 1 "n"
     assert n.data_ptr() == bufs[1].param_shard_view(0, 1).data_ptr()
+
+
+def test_whole_shard_packing_by_cost_spreads_the_dear_parameters_over_the_whole_buffer() -> None:
+    # four buckets of one dear matrix and three cheap ones of the same size: by elements every bucket starts from
+    # empty shards and sends its dear matrix to rank 0; by cost the shards' work carries over the buckets
+    params = [(f"{b}.{i}", (128, 128)) for b in range(4) for i in range(4)]
+    costs = [1000.0 if name.endswith(".0") else 1.0 for name, _ in params]
+    by = {mode: BufferLayout.plan(params, dp_size=4, bucket_size=4 * 16384, whole=True, costs=costs,
+                                  bucketing=Bucketing(whole_balance=mode)) for mode in ("elements", "cost")}
+    dear = [name for name, _ in params if name.endswith(".0")]
+    assert all(len(layout.buckets) == 4 and layout.holds_whole for layout in by.values())
+    assert {by["elements"].owner_of(n) for n in dear} == {0}
+    assert sorted(by["cost"].owner_of(n) for n in dear) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="costs has 1 entries for 16 parameters"):
+        BufferLayout.plan(params, dp_size=4, bucket_size=None, whole=True, costs=[1.0])
+    with pytest.raises(ValueError, match="whole_balance"):
+        Bucketing(whole_balance="numel")  # type: ignore[arg-type]

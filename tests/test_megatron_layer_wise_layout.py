@@ -176,3 +176,36 @@ def test_muon_leaves_what_layer_wise_does_not_manage_to_its_scalar_optimizer() -
     assert stepped == {"Muon": ["a.weight", "b.weight"],
                        "AdamW": ["a.bias", "b.bias", "c.bias", "c.weight", "embed.weight"]}
     assert stepped["Muon"] == sorted(n for n, p in net.named_parameters() if is_managed_by_layer_wise_optimizer(p))
+
+
+def _gtp(rows: int, cols: int, remat: int) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros(rows, cols, dtype=torch.bfloat16))
+    param.is_gtp_weight_remat, param.gtp_remat_size = True, remat
+    param.is_managed_by_layer_wise_optimizer = True
+    return param
+
+
+def _managed(*shape: int) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16))
+    param.is_managed_by_layer_wise_optimizer = True
+    return param
+
+
+def test_gtp_weights_are_packed_by_the_cost_of_the_matrix_they_are_gathered_into() -> None:
+    # a GTP row shard is small but Newton-Schulz runs on the gathered matrix (64x its rows): packing by elements
+    # would pile the three onto one shard, packing by cost spreads them (Megatron's current main)
+    dp, config = 4, DistributedDataParallelConfig(use_distributed_optimizer=True)
+    gtp = [_gtp(64, 256, 64) for _ in range(3)]
+    params = [_managed(128, 1024), _managed(256, 256), _managed(256, 256), *gtp, _managed(64, 256)]
+    per_buffer = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(params, None, dp, config)
+    full = LayerWiseDistributedOptimizer.compute_full_param_layout(params, None, dp, config)
+    bf16 = torch.bfloat16
+    for layout in (per_buffer, full.layouts[BufferKey(bf16, bf16, False, True)]):
+        shards = [_shard_of(layout, p) for p in gtp]
+        assert all(first == last for first, last in shards)
+        assert len({first for first, _ in shards}) == 3, shards
+    # buckets do not reset the shards' cost: one GTP matrix per bucket still lands on a different shard each time
+    params = [p for _ in range(4) for p in (_gtp(64, 256, 64), *(_managed(128, 128) for _ in range(3)))]
+    layout = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(params, 4 * 16384, dp, config)
+    assert len(layout.bucket_indices) == 4
+    assert len({_shard_of(layout, p)[0] for p in params if hasattr(p, "gtp_remat_size")}) == 4

@@ -14,8 +14,9 @@ a bucket of its own); the default is the rule above.
 
 Whole-shard layouts (``whole=True``): every parameter lies whole inside one rank's shard, so a reduce-scatter
 hands each rank whole gradients of the parameters it owns. A bucket's parameters are assigned to shards largest
-first, each to the least-filled shard (balancing elements, so little padding), in backward order inside a shard;
-the shards are padded to one size. A bucket closes once it holds ``max(bucket_size, dp_size x its largest
+first, each to the least-filled shard (balancing elements, so little padding; ``Bucketing.whole_balance="cost"``
+balances the update cost over the buffer instead, as Megatron's current main does), in backward order inside a
+shard; the shards are padded to one size. A bucket closes once it holds ``max(bucket_size, dp_size x its largest
 parameter)`` elements (fewer would leave shards mostly padding), before the first parameter that does not fit in
 the padding its shards need anyway.
 """
@@ -28,7 +29,20 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-__all__ = ["BucketSlot", "Bucketing", "BufferLayout", "OwnedSlice", "ParamSlot", "Run"]
+__all__ = ["BucketSlot", "Bucketing", "BufferLayout", "OwnedSlice", "ParamSlot", "Run", "newton_schulz_cost"]
+
+#: A whole-shard bucket's shards are filled by cost only up to this multiple of its mean shard (bounded padding).
+WHOLE_SHARD_SLACK = 1.3
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> float:
+    """One parameter's update cost: ``max(m, n) * min(m, n) ** 2`` for an ``(m, n)`` matrix (a Newton-Schulz
+    iteration's matmuls), ``b`` times that for a ``(b, m, n)`` stack of matrices (grouped experts, heads: one
+    Newton-Schulz per matrix), the element count otherwise (an element-wise update)."""
+    if len(shape) in (2, 3):
+        *batch, m, n = shape
+        return float(math.prod(batch) * max(m, n) * min(m, n) ** 2)
+    return float(math.prod(shape))
 
 
 def _align_up(n: int, multiple: int) -> int:
@@ -102,6 +116,9 @@ class Bucketing:
         param_align: each parameter starts at a multiple of this; None: the plan's ``param_align``.
         shard_align: what "aligned" / "even" padding aligns to; None: the plan's ``shard_align``.
         alone: names of parameters that get a bucket to themselves.
+        whole_balance: how a whole-shard bucket's parameters go to shards: "elements": largest first, each to the
+            least-filled shard (least padding); "cost": dearest first, each to the shard with the least cost over
+            the buffer so far among those it leaves within ``WHOLE_SHARD_SLACK`` x the mean shard (Megatron's).
     """
 
     close: Literal["fit", "reach"] = "fit"
@@ -109,12 +126,15 @@ class Bucketing:
     param_align: int | None = None
     alone: frozenset[str] = frozenset()
     shard_align: int | None = None
+    whole_balance: Literal["elements", "cost"] = "elements"
 
     def __post_init__(self) -> None:
         if self.close not in ("fit", "reach"):
             raise ValueError(f"Bucketing.close must be 'fit' or 'reach', got {self.close!r}")
         if self.pad not in ("aligned", "even", "none"):
             raise ValueError(f"Bucketing.pad must be 'aligned', 'even' or 'none', got {self.pad!r}")
+        if self.whole_balance not in ("elements", "cost"):
+            raise ValueError(f"Bucketing.whole_balance must be 'elements' or 'cost', got {self.whole_balance!r}")
         for name in ("param_align", "shard_align"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -133,11 +153,12 @@ class BufferLayout:
     @classmethod
     def plan(cls, params: Sequence[tuple[str, Sequence[int]]], *, dp_size: int, bucket_size: int | None,
              shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
-             whole: bool = False) -> BufferLayout:
+             whole: bool = False, costs: Sequence[float] | None = None) -> BufferLayout:
         """Lay out ``params`` (name, shape), given in backward order, cut as ``bucketing`` says (default: the
-        module docstring's rule); ``whole``: each parameter whole inside one rank's shard (module docstring).
+        module docstring's rule); ``whole``: each parameter whole inside one rank's shard, balanced by ``costs``
+        (one per parameter; default ``newton_schulz_cost`` of the shapes) (module docstring).
         ``params`` of the result keep the given order; a bucket's ``param_names`` are in buffer order.
-        ValueError for a size < 1 or a repeated name."""
+        ValueError for a size < 1, a repeated name or costs not matching the parameters."""
         rule = bucketing if bucketing is not None else Bucketing()
         if rule.param_align is not None:
             param_align = rule.param_align
@@ -154,8 +175,12 @@ class BufferLayout:
             raise ValueError(f"parameter names must be unique; {dup!r} appears twice")
         multiple = {"aligned": dp_size * shard_align, "even": math.lcm(dp_size, shard_align), "none": 1}[rule.pad]
         if whole:
+            if costs is None:
+                costs = [newton_schulz_cost(shape) for _, shape in params]
+            elif len(costs) != len(params):
+                raise ValueError(f"costs has {len(costs)} entries for {len(params)} parameters")
             # each shard starts aligned too
-            return cls._plan_whole(params, dp_size, bucket_size, param_align,
+            return cls._plan_whole(params, costs, dp_size, bucket_size, param_align,
                                    math.lcm(multiple, dp_size * param_align), rule)
         slots: list[ParamSlot] = []
         buckets: list[BucketSlot] = []
@@ -185,31 +210,39 @@ class BufferLayout:
         return cls(tuple(slots), tuple(buckets), start, dp_size)
 
     @classmethod
-    def _plan_whole(cls, params: Sequence[tuple[str, Sequence[int]]], dp_size: int, bucket_size: int | None,
-                    param_align: int, multiple: int, rule: Bucketing) -> BufferLayout:
+    def _plan_whole(cls, params: Sequence[tuple[str, Sequence[int]]], costs: Sequence[float], dp_size: int,
+                    bucket_size: int | None, param_align: int, multiple: int, rule: Bucketing) -> BufferLayout:
         """``plan(whole=True)``: buckets of whole-shard parameters (module docstring); ``multiple`` divides each
         bucket's size (a multiple of ``dp_size``)."""
         slots: dict[str, ParamSlot] = {}
         buckets: list[BucketSlot] = []
         start = 0
-        members: list[tuple[str, tuple[int, ...], int]] = []  # the open bucket: (name, shape, numel)
+        members: list[tuple[str, tuple[int, ...], int, float]] = []  # the open bucket: (name, shape, numel, cost)
         loads = [0] * dp_size  # its shards, as arriving parameters fill them (close() re-plans them)
         held = largest = 0  # its elements, its largest parameter's
+        work = [0.0] * dp_size  # each shard's cost over the buffer's buckets so far
 
-        def least_loaded(shard_loads: list[int]) -> int:
-            return shard_loads.index(min(shard_loads))  # ties: the lower rank
+        def least(values: list[int] | list[float], among: Sequence[int] = range(dp_size)) -> int:
+            return min(among, key=lambda r: (values[r], r))  # ties: the lower rank
 
-        def close() -> None:
+        def close(alone: bool) -> None:
             nonlocal start, members, loads, held, largest
-            final, owner = [0] * dp_size, {}
-            for i in sorted(range(len(members)), key=lambda i: (-members[i][2], i)):
-                owner[i] = rank = least_loaded(final)
-                final[rank] += _align_up(members[i][2], param_align)
-            shard = _align_up(max(max(final), 1) * dp_size, multiple) // dp_size
+            filled, owner = [0] * dp_size, {}
+            cap = WHOLE_SHARD_SLACK * held / dp_size
+            by_cost = rule.whole_balance == "cost"
+            for i in sorted(range(len(members)), key=lambda i: (-members[i][3 if by_cost else 2], i)):
+                numel = members[i][2]
+                fits = [r for r in range(dp_size) if filled[r] + numel <= cap] if by_cost else []
+                # a bucket of its own (a shared embedding) goes to shard 0 and adds no work, as in Megatron
+                owner[i] = rank = 0 if alone else least(work, fits) if fits else least(filled)
+                filled[rank] += _align_up(numel, param_align)
+                if not alone:
+                    work[rank] += members[i][3]
+            shard = _align_up(max(max(filled), 1) * dp_size, multiple) // dp_size
             index, order, unpadded = len(buckets), [], 0
             for rank in range(dp_size):
                 at = start + rank * shard
-                for i, (name, shape, numel) in enumerate(members):
+                for i, (name, shape, numel, _) in enumerate(members):
                     if owner[i] == rank:
                         slots[name] = ParamSlot(name, shape, at, numel, index)
                         order.append(name)
@@ -218,21 +251,21 @@ class BufferLayout:
             buckets.append(BucketSlot(index, start, shard * dp_size, shard, tuple(order), unpadded))
             start, members, loads, held, largest = start + shard * dp_size, [], [0] * dp_size, 0, 0
 
-        for name, shape in params:
+        for (name, shape), cost in zip(params, costs, strict=True):
             numel = math.prod(shape)
             alone = name in rule.alone
             enough = bucket_size is not None and held >= max(bucket_size, dp_size * largest)
             # a parameter that fits in the padding the shards already need joins a bucket that is full enough
             absorbed = min(loads) + numel <= _align_up(max(loads), param_align)
             if members and (alone or (enough and not absorbed)):
-                close()
-            members.append((name, tuple(int(s) for s in shape), numel))
-            loads[least_loaded(loads)] += _align_up(numel, param_align)
+                close(False)
+            members.append((name, tuple(int(s) for s in shape), numel, float(cost)))
+            loads[least(loads)] += _align_up(numel, param_align)
             held, largest = held + numel, max(largest, numel)
             if alone:
-                close()
+                close(True)
         if members:
-            close()
+            close(False)
         return cls(tuple(slots[name] for name, _ in params), tuple(buckets), start, dp_size)
 
     @cached_property

@@ -31,7 +31,7 @@ import torch
 
 from optstack.algorithms.registry import Capabilities, get_algorithm
 from optstack.groups import GroupKey, group_keys
-from optstack.layout import Bucketing, BufferLayout
+from optstack.layout import Bucketing, BufferLayout, newton_schulz_cost
 from optstack.rules import Resolved
 
 __all__ = ["ParamSpec", "Placement", "PlannedBuffer", "PlannedParam", "PlannedStage", "ParamPlan", "Topology",
@@ -58,14 +58,22 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     expert: bool = False
+    #: the matrix the update runs on when larger than the tensor (a tensor-parallel shard gathered first)
+    update_shape: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def key(self) -> tuple[str, tuple[int, ...], str, bool]:
+    @property
+    def cost(self) -> float:
+        """The update's cost (``newton_schulz_cost`` of the matrix it runs on)."""
+        return newton_schulz_cost(self.update_shape or self.shape)
+
+    def key(self) -> tuple[Any, ...]:
         """A canonical, printable form (digests, error messages)."""
-        return (self.name, self.shape, str(self.dtype).removeprefix("torch."), self.expert)
+        out = (self.name, self.shape, str(self.dtype).removeprefix("torch."), self.expert)
+        return out if self.update_shape is None else (*out, self.update_shape)
 
 
 def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
@@ -171,16 +179,6 @@ def pack_owners(costs: Sequence[float], ranks: int) -> list[int]:
         bins[slot] += costs[i]
         owners[i] = slot
     return owners
-
-
-def newton_schulz_cost(shape: Sequence[int]) -> float:
-    """One parameter's update cost: ``max(m, n) * min(m, n) ** 2`` for an ``(m, n)`` matrix (a Newton-Schulz
-    iteration's matmuls), ``b`` times that for a ``(b, m, n)`` stack of matrices (grouped experts, heads: one
-    Newton-Schulz per matrix), the element count otherwise (an element-wise update)."""
-    if len(shape) in (2, 3):
-        *batch, m, n = shape
-        return float(math.prod(batch) * max(m, n) * min(m, n) ** 2)
-    return float(math.prod(shape))
 
 
 def assign_params(costs: Sequence[float], dp_size: int) -> list[int]:
@@ -461,7 +459,7 @@ def choose_whole_matrix_layout(members: Sequence[ParamSpec], ranks: int, *, buck
         for group in by_dtype.values():
             layout = BufferLayout.plan([(s.name, s.shape) for s in reversed(group)], dp_size=ranks,
                                        bucket_size=size, shard_align=shard_align, param_align=param_align,
-                                       bucketing=bucketing, whole=True)
+                                       bucketing=bucketing, whole=True, costs=[s.cost for s in reversed(group)])
             numel += layout.numel
             padding += layout.numel - sum(s.numel for s in group)
             buckets += len(layout.buckets)
@@ -534,7 +532,7 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
         size = whole_bucket_sizes.get(expert, bucket_size) if whole else bucket_size
         layout = BufferLayout.plan([(s.name, s.shape) for s in specs], dp_size=ranks, bucket_size=size,
                                    shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-                                   whole=whole)
+                                   whole=whole, costs=[s.cost for s in specs])
         out.append(PlannedBuffer(index, param_dtype, gdtype, expert, whole,
                                  reduction if sharding == "zero1" else "all_reduce", layout))
     return tuple(out)
@@ -555,7 +553,7 @@ def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
             members = [spec for spec, _, k in rows if k == kind]
             ranks = topology.expert_dp if kind[1] else (topology.dp if placement == "layerwise"
                                                         else topology.shard_size)
-            for spec, owner in zip(members, pack_owners([newton_schulz_cost(s.shape) for s in members], ranks),
+            for spec, owner in zip(members, pack_owners([s.cost for s in members], ranks),
                                    strict=True):
                 owners[spec.name] = owner
     return owners

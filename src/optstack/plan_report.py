@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from optstack.algorithms.registry import get_algorithm
-from optstack.plan import ParamPlan, PlannedBuffer, newton_schulz_cost
+from optstack.plan import ParamPlan, PlannedBuffer
 
 __all__ = ["RankCost", "PlanReport", "report", "format_report"]
 
@@ -159,7 +159,7 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
             for r in range(dp):
                 if placement in owned_placements:
                     mine = owned.get(r if placement == "layerwise" else r % n, [])
-                    owner_cost[r] += sum(newton_schulz_cost(p.spec.shape) for p in mine)
+                    owner_cost[r] += sum(p.spec.cost for p in mine)
                 else:
                     mine = members
                 own = sum(p.spec.numel for p in mine)

@@ -48,6 +48,7 @@ with a truthy ``shared_embedding`` attribute gets a bucket of its own; without i
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from optstack.megatron.param_and_grad_buffer import (
     group_params_for_buffers,
     megatron_bucketing_for,
     per_buffer_layout,
+    update_shape,
 )
 from optstack.names import named_parameters
 from optstack.plan import ParamPlan, Topology, specs_of
@@ -295,7 +297,9 @@ def megatron_layout_plan(named: Sequence[tuple[str, torch.Tensor]], ddp_config: 
                                        high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw",
                                                                     False)))
     fp32 = bool(getattr(ddp_config, "grad_reduce_in_fp32", False))
-    return ParamPlan.build(config, specs_of(named), resolve(named, rules), topology, bucketing=bucketing,
+    specs = [dataclasses.replace(s, update_shape=update_shape(p)) for s, (_, p) in zip(specs_of(named), named,
+                                                                                            strict=True)]
+    return ParamPlan.build(config, specs, resolve(named, rules), topology, bucketing=bucketing,
                            bucket_size=bucket_size, grad_dtype=torch.float32 if fp32 else None)
 
 

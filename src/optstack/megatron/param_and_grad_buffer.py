@@ -13,9 +13,9 @@ helpers).
 Megatron's ``param_layout`` names live here too: its ``BufferKey`` (``is_expert_parallel``,
 ``is_managed_by_layer_wise_optimizer``: the core's ``BufferKey.is_expert`` and ``whole``), the padding helpers
 and ``group_params_for_buffers``. A buffer of parameters managed by the layer-wise optimizer is the core's
-whole-shard buffer: every parameter lies whole inside one rank's reduce-scatter shard (the core's packing,
-balanced by element count; Megatron's own packing balances Newton-Schulz cost, so the offsets differ from
-Megatron's while the guarantee is the same).
+whole-shard buffer: every parameter lies whole inside one rank's reduce-scatter shard, packed by Newton-Schulz
+cost as Megatron packs it; a GTP-sharded weight (``is_gtp_weight_remat``) costs the whole matrix it is gathered
+into (``update_shape``).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from torch import nn
 from optstack.distributed.buffers import Bucket, Bucketing, BufferLayout, ParamAndGradBuffer
 from optstack.distributed.buffers import BufferKey as CoreBufferKey
 from optstack.distributed.comm import Comm, NullComm, torch_group
+from optstack.layout import newton_schulz_cost
 
 __all__ = ["BucketView", "BufferKey", "BufferView", "FullParamLayout", "PerBufferParamLayout", "Range",
            "bucket_end_divisor", "build_model_gbuf_range", "group_params_for_buffers",
            "megatron_bucketing_for", "megatron_key", "pad_bucket_end", "pad_param_start", "pad_to_divisor",
-           "per_buffer_layout", "plan_buffer"]
+           "per_buffer_layout", "plan_buffer", "update_shape"]
 
 
 def pad_to_divisor(value: int, divisor: int) -> int:
@@ -112,13 +113,13 @@ def megatron_bucketing_for(params: Sequence[tuple[str, nn.Parameter]], *, distri
                            high_nccl_busbw: bool = False) -> Bucketing:
     """Megatron's bucket rule for (name, param) pairs: closes a bucket once it reaches ``bucket_size``; with the
     distributed optimizer, parameters 64-aligned, buckets padded to ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
-    ``high_nccl_busbw``: ``pad_buckets_for_high_nccl_busbw``) and a truthy ``shared_embedding`` parameter in a
-    bucket of its own; without it nothing padded."""
+    ``high_nccl_busbw``: ``pad_buckets_for_high_nccl_busbw``), a truthy ``shared_embedding`` parameter in a
+    bucket of its own and whole-shard buckets packed by Newton-Schulz cost; without it nothing padded."""
     if not distributed_optimizer:
         return Bucketing(close="reach", pad="none", param_align=1)
     shared = frozenset(n for n, p in params if getattr(p, "shared_embedding", False))
     return Bucketing(close="reach", pad="even", param_align=64, alone=shared,
-                     shard_align=2**16 if high_nccl_busbw else 128)
+                     shard_align=2**16 if high_nccl_busbw else 128, whole_balance="cost")
 
 
 @dataclass
@@ -154,6 +155,14 @@ def per_buffer_layout(layout: BufferLayout, params: Sequence[nn.Parameter], *, s
         num_optimizer_shards=shards)
 
 
+def update_shape(param: nn.Parameter) -> tuple[int, ...] | None:
+    """The matrix Newton-Schulz runs on for a GTP-sharded weight (Megatron's ``is_gtp_weight_remat``: a row shard
+    gathered from ``gtp_remat_size`` ranks first), else None (its own shape)."""
+    if getattr(param, "is_gtp_weight_remat", False) and param.dim() == 2:
+        return (param.shape[0] * int(getattr(param, "gtp_remat_size", 1)), param.shape[1])
+    return None
+
+
 def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size: int, ddp_config: Any, *,
                 whole: bool, indices: Sequence[int] | None = None) -> PerBufferParamLayout:
     """The distributed-optimizer layout of one buffer's ``params`` (forward order) as the face's wrapper builds
@@ -164,7 +173,8 @@ def plan_buffer(params: Sequence[nn.Parameter], bucket_size: int | None, dp_size
     rule = megatron_bucketing_for(named, distributed_optimizer=True,
                                   high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)))
     plan = BufferLayout.plan([(n, tuple(p.shape)) for n, p in named], dp_size=dp_size, bucket_size=bucket_size,
-                             bucketing=rule, whole=whole)
+                             bucketing=rule, whole=whole,
+                             costs=[newton_schulz_cost(update_shape(p) or p.shape) for p in backward])
     return per_buffer_layout(plan, backward, shards=dp_size, indices=None if indices is None else list(indices)[::-1])
 
 
