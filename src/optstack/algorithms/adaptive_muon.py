@@ -199,12 +199,8 @@ def _normalised_steps(updates: list[Tensor], moments: list[Tensor], group: dict[
         matmul_dtype = ns_matmul_dtype(precision, device)
         limit = max(1, _MAX_STACK_ELEMENTS // max(1, shape.numel()))
         for chunk in stack_chunks([(i, updates[i]) for i in indices], limit):
-            if len(chunk) == 1 and chunk[0][1].ndim == 2:  # a lone matrix: exactly the reference's kernel
-                i, x = chunk[0]
-                lone = True
-            else:
-                x = torch.cat([m if m.ndim == 3 else m.unsqueeze(0) for _, m in chunk])
-                lone = False
+            lone = len(chunk) == 1 and chunk[0][1].ndim == 2  # a lone matrix: exactly the reference's kernel
+            x = chunk[0][1] if lone else torch.cat([m if m.ndim == 3 else m.unsqueeze(0) for _, m in chunk])
             with matmul_precision(precision, device):
                 o = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=NS_EPS,
                                   matmul_dtype=matmul_dtype)
@@ -214,7 +210,7 @@ def _normalised_steps(updates: list[Tensor], moments: list[Tensor], group: dict[
             v = vs[0] if lone else torch.cat([t if t.ndim == 3 else t.unsqueeze(0) for t in vs])
             n = _normalise(o, v, **settings).mul_(scale)
             if lone:
-                out[i] = n
+                out[chunk[0][0]] = n
                 continue
             offset = 0
             for (i, m), target, count in zip(chunk, vs, counts, strict=True):
@@ -227,7 +223,7 @@ def _normalised_steps(updates: list[Tensor], moments: list[Tensor], group: dict[
 
 def _part(moment: Tensor, update: Tensor, part: Tensor) -> Tensor:
     """The rows of ``moment`` (a 3-D update's) that go with ``part``, a view of ``update`` split along its batch
-    dimension by ``_chunks``; the whole ``moment`` for a 2-D update or an unsplit stack."""
+    dimension by ``stack_chunks``; the whole ``moment`` for a 2-D update or an unsplit stack."""
     if part.ndim == 2 or part.size(0) == update.size(0):
         return moment
     start = (part.data_ptr() - update.data_ptr()) // (update.stride(0) * update.element_size())

@@ -66,7 +66,6 @@ _SCALES: dict[str, Callable[[int, int], float]] = {
     "shape_scaling": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
 }
 SCALE_MODES: tuple[str, ...] = tuple(_SCALES)
-_NS_EPS = NS_EPS
 _MAX_STACK_ELEMENTS = MAX_STACK_ELEMENTS  # per module, so a test can make this module's stacks smaller
 
 
@@ -112,13 +111,10 @@ def muon_reference(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: 
     momentum_buffer.mul_(momentum).add_(grad, alpha=1 - momentum)
     update = torch.add(grad * (1 - momentum), momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     matrices = [update] if qkv_split_shapes is None else _qkv_blocks(update, qkv_split_shapes)
-    orthogonalised = [newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=_NS_EPS,
+    orthogonalised = [newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=NS_EPS,
                                     matmul_dtype=matmul_dtype)
                       * (extra_scale_factor * muon_scale_factor(m.size(0), m.size(1), scale_mode)) for m in matrices]
-    if qkv_split_shapes is None:
-        step = orthogonalised[0]
-    else:
-        step = _merge_qkv(orthogonalised, qkv_split_shapes, update.shape)
+    step = orthogonalised[0] if qkv_split_shapes is None else _merge_qkv(orthogonalised, qkv_split_shapes, update.shape)
     param.mul_(1 - lr * weight_decay)
     param.add_(step, alpha=-lr)
 
@@ -133,7 +129,7 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
 
 
 def newton_schulz_blocks(blocks: Sequence[Tensor], dim: int, *, steps: int, coefficients: Coefficients,
-                         eps: float = _NS_EPS, matmul_dtype: torch.dtype | None = None,
+                         eps: float = NS_EPS, matmul_dtype: torch.dtype | None = None,
                          all_reduce: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
     """``newton_schulz`` of the matrix the ``(m, n)`` ``blocks`` make when joined along ``dim``, block by block:
     the norm and the Gram products are sums over the blocks (``A = sum X_i X_i^T`` for column blocks, the right
@@ -298,7 +294,7 @@ def _orthogonalise_matrices(updates: list[Tensor], group: dict[str, Any]) -> lis
             # One whole update is used as it is (no copy; a single 2-D one runs exactly the reference's kernel).
             x = chunk[0][1] if len(chunk) == 1 else torch.cat([m if m.ndim == 3 else m.unsqueeze(0) for _, m in chunk])
             with matmul_precision(precision, device):
-                out = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=_NS_EPS,
+                out = newton_schulz(x, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=NS_EPS,
                                     matmul_dtype=matmul_dtype)
             out.mul_(scale)  # a fresh tensor: newton_schulz never returns its input
             if len(chunk) == 1:

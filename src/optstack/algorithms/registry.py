@@ -2,12 +2,12 @@
 
 Built-in: ``adamw``, ``adam`` (L2 weight decay, as ``torch.optim.Adam``), ``sgd``, ``lion``, ``muon``, ``normuon``,
 ``adamuon``, ``adaptive_muon`` (its ``moment2_method`` from the config), ``soap``, ``schedule_free_adamw`` and
-``schedule_free_sgd``; any other
-class as ``"torch.optim.<Class>"`` or ``"package.module:Class"``. Each name also says how its constructor kwargs
-come from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, plus what its module's ``kwargs_from_config``
-reads from its section (a plug-in gets only the two). Adding an optimizer is a file and a ``register`` line.
-``muon`` and the adaptive Muons are registered by import path, imported on first lookup (no Newton-Schulz import
-before). The config is typed ``Any``: ``optstack.config`` builds on this registry, which must not import it back.
+``schedule_free_sgd``; any other class as ``"torch.optim.<Class>"`` or ``"package.module:Class"``. Each name also
+says how its constructor kwargs come from an ``OptimizerConfig``: ``lr`` and ``weight_decay``, plus what its
+module's ``kwargs_from_config`` reads from its section (a plug-in gets only the two). Adding an optimizer is a file
+and a ``register`` line. The matrix algorithms are registered by import path, imported on first lookup (no
+Newton-Schulz import before). The config is typed ``Any``: ``optstack.config`` builds on this registry, which must
+not import it back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ __all__ = ["AlgorithmSpec", "Capabilities", "Family", "KwargsFromConfig", "algor
 Family = Literal["adam", "sgd", "lion", "muon", "other"]
 _FAMILIES: tuple[str, ...] = ("adam", "sgd", "lion", "muon", "other")
 _OFFLOADABLE_FAMILIES: tuple[str, ...] = ("adam", "sgd")  # with a host kernel fast enough for offloaded state
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,12 +263,10 @@ def _register_builtins() -> None:
     register("lion", lion.Lion, family="lion", kwargs=lion.kwargs_from_config)
     register("muon", "optstack.algorithms.muon:Muon", family="muon",
              kwargs="optstack.algorithms.muon:kwargs_from_config")
-    whole = Capabilities(elementwise=False, whole_matrices=True, state=("momentum_buffer",))
-    both = dataclasses.replace(whole, state=("momentum_buffer", "moment2_buffer"))
+    both = dataclasses.replace(_FAMILY_CAPABILITIES["muon"], state=("momentum_buffer", "moment2_buffer"))
     adaptive, adaptive_kwargs = "optstack.algorithms.adaptive_muon:AdaptiveMuon", \
         "optstack.algorithms.adaptive_muon:kwargs_from_config"
-    register("normuon", adaptive, family="muon", defaults={"moment2_method": "normuon"}, kwargs=adaptive_kwargs,
-             capabilities=whole)
+    register("normuon", adaptive, family="muon", defaults={"moment2_method": "normuon"}, kwargs=adaptive_kwargs)
     register("adamuon", adaptive, family="muon", defaults={"moment2_method": "adamuon"}, kwargs=adaptive_kwargs,
              capabilities=both)
     register("adaptive_muon", adaptive, family="muon", kwargs=adaptive_kwargs, capabilities=both)

@@ -34,9 +34,6 @@ Options for NVIDIA Emerging-Optimizers' variant (what Megatron's ``optimizer='so
   step's EMA; ``b`` as above (with ``correct_bias`` the factors are bias-corrected, which rescales the inverses).
   A matrix with one side preconditioned keeps the plain update (only that factor's eigenvectors matter).
 
-Momentum lives in the eigenbasis and is rotated at each refresh; Emerging-Optimizers' versions keep it there too
-(optstack's earlier Megatron-face copy kept it in the parameter's basis: the same update up to round-off).
-
 A side longer than ``max_precond_dim`` is not preconditioned (its ``Q`` is the identity, its factor not kept).
 The first eigenbases come from ``eigh``; later refreshes cost one product ``F Q`` per side (it gives both the
 estimated eigenvalues and the first power iteration) and a QR. A factor's null space (the long side of a matrix
@@ -74,10 +71,6 @@ __all__ = ["SOAP", "kwargs_from_config", "soap_reference", "MATRIX_KEYS"]
 #: the square state of each side: Kronecker factor and its eigenbasis
 MATRIX_KEYS: tuple[str, ...] = ("GG_left", "GG_right", "Q_left", "Q_right")
 _OPTIONS = ("use_kl_shampoo", "update_first_step", "use_eigh")  # Emerging-Optimizers' variant (module docstring)
-
-
-def _shampoo_beta(shampoo_beta: float, t: int, correct_bias: bool) -> float:
-    return 1 - (1 - shampoo_beta) / (1 - shampoo_beta**t) if correct_bias else shampoo_beta
 
 
 def _eigh_descending(factor: Tensor) -> Tensor:
@@ -148,7 +141,7 @@ def _soap_math(grad: Tensor, state: dict[str, Any], *, lr: float, beta1: float, 
     """The module docstring's formulas on one matrix or a stack (leading batch dimension), state updated in place;
     returns ``lr * QL u QR^T`` (weight decay is the caller's), or None on a first step without an update."""
     k = int(state["step"])
-    b = _shampoo_beta(shampoo_beta, k + 1, correct_bias)
+    b = 1 - (1 - shampoo_beta) / (1 - shampoo_beta ** (k + 1)) if correct_bias else shampoo_beta
     left, right = state.get("GG_left"), state.get("GG_right")
     if use_kl_shampoo and k > 0 and left is not None and right is not None:
         _kl_factor_update(grad, left, right, state["Q_left"], state["Q_right"], b, eps)
@@ -229,24 +222,18 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
             "use_kl_shampoo": s.use_kl_shampoo, "update_first_step": s.update_first_step, "use_eigh": s.use_eigh}
 
 
-def matrix_pages(matrix: Tensor, like: Tensor) -> list[Tensor]:
-    """``matrix`` flattened and cut into zero-padded chunks shaped like ``like`` (its checkpoint form)."""
-    size = like.numel()
-    flat = matrix.reshape(-1)
-    count = math.ceil(flat.numel() / size)
-    padded = flat.new_zeros(count * size)
-    padded[: flat.numel()] = flat
-    return [page.view(like.shape) for page in padded.split(size)]
-
-
 def export_pages(state: dict[str, Any], keys: tuple[str, ...], param: Tensor) -> dict[str, Any]:
-    """A copy of ``state`` with each square matrix under ``keys`` as pages shaped like ``param`` (``key.0``,
-    ``key.1``, ...), the form name-keyed checkpoints shard and reshard (``exported_state``)."""
+    """A copy of ``state`` with each square matrix under ``keys`` flattened and cut into zero-padded pages shaped
+    like ``param`` (``key.0``, ``key.1``, ...), the form name-keyed checkpoints shard and reshard."""
     state = dict(state)
+    size = param.numel()
     for key in keys:
         matrix = state.pop(key, None)
         if matrix is not None:
-            state.update({f"{key}.{i}": page for i, page in enumerate(matrix_pages(matrix, param))})
+            flat = matrix.reshape(-1)
+            padded = flat.new_zeros(math.ceil(flat.numel() / size) * size)
+            padded[: flat.numel()] = flat
+            state.update({f"{key}.{i}": page.view(param.shape) for i, page in enumerate(padded.split(size))})
     return state
 
 
@@ -254,16 +241,11 @@ def fold_matrix_pages(state: dict[str, Any], keys: tuple[str, ...], shape: tuple
     """Fold the pages of each of ``keys`` (left, right, left, ... sides of a ``shape`` matrix) in ``state`` back
     into its square matrix: state loaded from a checkpoint."""
     for i, key in enumerate(keys):
-        fold_pages(state, key, shape[i % 2])
-
-
-def fold_pages(state: dict[str, Any], key: str, size: int) -> None:
-    """Fold ``key``'s pages (``key.0``, ``key.1``, ...) in ``state`` back into the ``(size, size)`` matrix."""
-    pages = []
-    while f"{key}.{len(pages)}" in state:
-        pages.append(state.pop(f"{key}.{len(pages)}"))
-    if pages:
-        state[key] = torch.cat([p.reshape(-1) for p in pages])[: size * size].view(size, size).float().clone()
+        size, pages = shape[i % 2], []
+        while f"{key}.{len(pages)}" in state:
+            pages.append(state.pop(f"{key}.{len(pages)}"))
+        if pages:
+            state[key] = torch.cat([p.reshape(-1) for p in pages])[: size * size].view(size, size).float().clone()
 
 
 class SOAP(torch.optim.Optimizer):
@@ -315,8 +297,7 @@ class SOAP(torch.optim.Optimizer):
                 group.setdefault(key, self.defaults[key])
 
     def exported_state(self, param: Tensor) -> dict[str, Any]:
-        """``self.state[param]`` with each square matrix as pages shaped like ``param`` (``key.0``, ``key.1``,
-        ...), the form name-keyed checkpoints shard and reshard."""
+        """``self.state[param]`` with each square matrix as pages shaped like ``param`` (``export_pages``)."""
         return export_pages(self.state.get(param, {}), MATRIX_KEYS, param)
 
     @torch.no_grad()

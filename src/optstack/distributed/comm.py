@@ -239,7 +239,8 @@ class Comm(_Blocking):
                 tag: int, *, at_root: Callable, at_peer: Callable) -> Handle:
         """Gather (the root receives ``parts``) or scatter (the root sends them) point to point; the root's own
         part and ``mine`` are copied into each other in the direction of the data."""
-        self._check_rank(op, root)
+        if not 0 <= root < self.size:
+            raise ValueError(f"{op} on {self.name!r}: the root must be a group rank in [0, {self.size}), got {root}")
         works = []
         if self.rank == root:
             if len(parts) != self.size:
@@ -258,10 +259,6 @@ class Comm(_Blocking):
         elif mine is not None:
             works.append(self._p2p(op, at_peer, mine, root, tag))
         return Handle(op, self, works)
-
-    def _check_rank(self, op: str, rank: int) -> None:
-        if not 0 <= rank < self.size:
-            raise ValueError(f"{op} on {self.name!r}: the root must be a group rank in [0, {self.size}), got {rank}")
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` in group-rank order; shapes may differ, dtypes may not. gloo has no uneven
@@ -345,19 +342,19 @@ class NullComm(_Blocking):
 
     def gather_async(self, tensor: torch.Tensor | None, dst: int, parts: Sequence[torch.Tensor | None] = (),
                      tag: int = 0) -> Handle:
-        if dst != 0 or len(parts) != 1:
-            raise ValueError(f"gather on one rank needs dst=0 and one part, got dst={dst} and {len(parts)} parts")
-        if parts[0] is not None and tensor is not None and parts[0].data_ptr() != tensor.data_ptr():
-            parts[0].copy_(tensor.view_as(parts[0]))
-        return Handle("gather", self)
+        return self._rooted("gather", "dst", dst, parts, tensor, parts[0] if len(parts) == 1 else None)
 
     def scatter_async(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
                       tag: int = 0) -> Handle:
-        if src != 0 or len(parts) != 1:
-            raise ValueError(f"scatter on one rank needs src=0 and one part, got src={src} and {len(parts)} parts")
-        if parts[0] is not None and out is not None and parts[0].data_ptr() != out.data_ptr():
-            out.copy_(parts[0].view_as(out))
-        return Handle("scatter", self)
+        return self._rooted("scatter", "src", src, parts, parts[0] if len(parts) == 1 else None, out)
+
+    def _rooted(self, op: str, side: str, root: int, parts: Sequence[torch.Tensor | None],
+                source: torch.Tensor | None, dest: torch.Tensor | None) -> Handle:
+        if root != 0 or len(parts) != 1:
+            raise ValueError(f"{op} on one rank needs {side}=0 and one part, got {side}={root} and {len(parts)} parts")
+        if source is not None and dest is not None and source.data_ptr() != dest.data_ptr():
+            dest.copy_(source.view_as(dest))
+        return Handle(op, self)
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]

@@ -387,11 +387,7 @@ class DataParallel(nn.Module):
         Raises:
             ValueError: not a trainable parameter of the wrapped module. RuntimeError: marked twice in a step.
         """
-        entry = self._slot_of_param.get(id(param))
-        if entry is None:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
-                             "wrapped module")
-        pos, buf = entry
+        pos, buf = self._entry(param)
         if id(param) in self._ready or self._handles[pos] is not None:
             raise RuntimeError(f"parameter {buf.name_of(param)!r} was already marked ready this step; call "
                                "finish_grad_sync() first")
@@ -566,14 +562,11 @@ class DataParallel(nn.Module):
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient buffer view (its local accumulator with ``local_grad_dtypes``); reduced after
         ``finish_grad_sync`` (only owned slices: ``shard_grads``)."""
-        entry = self._slot_of_param.get(id(param))
-        if entry is None:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
-                             "wrapped module")
+        buf = self._entry(param)[1]
         if self._sync in _LAZY:
             self._zero_unwritten([param])  # its gradient is zero until written
-        local = entry[1].local_grad(param)
-        return local if local is not None else entry[1].grad_view(param)
+        local = buf.local_grad(param)
+        return local if local is not None else buf.grad_view(param)
 
     def holds_whole(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether every one of ``params`` is in a whole-shard buffer (the plan's): whole inside one
@@ -603,11 +596,7 @@ class DataParallel(nn.Module):
         whole = self.holds_whole(params)
         in_buckets: dict[tuple[int, int], tuple[ParamAndGradBuffer, int, set[str]]] = {}
         for param in params:
-            if id(param) not in self._slot_of_param:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
-                    "DataParallel-wrapped module; build the groups from ddp.module.named_parameters()")
-            buffer = self._slot_of_param[id(param)][1]
+            buffer = self._buffer_holding(param, "; build the groups from ddp.module.named_parameters()")
             slot = buffer.slot_of(param)
             if buffer.key.is_expert != expert:
                 kind = "an expert" if buffer.key.is_expert else "a dense"
@@ -682,12 +671,19 @@ class DataParallel(nn.Module):
                                                   bucket.grad_data)
         return GradGather(list(wanted.values()))
 
-    def _buffer_holding(self, param: torch.Tensor) -> ParamAndGradBuffer:
+    def _entry(self, param: torch.Tensor) -> tuple[int, ParamAndGradBuffer]:
+        """``param``'s position in ``bucket_order`` and its buffer."""
         entry = self._slot_of_param.get(id(param))
         if entry is None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
+                             "wrapped module")
+        return entry
+
+    def _buffer_holding(self, param: torch.Tensor, fix: str = "") -> ParamAndGradBuffer:
+        if id(param) not in self._slot_of_param:
             raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the "
-                             "DataParallel-wrapped module")
-        return entry[1]
+                             f"DataParallel-wrapped module{fix}")
+        return self._slot_of_param[id(param)][1]
 
     def shard_comm(self, buffer: ParamAndGradBuffer) -> Comm | NullComm:
         """The group a buffer's buckets are split across (``shard_group`` for dense buffers when given)."""
@@ -718,10 +714,6 @@ class DataParallel(nn.Module):
                 f"{now[len(self._named)][0]!r} is new; build a new DataParallel after changing the model")
 
 
-# Every live wrapper, so that collectives still in flight at exit (an overlapped gather after the last step, a
-# reduction launched by a backward that no step finished) are waited for while the interpreter is whole: a gloo
-# worker thread still holding their tensors during finalisation can abort the process (SIGABRT, "terminate
-# called without an active exception").
 def _weak_hook(ddp: DataParallel) -> Callable[[torch.Tensor], None]:
     """A post-accumulate-grad hook calling ``ddp._on_grad_ready`` while ``ddp`` lives (see ``__init__``)."""
     ref = weakref.ref(ddp)
@@ -734,6 +726,9 @@ def _weak_hook(ddp: DataParallel) -> Callable[[torch.Tensor], None]:
     return on_grad_ready
 
 
+# Every live wrapper, so that collectives still in flight at exit (an overlapped gather after the last step, a
+# reduction launched by a backward that no step finished) are waited for while the interpreter is whole: a gloo
+# worker thread still holding their tensors during finalisation can abort the process (SIGABRT).
 _LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
 
 
@@ -766,16 +761,31 @@ def _quiesce_at_exit() -> None:
         ddp.quiesce()
 
 
-def _check_same_plan(comm: Comm | NullComm, plan: ParamPlan) -> None:
-    """Every rank of ``comm`` planned alike (same config, groups, placements, layouts): a 32-byte digest each, and
-    only when they differ the plans' rows, to name the first difference on every rank."""
+def _disagreeing(comm: Comm | NullComm, digest: Callable[[], bytes], rows: Callable[[], Any]
+                 ) -> tuple[int, list[Any]] | None:
+    """The first rank of ``comm`` whose ``rows()`` differ from rank 0's, and every rank's rows; None when all agree.
+    Ranks exchange a 32-byte ``digest()`` (O(world) bytes, whatever the model), the rows only when digests differ."""
     if comm.size == 1:
+        return None
+    mine = digest()
+    if all(d == mine for d in comm.all_gather_object(mine)):
+        return None
+    everyone = comm.all_gather_object(rows())
+    return next(r for r, theirs in enumerate(everyone) if theirs != everyone[0]), everyone
+
+
+def _first_mismatch(a: Sequence[Any], b: Sequence[Any]) -> tuple[int, Any, Any]:
+    """The first position where ``a`` and ``b`` differ, and their entries there ("no parameter" past an end)."""
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return i, *(x[i] if i < len(x) else "no parameter" for x in (a, b))
+
+
+def _check_same_plan(comm: Comm | NullComm, plan: ParamPlan) -> None:
+    """Every rank of ``comm`` planned alike (same config, groups, placements, layouts)."""
+    found = _disagreeing(comm, plan.digest, plan.rows)
+    if found is None:
         return
-    digest = plan.digest()
-    if all(d == digest for d in comm.all_gather_object(digest)):
-        return
-    everyone = comm.all_gather_object(plan.rows())
-    rank = next(r for r, rows in enumerate(everyone) if rows != everyone[0])
+    rank, everyone = found
     raise ValueError(f"the {comm.name} ranks planned differently: rank 0 and rank {rank} differ at "
                      f"{first_difference(everyone[0], everyone[rank])}; every rank must build from the same "
                      "config and rules")
@@ -789,9 +799,7 @@ def _buffers_of(plan: ParamPlan, module: nn.Module, ddp: DataParallel,
     mine = [(n, tuple(int(s) for s in p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
     planned = [p.spec.key()[:3] for p in plan.params]
     if mine != planned:
-        pairs = enumerate(zip(mine, planned, strict=False))
-        i = next((k for k, (a, b) in pairs if a != b), min(len(mine), len(planned)))
-        a, b = (x[i] if i < len(x) else "no parameter" for x in (mine, planned))
+        i, a, b = _first_mismatch(mine, planned)
         raise ValueError(f"DataParallel: the plan was built for other parameters: at position {i} the module has "
                          f"{a} but the plan {b}; build the plan from this module (wrap_data_parallel does)")
     if plan.sharding == "zero1" and not ddp.shard_grads:
@@ -822,24 +830,16 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _check_same_params(comm: Comm | NullComm, named: list[tuple[str, nn.Parameter]], kind: str) -> None:
-    """Every rank of ``comm`` wraps the same parameters (names, shapes, dtypes, in order). Ranks exchange a
-    32-byte digest (O(world) bytes, whatever the model); only when digests differ do they exchange the lists, to
-    name the first difference."""
+    """Every rank of ``comm`` wraps the same parameters (names, shapes, dtypes, in order)."""
     if comm.size == 1:
         return
     dtype_names = {dtype: str(dtype).removeprefix("torch.") for dtype in {p.dtype for _, p in named}}
     mine = [(n, tuple(p.shape), dtype_names[p.dtype]) for n, p in named]
-    digest = hashlib.sha256(repr(mine).encode()).digest()
-    if all(d == digest for d in comm.all_gather_object(digest)):
+    found = _disagreeing(comm, lambda: hashlib.sha256(repr(mine).encode()).digest(), lambda: mine)
+    if found is None:
         return
-    everyone = comm.all_gather_object(mine)
-    ref = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        if theirs == ref:
-            continue
-        common = min(len(ref), len(theirs))
-        i = next((k for k in range(common) if ref[k] != theirs[k]), common)
-        a, b = (x[i] if i < len(x) else "no parameter" for x in (ref, theirs))
-        raise ValueError(f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} "
-                         f"but rank {rank} has {b} (global ranks {comm.global_ranks[0]} and "
-                         f"{comm.global_ranks[rank]}); every data-parallel rank must wrap the same model")
+    rank, everyone = found
+    i, a, b = _first_mismatch(everyone[0], everyone[rank])
+    raise ValueError(f"the {comm.name} ranks wrap different {kind} parameters: at position {i} rank 0 has {a} "
+                     f"but rank {rank} has {b} (global ranks {comm.global_ranks[0]} and "
+                     f"{comm.global_ranks[rank]}); every data-parallel rank must wrap the same model")
