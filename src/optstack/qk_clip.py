@@ -10,11 +10,9 @@ parallelism, over the ranks: the caller reduces it with ``all_reduce(MAX)`` as M
 
 so the next step's logits of head ``h`` are at most ``threshold`` for the same inputs. Grouped-query attention
 (fewer key heads than query heads): a key head shared by several query heads takes the smallest of their factors.
-This module computes the per-row factors (a pure function); ``ChainedOptimizer.clip_qk`` applies them after the
-step to the weights the optimizer holds (fp32 masters, ZeRO-1 range shards, layer-wise owners, DTensor local
-shards and blocks, DTensor owners) and publishes them to the model, as a step does. The factor is per row, so a
-rank scales the elements it holds by their rows' factors (``Placement.element_rows``): no gather, on any
-placement.
+This module computes the per-row factors (pure functions); ``ChainedOptimizer.clip_qk`` applies them after the
+step to the weights the optimizer holds, on any placement without a gather (a rank scales the elements it holds
+by their rows' factors, ``Placement.element_rows``), and publishes them as a step does.
 """
 
 from __future__ import annotations

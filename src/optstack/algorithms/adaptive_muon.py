@@ -21,10 +21,6 @@ With ``sign_stabilised=False`` and ``preserve_norm=False``, ``adamuon`` is Megat
 (Megatron's ``normuon`` averages over the longer dimension and divides by ``sqrt(max(v, eps))`` without the
 norm restore; dion's per-row form is the one here.)
 
-Checkpoints: NorMuon's per-row ``v`` is exported element-wise (each element holding its row's value,
-``exported_state``), so name-keyed checkpoints reshard it like any element-wise state; a loaded element-wise
-``v`` is folded back to one value per row on the next step.
-
 The step batches same-shaped matrices (one Newton-Schulz, one normalisation over the stack), equal to
 ``adaptive_muon_reference`` to fp32 round-off. QKV splitting and tensor-parallel ``blockwise`` / ``distributed``
 modes are Muon's only (refused here: the normalisation would have to follow the blocks).
@@ -42,6 +38,7 @@ from torch import Tensor
 from optstack.algorithms._common import add_checked_group, is_number, require
 from optstack.algorithms._orthogonal import MAX_STACK_ELEMENTS, NS_EPS, momentum_updates, stack_chunks
 from optstack.algorithms.muon import Muon, ScaleMode, muon_scale_factor
+from optstack.algorithms.muon import kwargs_from_config as muon_kwargs_from_config
 from optstack.algorithms.newton_schulz import (
     Coefficients,
     MatmulPrecision,
@@ -101,12 +98,10 @@ def kwargs_from_config(config: Any) -> dict[str, Any]:
     """``AdaptiveMuon``'s kwargs from an ``OptimizerConfig``: Muon's from its ``muon`` section (momentum,
     Newton-Schulz, scale), the second moment's from its ``adaptive_muon`` section. The registry name fixes
     ``moment2_method`` (``normuon``, ``adamuon``); ``adaptive_muon`` takes it from the section."""
-    m, a = config.muon, config.adaptive_muon
-    return {"momentum": m.momentum, "nesterov": m.nesterov, "ns_steps": m.ns_steps,
-            "ns_coefficients": m.coefficients, "scale_mode": m.scale_mode,
-            "extra_scale_factor": m.extra_scale_factor, "matmul_precision": m.matmul_precision,
-            "moment2_method": a.moment2_method, "beta2": a.beta2, "eps": a.eps,
-            "sign_stabilised": a.sign_stabilised, "preserve_norm": a.preserve_norm}
+    a = config.adaptive_muon
+    muon = {k: v for k, v in muon_kwargs_from_config(config).items() if k != "tp_mode"}  # Muon's only
+    return muon | {"moment2_method": a.moment2_method, "beta2": a.beta2, "eps": a.eps,
+                   "sign_stabilised": a.sign_stabilised, "preserve_norm": a.preserve_norm}
 
 
 class AdaptiveMuon(Muon):
@@ -151,7 +146,8 @@ class AdaptiveMuon(Muon):
 
     def exported_state(self, param: Tensor) -> dict[str, Any]:
         """``self.state[param]`` with a per-row ``moment2_buffer`` spread over its row (element-wise, the
-        parameter's shape), the form name-keyed checkpoints shard and reshard."""
+        parameter's shape), the form name-keyed checkpoints shard and reshard; the next step folds a loaded one
+        back to one value per row."""
         state = dict(self.state.get(param, {}))
         v = state.get("moment2_buffer")
         if isinstance(v, Tensor) and v.shape != param.shape:

@@ -1,10 +1,6 @@
 """The shell of the torch-style constructors: torch.optim's ``params`` argument (tensors, ``(name, tensor)``
-pairs or param-group dicts) and its checks, made into one replicated optstack stage inside a
-``ChainedOptimizer``, so the object is optstack's (kernels, fp32 masters for bf16/fp16 parameters, one
-state format, ``StepResult``) and reads as torch's.
-
-What each class adds is its constructor: its hyperparameters checked with torch's messages, its
-``defaults``, and the inner algorithm (``make``) built over the groups.
+pairs or param-group dicts) read with torch's checks and messages into the groups of one replicated stage. Each
+class adds its constructor: its hyperparameters checked as torch checks them, its ``defaults``, and ``make``.
 """
 
 from __future__ import annotations
@@ -63,12 +59,6 @@ def refuse_unsupported(owner: str, *, capturable: bool = False, differentiable: 
                          "to differentiate through the step")
 
 
-def _fused_device_types() -> tuple[str, ...]:
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    return tuple(_get_fused_kernels_supported_devices())
-
-
 def _groups(params: Any, owner: str) -> list[dict[str, Any]]:
     """torch.optim's reading of ``params``: one group dict per group (copies), ``param_names`` from
     ``(name, tensor)`` pairs; torch's errors and duplicate warning."""
@@ -107,7 +97,9 @@ class TorchStyleOptimizer(ChainedOptimizer):
 
     def _step(self) -> StepResult:
         if self.defaults.get("fused"):  # torch's check, before anything reads the gradients
-            supported = _fused_device_types()
+            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+            supported = _get_fused_kernels_supported_devices()
             for group in self.param_groups:
                 for param in group["params"]:
                     if param.grad is not None and (param.device.type not in supported

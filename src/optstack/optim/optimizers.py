@@ -1,12 +1,10 @@
-"""``AdamW``, ``Adam``, ``SGD``, ``Muon`` with torch.optim's signatures and defaults, and ``Lion``, each an
-optstack ``ChainedOptimizer`` over one replicated stage of optstack's algorithm::
+"""``AdamW``, ``Adam``, ``SGD``, ``Muon`` with torch.optim's signatures and defaults, and ``Lion``::
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)      # before
     opt = optstack.optim.AdamW(model.parameters(), lr=3e-4)   # after: optstack's kernels, masters, state format
 
-Per-group options in param-group dicts are honoured as torch does (``lr``, ``betas``, ``weight_decay``,
-``amsgrad``, ``maximize``, ...). ``foreach`` / ``fused`` choose optstack's kernel (``optim._base.impl_of``);
-``capturable`` and ``differentiable`` are refused (README: "It is a torch.optim.Optimizer").
+``foreach`` / ``fused`` choose optstack's kernel (``optim._base.impl_of``); ``capturable`` and ``differentiable``
+are refused (README: "It is a torch.optim.Optimizer").
 """
 
 from __future__ import annotations

@@ -125,15 +125,8 @@ class DynamicScaler(LossScaler):
     kind = "dynamic"
     _state = {"scale": _positive_fp32, "growth_tracker": lambda f, v: _int(f, v, 0), "hysteresis_tracker": _int}
 
-    def __init__(
-        self,
-        initial_scale: float = 2.0**32,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-    ) -> None:
+    def __init__(self, initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2) -> None:
         self._scale = _positive_fp32("initial_scale", initial_scale)
         self.min_scale = _positive_fp32("min_scale", min_scale)
         if min_scale > initial_scale:
