@@ -333,14 +333,13 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
     require(shapes is None or (not isinstance(shapes, str) and isinstance(shapes, Sequence) and len(shapes) == 3
                                 and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes)),
              f"{where}: qkv_split_shapes must be None or three positive ints (q, k, v), got {shapes!r}")
-    require(group.get("tp_mode", "duplicated") in TP_MODES,
-             f"{where}: tp_mode must be one of {list(TP_MODES)}, got {group.get('tp_mode')!r}")
-    for name, blocks in (group.get("tp_blocks") or {}).items():
+    mode, tp = group.get("tp_mode", "duplicated"), group.get("tp_blocks") or {}
+    require(mode in TP_MODES, f"{where}: tp_mode must be one of {list(TP_MODES)}, got {mode!r}")
+    for name, blocks in tp.items():
         require(blocks is None or (isinstance(blocks, tuple) and len(blocks) == 2 and blocks[0] in (0, 1)
                                     and isinstance(blocks[1], int) and blocks[1] >= 1),
                  f"{where}: tp_blocks[{name!r}] must be (dim 0 or 1, parts >= 1) or None, got {blocks!r}")
     names = group.get("param_names")
-    tp = group.get("tp_blocks") or {}
     for i, p in enumerate(group["params"]):
         name = names[i] if names is not None and i < len(names) else None
         what = f"param {i}" if name is None else f"param {name!r} (index {i})"
@@ -351,14 +350,14 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
                  f"{where}: qkv_split_shapes {tuple(shapes or ())} (q + k + v = {sum(shapes or ())} rows per "
                  f"attention group) do not divide the rows of {what}, shape {tuple(p.shape)}; a fused QKV weight "
                  "has num_groups * (q + k + v) rows. Fix the shapes or keep this parameter out of the QKV group.")
-        if group.get("tp_mode", "duplicated") != "duplicated" and name in tp:
-            require(tp[name] is not None, f"{where}: tp_mode {group['tp_mode']!r} takes a matrix split by tensor "
+        if mode != "duplicated" and name in tp:
+            require(tp[name] is not None, f"{where}: tp_mode {mode!r} takes a matrix split by tensor "
                      f"parallelism along one dim; {what} is split otherwise (over two tensor-parallel mesh dims, or a "
                      "3-D stack). Use tp_mode='duplicated' (the whole matrix)")
             dim, parts = tp[name]
-            require(p.size(dim) % parts == 0, f"{where}: tp_mode {group['tp_mode']!r} needs {what}'s dim {dim} "
+            require(p.size(dim) % parts == 0, f"{where}: tp_mode {mode!r} needs {what}'s dim {dim} "
                      f"({p.size(dim)}) split evenly over its {parts} tensor-parallel ranks; use tp_mode='duplicated'")
-            rows = p.size(0) // (parts if dim == 0 and group["tp_mode"] == "blockwise" else 1)
+            rows = p.size(0) // (parts if dim == 0 and mode == "blockwise" else 1)
             require(shapes is None or rows % sum(shapes) == 0,
                      f"{where}: each tensor-parallel block of {what} has {rows} rows, not a multiple of q + k + v = "
                      f"{sum(shapes or ())} (qkv_split_shapes {tuple(shapes or ())})")

@@ -342,14 +342,15 @@ class NullComm(_Blocking):
 
     def gather_async(self, tensor: torch.Tensor | None, dst: int, parts: Sequence[torch.Tensor | None] = (),
                      tag: int = 0) -> Handle:
-        return self._rooted("gather", "dst", dst, parts, tensor, parts[0] if len(parts) == 1 else None)
+        return self._one_part("gather", "dst", dst, parts, tensor, parts[0] if len(parts) == 1 else None)
 
     def scatter_async(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
                       tag: int = 0) -> Handle:
-        return self._rooted("scatter", "src", src, parts, parts[0] if len(parts) == 1 else None, out)
+        return self._one_part("scatter", "src", src, parts, parts[0] if len(parts) == 1 else None, out)
 
-    def _rooted(self, op: str, side: str, root: int, parts: Sequence[torch.Tensor | None],
-                source: torch.Tensor | None, dest: torch.Tensor | None) -> Handle:
+    def _one_part(self, op: str, side: str, root: int, parts: Sequence[torch.Tensor | None],
+                  source: torch.Tensor | None, dest: torch.Tensor | None) -> Handle:
+        """A gather or scatter of one rank: ``source`` copied into ``dest`` (each the given tensor or the part)."""
         if root != 0 or len(parts) != 1:
             raise ValueError(f"{op} on one rank needs {side}=0 and one part, got {side}={root} and {len(parts)} parts")
         if source is not None and dest is not None and source.data_ptr() != dest.data_ptr():
@@ -418,11 +419,10 @@ def device_mesh(comm: Comm | NullComm, device_type: str, *, replicas: int = 1) -
     if replicas < 1 or comm.size % replicas:
         raise ValueError(f"device_mesh: replicas={replicas} must divide the group size {comm.size}")
     whole = isinstance(comm, NullComm) or comm.group is None or comm.size == world_size()
-    if replicas > 1 and not whole:
-        raise ValueError("device_mesh: a 2-D (replicate x shard) mesh needs the whole world as the group")
-    if whole and replicas > 1:
-        return init_device_mesh(device_type, (replicas, comm.size // replicas),
-                                mesh_dim_names=("replicate", "shard"))
+    if replicas > 1:
+        if not whole:
+            raise ValueError("device_mesh: a 2-D (replicate x shard) mesh needs the whole world as the group")
+        return init_device_mesh(device_type, (replicas, comm.size // replicas), mesh_dim_names=("replicate", "shard"))
     if whole:
         return init_device_mesh(device_type, (comm.size,), mesh_dim_names=("shard",))
     return DeviceMesh.from_group(comm.group, device_type, mesh_dim_names=("shard",))

@@ -218,7 +218,7 @@ class DataParallel(nn.Module):
         self._hook_scale: float | None = None  # this step's scale applied in the hook (None: at launch)
         self._reset_sync_state()
         # The hooks reach the wrapper through a weak reference: a tensor's hooks are held from C++, where the garbage
-        # collector cannot see the cycle parameter -> hook -> wrapper -> parameter, so a bound method kept every
+        # collector cannot see the cycle parameter -> hook -> wrapper -> parameter; a bound method would keep every
         # discarded wrapper alive (its buffers, and its process groups with their threads).
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for _, p in named]
         self._gather_hooks: list[Any] = []  # forward pre-hooks waiting for overlapped parameter gathers
@@ -472,8 +472,7 @@ class DataParallel(nn.Module):
         rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
         optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
         for buf in self.param_and_grad_buffers:
-            whole = not self._scattered(buf)
-            if whole and buf.key.grad_dtype == buf.key.param_dtype:
+            if not self._scattered(buf) and buf.key.grad_dtype == buf.key.param_dtype:
                 for p in buf.params:
                     p.grad = self._grad_views[id(p)]
                 self._grads_exposed = True
