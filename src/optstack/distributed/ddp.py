@@ -129,14 +129,11 @@ class DataParallel(nn.Module):
             part (reduced into this rank's shard), then that shard is all-reduced across the parts, as
             Megatron does; only the owned shard holds the whole data-parallel sum.
         local_grad_dtypes: parameter name -> a dtype its micro-batch gradients accumulate in, in a tensor of its
-            own (e.g. fp32 for some bf16 parameters of a bf16 gradient buffer); rounded into the buffer for the
-            reduction and given the reduced gradient back; ``main_grad`` returns it (Megatron's
-            ``param_name_patterns_for_fp32_local_accumulation``; ``buffers.py``).
-        plan: the ``optstack.plan.ParamPlan`` to lay the buffers out by (``wrap_data_parallel`` and the
-            Megatron face pass one): which parameters go whole into their owners' shards (whole-shard buffers: a
-            reduce-scatter gives each owner the whole reduced gradient of its matrices, ``holds_whole``), which
-            buffers are reduced whole and how buckets are cut are fixed by it here, never changed later; its
-            layouts replace ``bucket_size`` / ``bucketing`` / ``shard_align`` / ``param_align``.
+            own (e.g. fp32 in a bf16 gradient buffer; ``buffers.py``); ``main_grad`` returns it.
+        plan: the ``optstack.plan.ParamPlan`` the buffers are laid out by, fixed here (``wrap_data_parallel`` and
+            the Megatron face pass one): which parameters lie whole in their owners' shards (``holds_whole``), which
+            buffers are reduced whole, how buckets are cut; it replaces ``bucket_size`` / ``bucketing`` /
+            ``shard_align`` / ``param_align``.
 
     Raises:
         ValueError: a bad argument, or the data-parallel ranks wrap different parameters (names the first).
@@ -465,12 +462,10 @@ class DataParallel(nn.Module):
                                "this rank")
 
     def _expose_grads(self) -> None:
-        """Make each ``p.grad`` its reduced gradient (a view of the buffer, no copy, as torch DDP's
-        ``gradient_as_bucket_view``), so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` and other
-        readers of ``.grad`` see the gradient the optimizer steps. Left None where the buffer does not hold the
-        whole reduced gradient in the parameter's dtype: a reduce-scatter (ZeRO-1 off gloo) reduces only this
-        rank's range, and an fp32 buffer of bf16 parameters cannot be a bf16 ``.grad``; there, clip through the
-        optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
+        """Make each ``p.grad`` its reduced gradient, a view of the buffer (torch DDP's ``gradient_as_bucket_view``),
+        for readers of ``.grad`` such as ``clip_grad_norm_``. Left None where the buffer does not hold the whole
+        reduced gradient in the parameter's dtype (a reduce-scatter; an fp32 buffer of bf16 parameters): there,
+        clip through the optimizer (``OptimizerConfig.clip_grad``) and read gradients with ``main_grad(p)``."""
         for buf in self.param_and_grad_buffers:
             if not self._scattered(buf) and buf.key.grad_dtype == buf.key.param_dtype:
                 for p in buf.params:
