@@ -199,13 +199,11 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
                   is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
                   shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
                   local_grad_dtypes: Mapping[str, torch.dtype] | None = None,
-                  whole: Callable[[str, nn.Parameter], bool] | None = None,
-                  all_reduce: Callable[[str, nn.Parameter], bool] | None = None) -> list[ParamAndGradBuffer]:
+                  whole: Callable[[str, nn.Parameter], bool] | None = None) -> list[ParamAndGradBuffer]:
     """One ``ParamAndGradBuffer`` per ``BufferKey`` of ``named_params`` (backward order), in order of first use;
     ``is_expert`` ones split across ``expert_dp_size`` ranks; buckets cut as ``bucketing`` says; the parameters
     named in ``local_grad_dtypes`` accumulate locally in that dtype (``ParamAndGradBuffer``); those ``whole``
-    chooses in buffers of their own, each whole inside one rank's shard; those ``all_reduce`` chooses in buffers
-    of their own, reduced whole (``BufferKey.all_reduce``).
+    chooses in buffers of their own, each whole inside one rank's shard.
 
     Raises:
         ValueError: a ``local_grad_dtypes`` name that is not in ``named_params``, or a dtype not floating-point.
@@ -220,11 +218,10 @@ def build_buffers(named_params: Sequence[tuple[str, nn.Parameter]], *, dp_size: 
     groups: dict[BufferKey, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         in_whole = whole is not None and bool(whole(name, p))
-        reduced_whole = all_reduce is not None and bool(all_reduce(name, p))
-        key = BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p)), in_whole, reduced_whole)
+        key = BufferKey(p.dtype, grad_dtype or p.dtype, bool(is_expert(p)), in_whole)
         groups.setdefault(key, []).append((name, p))
     return [ParamAndGradBuffer(members, dp_size=expert_dp_size if key.is_expert else dp_size,
                                bucket_size=bucket_size, grad_dtype=key.grad_dtype, is_expert=key.is_expert,
                                shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-                               local_grad_dtypes=local_grad_dtypes, whole=key.whole, all_reduce=key.all_reduce)
+                               local_grad_dtypes=local_grad_dtypes, whole=key.whole)
             for key, members in groups.items()]
