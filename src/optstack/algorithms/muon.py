@@ -28,8 +28,7 @@ Newton-Schulz over the blocks, their Gram products summed (Megatron's tensor-par
 blocks the owner holds; equal to ``duplicated`` to fp32 round-off).
 
 The step batches same-shaped matrices into one Newton-Schulz (fewer, larger matmuls), equal to the reference to
-fp32 round-off. Its matmuls run in bf16 where the hardware multiplies bf16 natively (``matmul_precision="medium"``,
-the default; see ``newton_schulz.ns_matmul_dtype``), else in fp32.
+fp32 round-off.
 """
 
 from __future__ import annotations

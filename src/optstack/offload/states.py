@@ -32,14 +32,13 @@ def scratch_of(optimizer: Any) -> list[torch.Tensor]:
 
 
 class HostCopy:
-    """The host copies of the storages under ``tensors`` that lie on ``device`` (others are left alone),
-    each storage once; the device storages are emptied once the copies are issued.
+    """The host copies of the storages under ``tensors`` (module docstring).
 
     Args:
         tensors: the tensors to move (views of one storage are moved once, with the whole storage).
-        device: the device whose storages move (on CUDA, host tensors already there are skipped).
-        scratch: tensors whose storages are freed without a copy and regrown zero-filled by ``reload``
-            (their values are written before they are read); a storage also under ``tensors`` is moved.
+        device: the device whose storages move (others are left alone: on CUDA, host tensors are skipped).
+        scratch: tensors whose storages are freed without a copy and regrown zero-filled by ``reload``; a
+            storage also under ``tensors`` is moved.
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], device: torch.device,
