@@ -342,20 +342,19 @@ class NullComm(_Blocking):
 
     def gather_async(self, tensor: torch.Tensor | None, dst: int, parts: Sequence[torch.Tensor | None] = (),
                      tag: int = 0) -> Handle:
-        return self._one_part("gather", "dst", dst, parts, tensor, parts[0] if len(parts) == 1 else None)
+        if dst != 0 or len(parts) != 1:
+            raise ValueError(f"gather on one rank needs dst=0 and one part, got dst={dst} and {len(parts)} parts")
+        if parts[0] is not None and tensor is not None and parts[0].data_ptr() != tensor.data_ptr():
+            parts[0].copy_(tensor.view_as(parts[0]))
+        return Handle("gather", self)
 
     def scatter_async(self, out: torch.Tensor | None, src: int, parts: Sequence[torch.Tensor | None] = (),
                       tag: int = 0) -> Handle:
-        return self._one_part("scatter", "src", src, parts, parts[0] if len(parts) == 1 else None, out)
-
-    def _one_part(self, op: str, side: str, root: int, parts: Sequence[torch.Tensor | None],
-                  source: torch.Tensor | None, dest: torch.Tensor | None) -> Handle:
-        """A gather or scatter of one rank: ``source`` copied into ``dest`` (each the given tensor or the part)."""
-        if root != 0 or len(parts) != 1:
-            raise ValueError(f"{op} on one rank needs {side}=0 and one part, got {side}={root} and {len(parts)} parts")
-        if source is not None and dest is not None and source.data_ptr() != dest.data_ptr():
-            dest.copy_(source.view_as(dest))
-        return Handle(op, self)
+        if src != 0 or len(parts) != 1:
+            raise ValueError(f"scatter on one rank needs src=0 and one part, got src={src} and {len(parts)} parts")
+        if parts[0] is not None and out is not None and parts[0].data_ptr() != out.data_ptr():
+            out.copy_(parts[0].view_as(out))
+        return Handle("scatter", self)
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]

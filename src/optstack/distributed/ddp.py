@@ -722,7 +722,8 @@ def _weak_hook(ddp: DataParallel) -> Callable[[torch.Tensor], None]:
 
 # Every live wrapper, so that collectives still in flight at exit (an overlapped gather after the last step, a
 # reduction launched by a backward that no step finished) are waited for while the interpreter is whole: a gloo
-# worker thread still holding their tensors during finalisation can abort the process (SIGABRT).
+# worker thread still holding their tensors during finalisation can abort the process (SIGABRT, "terminate
+# called without an active exception").
 _LIVE: weakref.WeakSet[DataParallel] = weakref.WeakSet()
 
 
