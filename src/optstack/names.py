@@ -87,7 +87,12 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
             chunks = [[(f"chunk{i}.{n}", p) for n, p in chunk] for i, chunk in enumerate(chunks)]
         return [pair for chunk in chunks for pair in chunk]
     if all(isinstance(t, torch.Tensor) for t in items):
-        _warn_duplicates(items)
+        # torch.optim's warning for a tensor listed twice (tied weights come as modules or (name, tensor) pairs,
+        # whose second name is expected)
+        if len({id(t) for t in items}) != len(items):
+            warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will "
+                          "cause an error; see github.com/pytorch/pytorch/issues/40967 for more information "
+                          "(optstack keeps each parameter once)", UserWarning, stacklevel=3)
         return [(f"param.{i}", t) for i, t in enumerate(items)]
     for item in items:
         if isinstance(item, Mapping) and "params" in item:
@@ -106,15 +111,6 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
                 f"(model.parameters()); got item {item!r:.80}"
             )
     return items
-
-
-def _warn_duplicates(tensors: list[torch.Tensor]) -> None:
-    """torch.optim's warning for a tensor listed twice in bare tensors (kept once here; tied weights come as
-    modules or ``(name, tensor)`` pairs, whose second name is expected)."""
-    if len({id(t) for t in tensors}) != len(tensors):
-        warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will cause "
-                      "an error; see github.com/pytorch/pytorch/issues/40967 for more information (optstack "
-                      "keeps each parameter once)", UserWarning, stacklevel=4)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

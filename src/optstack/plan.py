@@ -521,19 +521,18 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
 def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
             placements: Mapping[tuple[str, bool], Placement], buffers: Sequence[PlannedBuffer],
             where: Mapping[str, tuple[int, Any]], topology: Topology) -> dict[str, int]:
+    """Owner rank per parameter of a whole-matrix placement: the rank whose shard holds it (whole-shard buffers),
+    else packed by cost over the ranks the stage spreads over."""
     owners: dict[str, int] = {}
+    for spec, _, kind in rows:
+        if placements[kind] == "zero1_whole":
+            owner = buffers[where[spec.name][0]].layout.owner_of(spec.name)
+            if owner is not None:
+                owners[spec.name] = owner
     for kind, placement in placements.items():
-        if placement == "zero1_whole":
-            for spec, _, k in rows:
-                if k == kind:
-                    owner = buffers[where[spec.name][0]].layout.owner_of(spec.name)
-                    if owner is not None:
-                        owners[spec.name] = owner
-        elif placement in ("layerwise", "zero1_owners"):
+        if placement in ("layerwise", "zero1_owners"):
             members = [spec for spec, _, k in rows if k == kind]
             ranks = topology.expert_dp if kind[1] else (topology.dp if placement == "layerwise"
                                                         else topology.shard_size)
-            for spec, owner in zip(members, pack_owners([s.cost for s in members], ranks),
-                                   strict=True):
-                owners[spec.name] = owner
+            owners |= zip((s.name for s in members), pack_owners([s.cost for s in members], ranks), strict=True)
     return owners
