@@ -119,10 +119,6 @@ class Topology:
         """Ranks an expert bucket is split across."""
         return self.dp // self.ep
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
 
 def placement_of(capabilities: Capabilities, sharding: str, *, wrapped: bool, dtensor: bool = False) -> Placement:
     """Where an algorithm's parameters are stepped, from what it declares and ``config.distributed.sharding``.
