@@ -395,31 +395,28 @@ def _build_stages(
     ``ddp`` (the wrapped model) supplies the buffers, ``dtensor`` (the ranks of a DTensor model) the group."""
     stages: list[Stage] = []
     for index_of_stage, planned in enumerate(plan.stages):
-        kind_groups = []
-        for index in planned.groups:
-            # The inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step.
-            g = dict(groups[index])
-            g.setdefault("lr", g["max_lr"] * g["lr_mult"])
-            g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
-            kind_groups.append(g)
+        # the inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step
+        kind_groups = [{**g, "lr": g.get("lr", g["max_lr"] * g["lr_mult"]),
+                        "weight_decay": g.get("weight_decay", config.weight_decay * g["wd_mult"])}
+                       for g in (groups[i] for i in planned.groups)]
         if ddp is None and dtensor is None and not any(g["params"] for g in kind_groups):
             continue
         spec = get_algorithm(planned.algorithm)
         # CPU offload lives inside the inner optimizer.
         make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(planned.algorithm, config)), spec)
         precision = _stage_precision(config, spec.family)
-        # under fp32 the stages stepping whole parameters say Direct; the others keep Masters, which steps fp32
-        # pieces directly
-        whole_precision = precision if config.precision != "fp32" else Direct()
+        # replicated and DTensor stages step an fp32 model directly; the sharded ones keep the configured
+        # precision, which steps fp32 pieces directly anyway
+        replicated_precision = precision if config.precision != "fp32" else Direct()
         placement, expert = planned.placement, planned.expert
         params = [p for g in kind_groups for p in g["params"]]
         owned = placement in ("zero1_whole", "zero1_owners", "layerwise")
         if placement in ("dtensor", "dtensor_owner"):
             assert dtensor is not None
-            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=whole_precision,
+            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=replicated_precision,
                                   whole_matrices=placement == "dtensor_owner")
         elif ddp is None:
-            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=whole_precision)
+            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=replicated_precision)
         elif placement == "zero1" or (owned and config.distributed.sharding == "zero1" and ddp.shard_grads
                                       and ddp.holds_whole(params)):
             # ZeRO-1 ranges, or whole matrices in their owners' reduce-scatter shards (ZeRO-1 over whole matrices)
@@ -439,6 +436,6 @@ def _build_stages(
                                         owners=owners if same_group or placement == "layerwise" else None)
         else:
             # (over a hand-built sharding wrapper it gathers the reduced shards: the wrapper stays as built)
-            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert, precision=whole_precision)
+            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert, precision=replicated_precision)
         stages.append(stage)
     return stages

@@ -501,8 +501,8 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
         # shards of layer-wise owners' or replicated stages' gradients would be no use to them: all-reduce
         sharded = sharding == "zero1" and placement in ("zero1", "zero1_whole", "zero1_owners")
         reduction: Reduction = "reduce_scatter" if sharded else "all_reduce"
-        members.setdefault((spec.dtype, grad_dtype or spec.dtype, spec.expert, placement == "zero1_whole", reduction),
-                           []).append(spec)
+        key = (spec.dtype, grad_dtype or spec.dtype, spec.expert, placement == "zero1_whole", reduction)
+        members.setdefault(key, []).append(spec)
     out = []
     for index, ((param_dtype, gdtype, expert, whole, reduction), specs) in enumerate(members.items()):
         ranks = topology.expert_dp if expert else topology.shard_size

@@ -284,12 +284,11 @@ class DTensorLocal(_DTensorPlacement):
                         if key in keys:
                             whole[lo:hi] = parts[rank]
                     if shard is not None:
-                        mesh = param.device_mesh
-                        block = distribute_tensor(whole.view(param.shape), mesh, param.placements, src_data_rank=None)
+                        block = distribute_tensor(whole.view(param.shape), param.device_mesh, param.placements,
+                                                  src_data_rank=None)
                         tensors[key] = block.to_local().reshape(-1).clone()
                 if shard is not None:
-                    numel = _local(param).numel()
-                    out[name] = replace(shard, start=0, end=numel, tensors=tensors)
+                    out[name] = replace(shard, start=0, end=_local(param).numel(), tensors=tensors)
         return out
 
     def sharded_state(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece],
