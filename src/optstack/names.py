@@ -1,9 +1,8 @@
 """Stable parameter names: model chunks, modules, ``parameters()`` or ``(name, tensor)`` pairs -> one ordered list.
 
 The one naming function of optstack (factory, rules, checkpoints and the Megatron face), so a name means the
-same tensor everywhere: the user's own model's names, whatever wraps it. A wrapper holding nothing but its
-model under ``.module`` (data-parallel wrappers) is looked through, and so is ``torch.compile``'s
-``OptimizedModule``, whose ``_orig_mod`` components are dropped everywhere. Imports nothing else of optstack::
+same tensor everywhere: the user's own model's names, whatever wraps it (data-parallel wrappers and
+``torch.compile``, ``look_through``). Imports nothing else of optstack::
 
     named_parameters(torch.compile(model)) == named_parameters(model)  # same names, same tensors
     named_parameters([chunk0, chunk1])      # Megatron's virtual pipeline chunks
