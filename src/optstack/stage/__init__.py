@@ -53,10 +53,10 @@ def replicated_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Mak
         placement = Whole(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
     else:
         g = ddp.groups
-        where = {"grad_of": ddp.main_grad, "reduce_over": [g.ep, g.mp] if expert else [g.mp], "tp_rank": g.tp.rank,
+        common = {"grad_of": ddp.main_grad, "reduce_over": [g.ep, g.mp] if expert else [g.mp], "tp_rank": g.tp.rank,
                  "device": ddp.device}
         gather = ddp.grad_gather(_params(param_groups))
-        placement = WholeOverShards(gather=gather, **where) if gather.buckets else Whole(**where)
+        placement = WholeOverShards(gather=gather, **common) if gather.buckets else Whole(**common)
     return Stage(param_groups, make_optimizer, placement=placement, precision=precision)
 
 
