@@ -18,7 +18,6 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -335,17 +334,6 @@ class ParamPlan:
                    bucket_size, tuple(notes), _config_items(config))
 
     # ---- views -------------------------------------------------------------------------------------------------
-    @cached_property
-    def by_name(self) -> dict[str, PlannedParam]:
-        return {p.name: p for p in self.params}
-
-    def param(self, name: str) -> PlannedParam:
-        """The row of parameter ``name``."""
-        try:
-            return self.by_name[name]
-        except KeyError:
-            raise ValueError(f"no parameter {name!r} in the plan") from None
-
     def stage_owners(self, stage: int) -> dict[str, int] | None:
         """Parameter name -> owner rank for a stage the plan placed with owners of its own choosing (``layerwise``
         over the data-parallel group, ``zero1_owners`` over the shard group), else None."""
