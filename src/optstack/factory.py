@@ -78,12 +78,9 @@ def wrap_data_parallel(
     world as data-parallel (a single process without torch.distributed works too).
 
     The buffers are laid out by a ``ParamPlan`` of ``config`` and ``rules`` (default ``default_rules(config)``;
-    pass the ones ``build_optimizer`` gets), kept as ``ddp.plan``. Under ZeRO-1 the matrices an algorithm needing
-    whole matrices (Muon) steps go whole into one rank's reduce-scatter shard each (whole-shard buffers: each
-    rank receives the whole reduced gradients of the matrices it owns, steps them and all-gathers, half the
-    gradient traffic of an all-reduce), unless that pads the buffers by more than 5% or leaves ranks without a
-    matrix: then they stay in ordinary buffers reduced whole, stepped by owners balanced by Newton-Schulz cost
-    (``optstack.plan``; ``optstack plan`` shows the choice and why)."""
+    pass the ones ``build_optimizer`` gets), kept as ``ddp.plan``. Under ZeRO-1 it decides whether the matrices
+    of a whole-matrix algorithm (Muon) lie whole in their owners' reduce-scatter shards or are gathered by
+    owners from ordinary shards (``optstack.plan``; ``optstack plan`` shows the choice and why)."""
     d = config.distributed
     named = named_parameters(model)
     _refuse_dtensor(named, "wrap_data_parallel")
@@ -203,10 +200,13 @@ def build_optimizer(
         # parallelism where ranks hold different layers.
         keys = union_group_keys(keys, world_comm("group-keys"))
     groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys, trainable_only=False)
-    plan = ParamPlan.build(config, specs_of(named), resolved,
-                           topology_of(ddp.groups) if ddp is not None else Topology(), keys=keys,
-                           wrapped=ddp is not None, dtensor=dtensor) if ddp is None or ddp.plan is None \
-        else _reuse_plan(ddp.plan, config, named, resolved, keys)
+    if ddp is None:
+        topology = Topology()
+    else:  # the wrapper's plan's (its instances), else its groups'
+        topology = ddp.plan.topology if ddp.plan is not None else topology_of(ddp.groups)
+    # the wrapper's plan where the settings and groups are the same; else the stages follow what the wrapper holds
+    plan = ParamPlan.build(config, specs_of(named), resolved, topology, keys=keys, wrapped=ddp is not None,
+                           dtensor=dtensor)
     optimizer = ChainedOptimizer(
         _build_stages(groups, config, grad_of, ddp, plan, world_comm("dtensor") if dtensor else None),
         scaler=config.loss_scale.build(config.precision),  # dynamic by default for fp16, else none
@@ -370,7 +370,6 @@ def _data_parallel_of(source: nn.Module | list[Any], config: OptimizerConfig) ->
     if sharding == "zero1" and not ddp.shard_grads and not get_algorithm(config.algorithm).capabilities.whole_matrices:
         raise ValueError("distributed.sharding='zero1' needs DataParallel(shard_grads=True); build the wrapper "
                          "with wrap_data_parallel(config, model)")
-    # stages stepping whole parameters over a wrapper that shards gradients: _build_stages has it all-reduce
     return ddp
 
 
@@ -388,14 +387,6 @@ def _stage_precision(config: OptimizerConfig, family: str) -> Precision:
     return Masters(copy_grads=copy_grads, host_fraction=offload.fraction if offload.enabled else 0.0)
 
 
-def _reuse_plan(plan: ParamPlan, config: OptimizerConfig, named: Sequence[tuple[str, torch.Tensor]],
-                resolved: Mapping[str, Resolved], keys: Sequence[Any]) -> ParamPlan:
-    """The wrapper's plan when ``build_optimizer`` plans the same (settings, groups); else a plan of its own over
-    the wrapper's topology (the stages then follow what the wrapper holds, ``_build_stages``)."""
-    mine = ParamPlan.build(config, specs_of(named), resolved, plan.topology, keys=keys)
-    return plan if mine.digest() == plan.digest() else mine
-
-
 def _build_stages(
     groups: list[dict[str, Any]], config: OptimizerConfig, grad_of: GradOf | None, ddp: DataParallel | None,
     plan: ParamPlan, dtensor: Comm | NullComm | None = None,
@@ -403,43 +394,39 @@ def _build_stages(
     """One stage per ``plan.stages`` entry (an algorithm over dense or expert groups), placed as the plan says;
     ``ddp`` (the wrapped model) supplies the buffers, ``dtensor`` (the ranks of a DTensor model) the group."""
     stages: list[Stage] = []
-    masters = config.precision != "fp32"
     for index_of_stage, planned in enumerate(plan.stages):
-        name, expert = planned.algorithm, planned.expert
-        kind_groups = []
-        for index in planned.groups:
-            # The inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step.
-            g = dict(groups[index])
-            g.setdefault("lr", g["max_lr"] * g["lr_mult"])
-            g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
-            kind_groups.append(g)
+        # the inner optimizer's hyperparameters until a scheduler (if any) overwrites them every step
+        kind_groups = [{**g, "lr": g.get("lr", g["max_lr"] * g["lr_mult"]),
+                        "weight_decay": g.get("weight_decay", config.weight_decay * g["wd_mult"])}
+                       for g in (groups[i] for i in planned.groups)]
         if ddp is None and dtensor is None and not any(g["params"] for g in kind_groups):
             continue
-        spec = get_algorithm(name)
+        spec = get_algorithm(planned.algorithm)
         # CPU offload lives inside the inner optimizer.
-        make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(name, config)), spec)
-        # (under fp32 the sharded stages keep Masters, which steps fp32 pieces directly; replicated says Direct)
+        make = config.offload.wrap(partial(spec.cls, **algorithm_kwargs(planned.algorithm, config)), spec)
         precision = _stage_precision(config, spec.family)
+        # replicated and DTensor stages step an fp32 model directly; the sharded ones keep the configured
+        # precision, which steps fp32 pieces directly anyway
+        replicated_precision = precision if config.precision != "fp32" else Direct()
+        placement, expert = planned.placement, planned.expert
         params = [p for g in kind_groups for p in g["params"]]
-        placement = planned.placement
+        owned = placement in ("zero1_whole", "zero1_owners", "layerwise")
         if placement in ("dtensor", "dtensor_owner"):
             assert dtensor is not None
-            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=precision if masters else Direct(),
+            stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=replicated_precision,
                                   whole_matrices=placement == "dtensor_owner")
         elif ddp is None:
-            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=precision if masters else Direct())
-        elif placement == "zero1":
+            stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=replicated_precision)
+        elif placement == "zero1" or (owned and config.distributed.sharding == "zero1" and ddp.shard_grads
+                                      and ddp.holds_whole(params)):
+            # ZeRO-1 ranges, or whole matrices in their owners' reduce-scatter shards (ZeRO-1 over whole matrices)
             stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
                                 overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-        elif placement in ("zero1_whole", "zero1_owners", "layerwise"):
+        elif owned:
             # owners step whole matrices; the plan's owners serve a stage over the group they were balanced over
             owners = plan.stage_owners(index_of_stage)
             same_group = plan.topology.instances == 1
-            if config.distributed.sharding == "zero1" and ddp.shard_grads and ddp.holds_whole(params):
-                # whole matrices in their owners' reduce-scatter shards: ZeRO-1 over whole matrices
-                stage = zero1_stage(kind_groups, make, ddp=ddp, expert=expert,
-                                    overlap_param_gather=config.distributed.overlap_param_gather, precision=precision)
-            elif ddp.shard_grads and not ddp.reduces_whole(params):
+            if ddp.shard_grads and not ddp.reduces_whole(params):
                 # reduce-scattered gradients (the plan's choice, or a hand-built wrapper cutting the matrices):
                 # owners gather their matrices' pieces from the shards; the wrapper stays as it was built
                 stage = owners_stage(kind_groups, make, ddp=ddp, expert=expert, precision=precision,
@@ -449,7 +436,6 @@ def _build_stages(
                                         owners=owners if same_group or placement == "layerwise" else None)
         else:
             # (over a hand-built sharding wrapper it gathers the reduced shards: the wrapper stays as built)
-            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert,
-                                     precision=precision if masters else Direct())
+            stage = replicated_stage(kind_groups, make, ddp=ddp, expert=expert, precision=replicated_precision)
         stages.append(stage)
     return stages

@@ -1,24 +1,19 @@
 """Buffer layouts: where each parameter lies in a contiguous buffer, how buckets are cut and how they split into
-equal, aligned shards (pure: shapes in, numbers out; no tensors, no collectives). ``optstack.plan`` lays buffers out
-with it; ``distributed.buffers`` allocates them.
+equal, aligned shards (pure: shapes in, numbers out). ``optstack.plan`` lays buffers out with it;
+``distributed.buffers`` allocates them.
 
-One buffer per (param dtype, grad dtype, dense/expert), parameters in *backward* order (as in Megatron) so the
-first bucket fills first. ``BufferLayout.plan``: each parameter starts at a multiple of ``param_align``; buckets
-are cut at parameter boundaries while they fit in ``bucket_size`` elements (a larger parameter gets its own) and
-zero-padded to a multiple of ``dp_size * shard_align``, so they split into ``dp_size`` equal, aligned shards:
-rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across parameters.
-
-``Bucketing`` selects another rule for a face that must reproduce a framework's layout (Megatron's: a bucket
-closes once it *reaches* ``bucket_size``; padding only under the distributed optimizer; a shared embedding in
-a bucket of its own); the default is the rule above.
+Parameters come in *backward* order (as in Megatron) so the first bucket fills first; each starts at a multiple
+of ``param_align``. Buckets are cut at parameter boundaries while they fit in ``bucket_size`` elements (a larger
+parameter gets its own) and zero-padded to a multiple of ``dp_size * shard_align``, so they split into
+``dp_size`` equal, aligned shards: rank ``r`` owns ``[r * shard, (r + 1) * shard)``, cutting across parameters.
+``Bucketing`` selects another rule, for a face that must reproduce a framework's layout (Megatron's).
 
 Whole-shard layouts (``whole=True``): every parameter lies whole inside one rank's shard, so a reduce-scatter
-hands each rank whole gradients of the parameters it owns. A bucket's parameters are assigned to shards largest
-first, each to the least-filled shard (balancing elements, so little padding; ``Bucketing.whole_balance="cost"``
-balances the update cost over the buffer instead, as Megatron's current main does), in backward order inside a
-shard; the shards are padded to one size. A bucket closes once it holds ``max(bucket_size, dp_size x its largest
-parameter)`` elements (fewer would leave shards mostly padding), before the first parameter that does not fit in
-the padding its shards need anyway.
+hands each rank whole gradients of the parameters it owns. A bucket's parameters go to shards largest first,
+each to the least-filled shard (little padding; ``Bucketing.whole_balance="cost"`` balances update cost
+instead), in backward order inside a shard; the shards are padded to one size. A bucket closes once it holds
+``max(bucket_size, dp_size x its largest parameter)`` elements (fewer would leave shards mostly padding), before
+the first parameter that does not fit in the padding its shards need anyway.
 """
 
 from __future__ import annotations
@@ -49,10 +44,10 @@ def _align_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-
 #: ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` of a group each hold a stretch of
 #: ``end - start`` elements of a flattened parameter, the i-th from ``start + i * (end - start)``
 Run = tuple[int, int, int, int]
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -154,11 +149,11 @@ class BufferLayout:
     def plan(cls, params: Sequence[tuple[str, Sequence[int]]], *, dp_size: int, bucket_size: int | None,
              shard_align: int = 128, param_align: int = 64, bucketing: Bucketing | None = None,
              whole: bool = False, costs: Sequence[float] | None = None) -> BufferLayout:
-        """Lay out ``params`` (name, shape), given in backward order, cut as ``bucketing`` says (default: the
-        module docstring's rule); ``whole``: each parameter whole inside one rank's shard, balanced by ``costs``
-        (one per parameter; default ``newton_schulz_cost`` of the shapes) (module docstring).
-        ``params`` of the result keep the given order; a bucket's ``param_names`` are in buffer order.
-        ValueError for a size < 1, a repeated name or costs not matching the parameters."""
+        """Lay out ``params`` (name, shape), given in backward order, cut as ``bucketing`` says (module docstring);
+        ``whole``: each parameter whole inside one rank's shard, balanced by ``costs`` (one per parameter; default
+        ``newton_schulz_cost`` of the shapes). ``params`` of the result keep the given order; a bucket's
+        ``param_names`` are in buffer order. ValueError for a size < 1, a repeated name or costs not matching the
+        parameters."""
         rule = bucketing if bucketing is not None else Bucketing()
         if rule.param_align is not None:
             param_align = rule.param_align
@@ -292,9 +287,7 @@ class BufferLayout:
             raise ValueError(f"no parameter {name!r} in this buffer; it has {list(self._by_name)}") from None
 
     def runs(self, name: str) -> list[Run]:
-        """Every rank's part of parameter ``name`` (``owned_slice`` of each rank) in at most three runs
-        ``(first rank, start, end, count)``: ranks ``first .. first + count - 1`` hold consecutive stretches of
-        ``end - start`` elements of the flattened parameter, the i-th from ``start + i * (end - start)`` (the
+        """Every rank's part of parameter ``name`` (``owned_slice`` of each rank) in at most three ``Run``s (the
         shards of a bucket are equal, so only the first and last rank's parts differ in size)."""
         slot = self.slot(name)
         if slot.numel == 0:

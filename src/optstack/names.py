@@ -1,9 +1,8 @@
 """Stable parameter names: model chunks, modules, ``parameters()`` or ``(name, tensor)`` pairs -> one ordered list.
 
 The one naming function of optstack (factory, rules, checkpoints and the Megatron face), so a name means the
-same tensor everywhere: the user's own model's names, whatever wraps it. A wrapper holding nothing but its
-model under ``.module`` (data-parallel wrappers) is looked through, and so is ``torch.compile``'s
-``OptimizedModule``, whose ``_orig_mod`` components are dropped everywhere. Imports nothing else of optstack::
+same tensor everywhere: the user's own model's names, whatever wraps it (data-parallel wrappers and
+``torch.compile``, ``look_through``). Imports nothing else of optstack::
 
     named_parameters(torch.compile(model)) == named_parameters(model)  # same names, same tensors
     named_parameters([chunk0, chunk1])      # Megatron's virtual pipeline chunks
@@ -87,7 +86,12 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
             chunks = [[(f"chunk{i}.{n}", p) for n, p in chunk] for i, chunk in enumerate(chunks)]
         return [pair for chunk in chunks for pair in chunk]
     if all(isinstance(t, torch.Tensor) for t in items):
-        _warn_duplicates(items)
+        # torch.optim's warning for a tensor listed twice (tied weights come as modules or (name, tensor) pairs,
+        # whose second name is expected)
+        if len({id(t) for t in items}) != len(items):
+            warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will "
+                          "cause an error; see github.com/pytorch/pytorch/issues/40967 for more information "
+                          "(optstack keeps each parameter once)", UserWarning, stacklevel=3)
         return [(f"param.{i}", t) for i, t in enumerate(items)]
     for item in items:
         if isinstance(item, Mapping) and "params" in item:
@@ -106,15 +110,6 @@ def _pairs(source: NamedParams) -> list[tuple[str, torch.Tensor]]:
                 f"(model.parameters()); got item {item!r:.80}"
             )
     return items
-
-
-def _warn_duplicates(tensors: list[torch.Tensor]) -> None:
-    """torch.optim's warning for a tensor listed twice in bare tensors (kept once here; tied weights come as
-    modules or ``(name, tensor)`` pairs, whose second name is expected)."""
-    if len({id(t) for t in tensors}) != len(tensors):
-        warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will cause "
-                      "an error; see github.com/pytorch/pytorch/issues/40967 for more information (optstack "
-                      "keeps each parameter once)", UserWarning, stacklevel=4)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

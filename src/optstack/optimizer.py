@@ -245,7 +245,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     sync.finish_grad_sync()
         inv_scale = self._scaler.inv_scale
         with phase("grad_norm"):
-            totals, nonfinite = self._global_stats()
+            totals, nonfinite = self.global_stats()
         self._scaler.update(nonfinite)
         if nonfinite:
             return StepResult(applied=False, grad_norm=None, num_zeros=None, loss_scale=self._scaler.scale)
@@ -275,13 +275,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return list(self._grad_syncs)
 
     def global_stats(self) -> tuple[list[float], bool]:
-        """``(per norm group, the global one first: sum |g|^p or max for inf; any gradient non-finite)``, reduced
-        over every stage's groups (collective): what the step clips and skips by."""
-        return self._global_stats()
-
-    def _global_stats(self) -> tuple[list[float], bool]:
-        """(per norm group, the global one first: the sum over stages of sum |g|^p, or the max for inf; whether
-        any gradient is non-finite): one host sync for all stages."""
+        """``(per norm group, the global one first: the sum over stages of sum |g|^p, or the max for inf; whether
+        any gradient is non-finite)``, reduced over every stage's groups (collective) with one host sync for all
+        stages: what the step clips and skips by."""
         count = 1 + len(self.norm_groups)
         if not self.norm_groups:
             stats = [stage.grad_stats(self.norm_type) for stage in self._stages]

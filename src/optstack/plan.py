@@ -1,19 +1,13 @@
 """``ParamPlan``: who holds and steps which parameter, decided once, before any wrapper, buffer or stage exists.
 
-A pure, deterministic function of the parameter specs (name, shape, dtype, expert flag: it runs on meta tensors
-or on shapes alone), their resolved settings, the config and a ``Topology`` given as numbers. For every parameter
-it records its group, algorithm, placement, buffer, bucket, offset and owner rank; the data-parallel wrapper lays
-its buffers out from it, the factory builds one stage per ``PlannedStage`` from it, and ``optstack plan`` prints
-what it costs per rank. Every rank computes the same plan; ranks agree on it by exchanging ``digest()``, never the
-lists themselves.
+A pure, deterministic function of the parameter specs (shapes alone, or meta tensors), their resolved settings,
+the config and a ``Topology`` given as numbers. Per parameter it records group, algorithm, placement, buffer,
+bucket, offset and owner rank; the data-parallel wrapper lays its buffers out from it, the factory builds one
+stage per ``PlannedStage``, and ``optstack plan`` prints what it costs per rank. Ranks agree on it by exchanging
+``digest()``, never the lists themselves.
 
-Placement follows from the algorithm's declared capabilities (``algorithms.registry.Capabilities``) and
-``config.distributed.sharding``, in ``placement_of``. Where an algorithm needs whole matrices under ZeRO-1 the plan
-computes both layouts and picks (``choose_whole_matrix_layout``): the matrices whole inside their owners'
-reduce-scatter shards (whole-shard buffers: a reduce-scatter hands each owner whole gradients), unless that pads
-the buffers by more than ``WHOLE_SHARD_MAX_PADDING`` or leaves ranks without a matrix, in which case the matrices
-stay in ordinary (element-cut, unpadded) reduce-scattered buffers and owners balanced by Newton-Schulz cost gather
-their pieces, step them whole and broadcast them (``zero1_owners``).
+Placement follows from the algorithm's declared capabilities and ``config.distributed.sharding``
+(``placement_of``); for whole matrices under ZeRO-1 the plan weighs two layouts (``choose_whole_matrix_layout``).
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -124,10 +117,6 @@ class Topology:
     def expert_dp(self) -> int:
         """Ranks an expert bucket is split across."""
         return self.dp // self.ep
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
 
 
 def placement_of(capabilities: Capabilities, sharding: str, *, wrapped: bool, dtensor: bool = False) -> Placement:
@@ -296,10 +285,10 @@ class ParamPlan:
         if bucket_size == "config":
             bucket_size = config.distributed.bucket_size if config.distributed.bucket_size is not None else 40_000_000
         # stages: one per (algorithm, expert), in first-appearance order of the groups (the factory's order)
+        kind_of = [(dict(k.settings).get("algorithm", config.algorithm), k.is_expert) for k in keys]
         kinds: dict[tuple[str, bool], list[int]] = {}
-        for i, key in enumerate(keys):
-            algorithm = dict(key.settings).get("algorithm", config.algorithm)
-            kinds.setdefault((algorithm, key.is_expert), []).append(i)
+        for i, kind in enumerate(kind_of):
+            kinds.setdefault(kind, []).append(i)
         stage_of: dict[tuple[str, bool], int] = {kind: s for s, kind in enumerate(kinds)}
         placements = {kind: placement_of(get_algorithm(kind[0]).capabilities, sharding, wrapped=wrapped,
                                          dtensor=dtensor) for kind in kinds}
@@ -310,9 +299,8 @@ class ParamPlan:
                 raise ValueError(f"ParamPlan: parameter {spec.name!r} has no resolved settings; resolve the same "
                                  "parameters the plan is built for")
             g = group_index[GroupKey.of(r)]
-            key = keys[g]
-            rows.append((spec, g, (dict(key.settings).get("algorithm", config.algorithm), key.is_expert)))
-            _check_capabilities(spec, rows[-1][2][0], config)
+            rows.append((spec, g, kind_of[g]))
+            _check_capabilities(spec, kind_of[g][0], config)
         notes: list[str] = []
         whole_bucket_sizes: dict[bool, int | None] = {}  # expert -> the bucket size of its whole-shard buffers
         whys = {kind: _why(kind[0], placements[kind], sharding, wrapped, dtensor) for kind in kinds}
@@ -346,24 +334,6 @@ class ParamPlan:
                    bucket_size, tuple(notes), _config_items(config))
 
     # ---- views -------------------------------------------------------------------------------------------------
-    @cached_property
-    def by_name(self) -> dict[str, PlannedParam]:
-        return {p.name: p for p in self.params}
-
-    def param(self, name: str) -> PlannedParam:
-        """The row of parameter ``name``."""
-        try:
-            return self.by_name[name]
-        except KeyError:
-            raise ValueError(f"no parameter {name!r} in the plan") from None
-
-    def stage_placement(self, algorithm: str, expert: bool) -> Placement:
-        """The placement of the stage of ``algorithm`` over dense (or ``expert``) groups."""
-        for stage in self.stages:
-            if (stage.algorithm, stage.expert) == (algorithm, expert):
-                return stage.placement
-        raise ValueError(f"the plan has no stage of {algorithm!r} (expert={expert})")
-
     def stage_owners(self, stage: int) -> dict[str, int] | None:
         """Parameter name -> owner rank for a stage the plan placed with owners of its own choosing (``layerwise``
         over the data-parallel group, ``zero1_owners`` over the shard group), else None."""
@@ -374,10 +344,6 @@ class ParamPlan:
     def whole_shard_names(self) -> frozenset[str]:
         """Parameters laid out whole inside one rank's shard (whole-shard buffers)."""
         return frozenset(n for b in self.buffers if b.whole for n in b.names)
-
-    def all_reduced_names(self) -> frozenset[str]:
-        """Parameters whose gradients must be reduced whole on every rank although the buffers are sharded."""
-        return frozenset(n for b in self.buffers if b.reduction == "all_reduce" for n in b.names)
 
     def rows(self) -> list[tuple[str, str]]:
         """The plan as (what, value) rows, in a fixed order: the config's fields, the topology, the groups, then
@@ -520,11 +486,10 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
     members: dict[tuple[torch.dtype, torch.dtype, bool, bool, Reduction], list[ParamSpec]] = {}
     for spec, _, kind in reversed(rows):
         placement = placements[kind]
-        whole = placement == "zero1_whole"
-        sharded = sharding == "zero1" and placement in ("zero1", "zero1_whole", "zero1_owners")
         # shards of layer-wise owners' or replicated stages' gradients would be no use to them: all-reduce
-        reduction: Reduction = "reduce_scatter" if sharded or sharding != "zero1" else "all_reduce"
-        key = (spec.dtype, grad_dtype or spec.dtype, spec.expert, whole, reduction)
+        sharded = sharding == "zero1" and placement in ("zero1", "zero1_whole", "zero1_owners")
+        reduction: Reduction = "reduce_scatter" if sharded else "all_reduce"
+        key = (spec.dtype, grad_dtype or spec.dtype, spec.expert, placement == "zero1_whole", reduction)
         members.setdefault(key, []).append(spec)
     out = []
     for index, ((param_dtype, gdtype, expert, whole, reduction), specs) in enumerate(members.items()):
@@ -533,27 +498,25 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
         layout = BufferLayout.plan([(s.name, s.shape) for s in specs], dp_size=ranks, bucket_size=size,
                                    shard_align=shard_align, param_align=param_align, bucketing=bucketing,
                                    whole=whole, costs=[s.cost for s in specs])
-        out.append(PlannedBuffer(index, param_dtype, gdtype, expert, whole,
-                                 reduction if sharding == "zero1" else "all_reduce", layout))
+        out.append(PlannedBuffer(index, param_dtype, gdtype, expert, whole, reduction, layout))
     return tuple(out)
 
 
 def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
             placements: Mapping[tuple[str, bool], Placement], buffers: Sequence[PlannedBuffer],
             where: Mapping[str, tuple[int, Any]], topology: Topology) -> dict[str, int]:
+    """Owner rank per parameter of a whole-matrix placement: the rank whose shard holds it (whole-shard buffers),
+    else packed by cost over the ranks the stage spreads over."""
     owners: dict[str, int] = {}
+    for spec, _, kind in rows:
+        if placements[kind] == "zero1_whole":
+            owner = buffers[where[spec.name][0]].layout.owner_of(spec.name)
+            if owner is not None:
+                owners[spec.name] = owner
     for kind, placement in placements.items():
-        if placement == "zero1_whole":
-            for spec, _, k in rows:
-                if k == kind:
-                    owner = buffers[where[spec.name][0]].layout.owner_of(spec.name)
-                    if owner is not None:
-                        owners[spec.name] = owner
-        elif placement in ("layerwise", "zero1_owners"):
+        if placement in ("layerwise", "zero1_owners"):
             members = [spec for spec, _, k in rows if k == kind]
             ranks = topology.expert_dp if kind[1] else (topology.dp if placement == "layerwise"
                                                         else topology.shard_size)
-            for spec, owner in zip(members, pack_owners([s.cost for s in members], ranks),
-                                   strict=True):
-                owners[spec.name] = owner
+            owners |= zip((s.name for s in members), pack_owners([s.cost for s in members], ranks), strict=True)
     return owners

@@ -113,11 +113,8 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
     param_bytes = sum(b.layout.numel * _size(b.param_dtype) for b in plan.buffers) or sum(
         p.spec.numel * _size(p.spec.dtype) for p in plan.params)
     grad_bytes = sum(b.layout.numel * _size(b.grad_dtype) for b in plan.buffers) or param_bytes
-    stepped = [0] * dp
-    state = [0] * dp
-    master = [0] * dp
+    stepped, state, master, comm = ([0] * dp for _ in range(4))
     owner_cost = [0.0] * dp
-    comm = [0] * dp
     state_per_element = [len(get_algorithm(s.algorithm).capabilities.state) * 4 for s in plan.stages]
     matrix_state = _matrix_state_bytes(plan, config)  # on whoever steps the whole matrix
     by_buffer: dict[int, list[Any]] = {}
@@ -184,7 +181,7 @@ def report(plan: ParamPlan, config: Any) -> PlanReport:
     ranks = [RankCost(r, param_bytes, grad_bytes, master[r], state[r], stepped[r], comm[r], owner_cost[r])
              for r in range(dp)]
     working = [c for c in owner_cost if c > 0]
-    whole = any(s.placement in ("zero1_whole", "zero1_owners", "layerwise") for s in plan.stages)
+    whole = any(s.placement in owned_placements for s in plan.stages)
     balance = max(working) / (sum(working) / len(working)) if working else None
     buffers = [{"index": b.index, "param_dtype": str(b.param_dtype).removeprefix("torch."),
                 "grad_dtype": str(b.grad_dtype).removeprefix("torch."), "expert": b.expert, "whole": b.whole,

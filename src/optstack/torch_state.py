@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+__all__ = ["OptimizerState", "ParamState", "check_names", "check_shapes", "is_placeholder_name"]
+
 
 class ChainedOptimizer(Protocol):
     """What these views read of the optimizer that holds them (``optimizer.ChainedOptimizer``; named by its
@@ -23,8 +25,6 @@ class ChainedOptimizer(Protocol):
     _has_state: bool
 
     def _live_entry(self, param: torch.Tensor) -> dict[str, Any]: ...
-
-__all__ = ["OptimizerState", "ParamState", "check_names", "check_shapes", "is_placeholder_name"]
 
 
 def is_placeholder_name(name: Any) -> bool:
@@ -131,7 +131,7 @@ class ParamState(MutableMapping[Any, Any]):
 
 
 class OptimizerState(MutableMapping[Any, Any]):
-    """``ChainedOptimizer.state``: model parameter -> its state on this rank (``_ParamState``), plus the user's
+    """``ChainedOptimizer.state``: model parameter -> its state on this rank (``ParamState``), plus the user's
     entries under keys that are not parameters."""
 
     def __init__(self, owner: ChainedOptimizer) -> None:

@@ -34,8 +34,9 @@ __all__ = [
 ]
 
 
-def _precision(masters: bool) -> Precision:
-    return Masters() if masters else Direct()
+def _params(param_groups: Sequence[Any]) -> list[Any]:
+    """The groups' parameters (malformed groups skipped here: ``Stage`` refuses them, saying why)."""
+    return [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
 
 
 def replicated_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *,
@@ -46,20 +47,17 @@ def replicated_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Mak
     where it reduce-scatters them: ``WholeOverShards``) and expert norms also reduce over the expert-parallel
     group; ``masters=False`` steps bf16/fp16 parameters directly; a ``precision`` given replaces the one
     ``masters`` picks."""
-    placement: Whole
-    if ddp is not None:
+    if precision is None:
+        precision = Masters() if masters else Direct()
+    if ddp is None:
+        placement = Whole(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
+    else:
         g = ddp.groups
-        grad_of, reduce_over, tp_rank = ddp.main_grad, ([g.ep, g.mp] if expert else [g.mp]), g.tp.rank
-        device = ddp.device
-        gather = ddp.grad_gather([p for g in param_groups for p in g["params"]])
-        if gather.buckets:
-            placement = WholeOverShards(gather=gather, grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank,
-                                        device=device)
-            return Stage(param_groups, make_optimizer, placement=placement,
-                         precision=precision if precision is not None else _precision(masters))
-    placement = Whole(grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank, device=device)
-    return Stage(param_groups, make_optimizer, placement=placement,
-                 precision=precision if precision is not None else _precision(masters))
+        common = {"grad_of": ddp.main_grad, "reduce_over": [g.ep, g.mp] if expert else [g.mp], "tp_rank": g.tp.rank,
+                 "device": ddp.device}
+        gather = ddp.grad_gather(_params(param_groups))
+        placement = WholeOverShards(gather=gather, **common) if gather.buckets else Whole(**common)
+    return Stage(param_groups, make_optimizer, placement=placement, precision=precision)
 
 
 def zero1_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, ddp: DataParallel,
@@ -70,11 +68,9 @@ def zero1_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOpti
     ``precision`` defaults to ``Masters()``."""
     if not isinstance(ddp, DataParallel):
         raise ValueError(f"a ZeRO-1 stage: ddp must be an optstack DataParallel, got {type(ddp).__name__}")
-    params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
-    layout = ddp.sharded_layout(params, expert=expert, overlap_param_gather=overlap_param_gather,
+    layout = ddp.sharded_layout(_params(param_groups), expert=expert, overlap_param_gather=overlap_param_gather,
                                 param_gather=param_gather)
-    return Stage(param_groups, make_optimizer, placement=Zero1(layout),
-                 precision=precision if precision is not None else Masters())
+    return Stage(param_groups, make_optimizer, placement=Zero1(layout), precision=precision or Masters())
 
 
 def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *,
@@ -86,8 +82,7 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
     from its buffers, which must be reduced whole), then broadcast (see ``LayerWise``); ``owners``: parameter
     name -> owner rank (a plan's), else balanced by ``cost`` here."""
     if ddp is not None:
-        params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
-        if not ddp.reduces_whole(params):
+        if not ddp.reduces_whole(_params(param_groups)):
             raise ValueError("the layer-wise stage needs every rank to hold complete gradients; build the "
                              "DataParallel wrapper with shard_grads=False, or use owners_stage, whose owners "
                              "gather their matrices from the reduce-scattered shards")
@@ -98,8 +93,7 @@ def layerwise_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: Make
         raise ValueError("layerwise_stage needs comm= (the data-parallel group) or ddp=")
     placement = LayerWise(comm=comm, grad_of=grad_of, reduce_over=reduce_over, tp_rank=tp_rank,
                           device=ddp.device if ddp is not None else None, cost=cost, owners=owners)
-    return Stage(param_groups, make_optimizer, placement=placement,
-                 precision=precision if precision is not None else Masters())
+    return Stage(param_groups, make_optimizer, placement=placement, precision=precision or Masters())
 
 
 def owners_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, ddp: DataParallel,
@@ -107,7 +101,5 @@ def owners_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOpt
                  precision: Precision | None = None) -> Stage:
     """Whole parameters stepped by owner ranks over ``ddp``'s reduce-scattered gradients (``OwnersOverShards``):
     each owner gathers its matrices' reduced pieces from the shards, steps them, and broadcasts them."""
-    params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) and "params" in g else [])]
-    placement = OwnersOverShards(shards=ddp.grad_shards(params, expert=expert), owners=owners)
-    return Stage(param_groups, make_optimizer, placement=placement,
-                 precision=precision if precision is not None else Masters())
+    placement = OwnersOverShards(shards=ddp.grad_shards(_params(param_groups), expert=expert), owners=owners)
+    return Stage(param_groups, make_optimizer, placement=placement, precision=precision or Masters())

@@ -9,20 +9,16 @@ tensor parallelism's ``parallelize_module``, both on a 2-D ``DeviceMesh``, or HS
   each distinct shard, the owner steps the whole matrix (its state and fp32 master are whole, on the owner
   only), then scatters each rank its shard of the result (both moves: ``distributed.param_gather.OwnerRoutes``).
 
-The global grad norm counts every element once across shards and replicas: when the stage is built every
-rank tells the others which shard of which parameter it holds (a parameter's name and its mesh coordinates
-on the sharded dims: equal names on two ranks are one parameter), and the lowest rank holding a shard counts
-it; each step is then one sum (max for the inf-norm) over ``comm``. Non-DTensor parameters in a DTensor
-model are taken as replicated on every rank of ``comm`` (their gradients must already agree, as for torch's
-own optimizers): stepped whole everywhere and counted once.
+The global grad norm counts every element once across shards and replicas (``_counted_once``, decided when the
+stage is built), so each step is one sum (max for the inf-norm) over ``comm``. Non-DTensor parameters in a
+DTensor model are taken as replicated on every rank of ``comm`` (their gradients must already agree, as for
+torch's own optimizers): stepped whole everywhere and counted once.
 
 State: ``DTensorLocal``'s element-wise state is the parameters' DTensors for DCP; in the name-keyed format a
 shard that is a block (tensor-parallel ``Shard(1)``, FSDP2's strided shards over a tensor-parallel split) is
 converted to an even flat range per rank of its mesh (``flat_shards``) and back (``local_shards``), collectively,
 so optstack's checkpoints reshard it like any other. ``DTensorOwners``' state is whole, in the parameter's shape.
-
-A ``Partial`` placement, or any placement other than ``Shard`` / ``Replicate`` (and the strided shards FSDP2
-makes over tensor-parallel dims), is refused at construction, naming the parameter.
+Placements other than ``Shard`` / ``Replicate`` are refused at construction (``check_dtensor_params``).
 """
 
 from __future__ import annotations
@@ -164,6 +160,13 @@ class _DTensorPlacement(Placement):
         """Whether each norm term counts on this rank (so that every element counts once over ``comm``)."""
         return [self._counted.get(id(p), False) for p in params]
 
+    def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The parameter's gradient, placed as the parameter (e.g. a Partial gradient reduced)."""
+        grad = self.grad_of(param)
+        if is_dtensor(grad) and grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        return grad
+
     def cannot_add(self) -> str | None:
         return "which rank counts which DTensor shard in the grad norm is agreed over all ranks at construction"
 
@@ -214,12 +217,9 @@ class DTensorLocal(_DTensorPlacement):
                 raise ValueError(
                     f"the local shard of DTensor parameter {piece.name!r} was replaced after the optimizer was built "
                     "(load_state_dict(assign=True), model.to(...), or new parameters); build the optimizer after that")
-            grad = self.grad_of(param)
-            if is_dtensor(grad) and grad.placements != param.placements:
-                grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a Partial grad: reduce it
+            grad = self._grad(param)
             out.append(_local(grad) if grad is not None else None)
         return out
-
 
     def element_rows(self, piece: Piece) -> torch.Tensor:
         """A block's rows: the global row index of each element, laid out by the parameter's own placements (each
@@ -284,12 +284,11 @@ class DTensorLocal(_DTensorPlacement):
                         if key in keys:
                             whole[lo:hi] = parts[rank]
                     if shard is not None:
-                        mesh = param.device_mesh
-                        block = distribute_tensor(whole.view(param.shape), mesh, param.placements, src_data_rank=None)
+                        block = distribute_tensor(whole.view(param.shape), param.device_mesh, param.placements,
+                                                  src_data_rank=None)
                         tensors[key] = block.to_local().reshape(-1).clone()
                 if shard is not None:
-                    numel = _local(param).numel()
-                    out[name] = replace(shard, start=0, end=numel, tensors=tensors)
+                    out[name] = replace(shard, start=0, end=_local(param).numel(), tensors=tensors)
         return out
 
     def sharded_state(self, entries: dict[int, dict[str, Any]], pieces: Sequence[Piece],
@@ -298,12 +297,12 @@ class DTensorLocal(_DTensorPlacement):
         optimizers keep FSDP2 state so): DCP saves each shard once and reshards it to any mesh. No collective."""
         out = {}
         for piece in pieces:
-            entry = entries.get(id(piece.param))
-            if entry is None or not is_dtensor(piece.param):
-                if entry is not None:
-                    out[id(piece.param)] = entry
-                continue
             param = piece.param
+            entry = entries.get(id(param))
+            if entry is None or not is_dtensor(param):
+                if entry is not None:
+                    out[id(param)] = entry
+                continue
             out[id(param)] = {
                 key: DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                         shape=param.shape, stride=param.stride())
@@ -335,9 +334,8 @@ def tp_blocks(param: torch.Tensor) -> tuple[int, int] | None | bool:
 
 
 class DTensorOwners(_DTensorPlacement):
-    """Whole matrices stepped by owner ranks (Muon): each gradient is gathered to its owner only (one copy of
-    each distinct shard), the owner steps the whole matrix (state and master whole, on the owner only), and
-    scatters each rank its shard of the result; the moves are ``OwnerRoutes``', planned when the pieces are.
+    """Whole matrices stepped by owner ranks (Muon; module docstring); the moves are ``OwnerRoutes``', planned
+    when the pieces are.
 
     Args:
         comm: every rank holding a part of these parameters (owners are assigned over it).
@@ -401,9 +399,7 @@ class DTensorOwners(_DTensorPlacement):
             locals_: list[torch.Tensor | None] = []
             into: dict[int, torch.Tensor] = {}
             for i, ((_, param), owner) in enumerate(zip(self._all, self.owners, strict=True)):
-                grad = self.grad_of(param)
-                if is_dtensor(grad) and grad.placements != param.placements:
-                    grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. a Partial grad: reduce it
+                grad = self._grad(param)
                 if not is_dtensor(param):
                     locals_.append(None)
                     if owner == self.dp.rank:

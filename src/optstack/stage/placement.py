@@ -232,16 +232,9 @@ class Zero1(Placement):
         self.owns_whole = layout.whole  # whole-shard buffers: each parameter, shaped, on its one owner
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
-        out = []
-        for gn, gp in zip(names, params, strict=True):
-            group = []
-            for name, param in zip(gn, gp, strict=True):
-                owned = self.layout.owned(param)
-                if owned is not None:
-                    start, end, value, grad = owned
-                    group.append(Piece(name, param, start, end, value, grad))
-            out.append(group)
-        return out
+        return [[Piece(n, p, *owned) for n, p in zip(gn, gp, strict=True)
+                 if (owned := self.layout.owned(p)) is not None]  # (start, end, value, grad) of this rank's range
+                for gn, gp in zip(names, params, strict=True)]
 
     def cannot_add(self) -> str | None:
         return "ZeRO-1 shards the data-parallel wrapper's buffers, laid out when the model was wrapped"
@@ -332,7 +325,7 @@ class LayerWise(Placement):
         return "the layer-wise placement assigns owner ranks to all parameters at construction"
 
     def holdings(self, params: Sequence[torch.Tensor]) -> Holdings | None:
-        owner_of = {id(p): owner for p, owner in zip(self._all, self.owners, strict=True)}
+        owner_of = self.owner_of()
         if any(id(p) not in owner_of for p in params):
             return None
         return Holdings(tuple(self.dp.global_ranks),
@@ -424,8 +417,6 @@ class OwnersOverShards(LayerWise):
                 handle.wait()
         return [self._whole[id(p.param)].view(p.param.shape) for p in pieces]
 
-    def norm_params(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
-        return [p.param for p in pieces]
-
-    def norm_grads(self, ready: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        return list(ready)
+    # Placement's, not LayerWise's: each owner's norm terms are its own matrices' (class docstring)
+    norm_params = Placement.norm_params
+    norm_grads = Placement.norm_grads

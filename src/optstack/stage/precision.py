@@ -2,14 +2,12 @@
 ready, and how the stepped values reach the model.
 
 - ``Direct``: the algorithm steps the pieces' model storage itself (the parameter, or its buffer view).
-- ``Masters``: bf16/fp16 pieces get fp32 master copies (one flat fp32 tensor per group, so the fused kernels
-  step a group's masters as one run); fp32 pieces are stepped directly (Megatron's fp32-from-fp32 groups).
-  After a step the masters are rounded into the model storage in place. With ``host_fraction`` (CPU
-  offload of that share of the elements, ``offload.hybrid.plan_offload``'s plan) the masters of the offloaded
-  pieces live in host memory (pinned on CUDA), not on the device.
-- ``Remainders``: bf16 pieces keep only the low 16 bits of their fp32 master (int16, 2 B/element): the bf16
-  parameter is the high half, so parameter + remainder is the master bit for bit. The algorithm steps fp32
-  masters rebuilt into a workspace for the step only (freed between steps); fp32 pieces are stepped directly.
+- ``Masters``: fp32 masters for bf16/fp16 pieces (one flat fp32 tensor per group, so the fused kernels step a
+  group's masters as one run), rounded into the model storage after a step; fp32 pieces are stepped directly
+  (Megatron's fp32-from-fp32 groups). With ``host_fraction`` (CPU offload, ``offload.hybrid.plan_offload``'s
+  plan) the offloaded pieces' masters live in host memory (pinned on CUDA).
+- ``Remainders``: bf16 pieces keep only the low 16 bits of their fp32 master (int16, 2 B/element); the
+  masters are rebuilt for the step only.
 
 A gradient becomes the stepped tensor's ``.grad`` as it is when its dtype is the stepped tensor's (no copy:
 an fp32 gradient buffer under fp32 masters), or always with ``copy_grads=False`` (an algorithm that reads
@@ -203,9 +201,8 @@ class Remainders(Precision):
     frees after splitting the stepped masters back. The split is Megatron's / TransformerEngine's
     ``store_param_remainders``: the parameter is the master's high half rounded to nearest by the remainder's
     top bit (half away from zero, as ``Masters`` rounds bf16 too; ``master.to(bfloat16)`` differs on exact
-    ties), and the
-    remainder is the master's low 16 bits read as a signed int16, so ``master_bits = param_bits << 16 +
-    remainder`` exactly.
+    ties), and the remainder is the master's low 16 bits read as a signed int16, so ``master_bits =
+    param_bits << 16 + remainder`` exactly.
     """
 
     kind = "remainders"
@@ -360,6 +357,5 @@ def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     same = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if d.device == s.device]
     if same:
         torch._foreach_copy_([dst[i] for i in same], [src[i] for i in same])
-    if len(same) < len(dst):
-        for i in sorted(set(range(len(dst))) - set(same)):
-            dst[i].copy_(src[i])  # blocking: the host side is read or written by the host step next
+    for i in sorted(set(range(len(dst))) - set(same)):
+        dst[i].copy_(src[i])  # blocking: the host side is read or written by the host step next

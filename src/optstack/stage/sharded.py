@@ -3,10 +3,9 @@ at another data-parallel size.
 
 Under ZeRO-1 (ranges of flattened parameters) and layer-wise (whole parameters on their owner) each rank holds
 a different part of a parameter's state under the same key; as plain tensors DCP would keep one rank's and
-drop the rest. Here each element-wise state tensor becomes a ``ShardedTensor`` of the flattened parameter,
-``(numel,)`` (of the parameter's shape where each is held whole by one owner, as one process holds it), whose
-local shard is a view of the live state (``dcp.load`` writes straight into it), on every rank of the shard
-group, holding a part or not. Scalars (``step``) stay plain, on the ranks holding a part.
+drop the rest. Here each element-wise state tensor becomes a ``ShardedTensor`` whose local shard is a view of
+the live state (``dcp.load`` writes straight into it), on every rank of the shard group, holding a part or not.
+Scalars (``step``) stay plain, on the ranks holding a part.
 """
 
 from __future__ import annotations
@@ -35,10 +34,11 @@ def to_sharded(entries: Mapping[int, Mapping[str, Any]], params: Sequence[torch.
                ranges: Mapping[int, tuple[int, int, str]], comm: Comm, whole: bool = False,
                runs: Sequence[Sequence[Run]] | None = None) -> dict[int, dict[str, Any]]:
     """``entries`` (``id(param)`` -> this rank's state, as ``Stage.torch_state``) for every one of ``params``,
-    element-wise tensors as ``ShardedTensor``s over ``comm``. ``ranges``: ``id(param)`` -> the flat range this
-    rank holds and its device. ``whole``: each parameter is held whole by its one holder (layer-wise, DTensor
-    owners): the state keeps the parameter's shape, as one process and FSDP2 save it, so DCP moves it between
-    them. ``runs``: per parameter, what every rank of ``comm`` holds (``Placement.holdings``), if known.
+    element-wise tensors as ``ShardedTensor``s over ``comm`` of the flattened parameter, ``(numel,)``.
+    ``ranges``: ``id(param)`` -> the flat range this rank holds and its device. ``whole``: each parameter is
+    held whole by its one holder (layer-wise, DTensor owners): the state keeps the parameter's shape, as one
+    process and FSDP2 save it, so DCP moves it between them. ``runs``: per parameter, what every rank of
+    ``comm`` holds (``Placement.holdings``), if known.
 
     Collective over ``comm``. Given ``runs``, the ranks exchange only their state's keys and dtypes (a few per
     stage): where every parameter a rank holds has the same ones, every rank builds every ``ShardedTensor``'s

@@ -28,7 +28,7 @@ from optstack.offload.states import HostCopy, scratch_of
 from optstack.protocol import MakeOptimizer, ParamShard, phase, unhooked_step
 from optstack.stage.placement import Piece, Placement, Whole
 from optstack.stage.precision import Masters, Precision
-from optstack.stage.state import exported_state, from_plain, load_into, migrate, shards_of, to_plain
+from optstack.stage.state import exported_state, from_plain, load_into, migrate, settings_of, shards_of, to_plain
 
 __all__ = ["Stage"]
 
@@ -56,14 +56,6 @@ def _check_groups(param_groups: Any, owner: str) -> list[dict[str, Any]]:
             seen.add(id(param))
         copies.append({**group, "params": params})
     return copies
-
-
-_NOT_SETTINGS = ("params", "param_names")
-
-
-
-def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
 
 
 class Stage:
@@ -112,7 +104,7 @@ class Stage:
         # The model-side groups, what users and schedulers see and write: every parameter of the group (on
         # every rank, whatever this rank steps) and the inner group's settings, copied in at each step.
         self.param_groups: list[dict[str, Any]] = [
-            {"params": list(g["params"]), **{k: v for k, v in _settings(inner).items() if k not in extra},
+            {"params": list(g["params"]), **{k: v for k, v in settings_of(inner).items() if k not in extra},
              "param_names": n}
             for g, inner, n, extra in zip(groups, optimizer.param_groups, names, placed, strict=True)]
         self._stepped = [t for group in stepped for t in group]
@@ -159,7 +151,7 @@ class Stage:
         [pieces] = self.placement.pieces([names], [group["params"]])
         [stepped] = self.precision.inner([pieces], self.device)
         self.optimizer.add_param_group({**group, "params": stepped, "param_names": names})
-        self.param_groups.append({"params": group["params"], **_settings(self.optimizer.param_groups[-1]),
+        self.param_groups.append({"params": group["params"], **settings_of(self.optimizer.param_groups[-1]),
                                   "param_names": names})
         self.pieces += pieces
         self._stepped += stepped
@@ -235,9 +227,7 @@ class Stage:
     def sync_settings(self) -> None:
         """Copy the model-side groups' settings (``lr``, ``weight_decay``, ...) into the inner optimizer's."""
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
-            for key, value in outer.items():
-                if key not in _NOT_SETTINGS:
-                    inner[key] = value
+            inner.update(settings_of(outer))
 
     def step(self, grad_scale: float = 1.0, piece_scales: Sequence[float] | None = None) -> None:
         """The inner step with the ready gradients multiplied by ``grad_scale`` (and each piece's by its
@@ -458,7 +448,7 @@ class Stage:
         shards, settings = self.validate_state_dict(state_dict)
         self.load_param_shards(shards)
         for group, saved in zip(self.param_groups, settings, strict=True):
-            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _NOT_SETTINGS})
+            group.update({k: copy.deepcopy(v) for k, v in settings_of(saved).items()})
         self.sync_settings()
 
     def validate_state_dict(self, state_dict: Any) -> tuple[dict[str, ParamShard], list[dict[str, Any]]]:

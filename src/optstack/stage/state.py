@@ -20,7 +20,7 @@ import torch
 from optstack.protocol import ParamShard, algorithm_name
 from optstack.stage.placement import Piece
 
-__all__ = ["exported_state", "from_plain", "load_into", "migrate", "shards_of", "to_plain"]
+__all__ = ["exported_state", "from_plain", "load_into", "migrate", "settings_of", "shards_of", "to_plain"]
 
 
 def _inner_params(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
@@ -149,7 +149,9 @@ def _cast(param: torch.Tensor, index: int, policy: list[dict[str, Any]], value: 
     return value
 
 
-_SETTINGS_SKIPPED = ("params", "param_names")
+def settings_of(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's settings: every key but ``params`` and ``param_names``."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def to_plain(shards: Mapping[str, ParamShard], groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -158,8 +160,7 @@ def to_plain(shards: Mapping[str, ParamShard], groups: Sequence[Mapping[str, Any
     index = {id(g): i for i, g in enumerate(groups)}
     params = {name: {"shape": list(s.shape), "start": s.start, "end": s.end, "tensors": dict(s.tensors),
                      "scalars": dict(s.scalars), "group": index[id(s.group)]} for name, s in shards.items()}
-    settings = [{k: v for k, v in g.items() if k not in _SETTINGS_SKIPPED} for g in groups]
-    return {"params": params, "groups": settings}
+    return {"params": params, "groups": [settings_of(g) for g in groups]}
 
 
 def from_plain(owner: str, state: Any, groups: Sequence[Mapping[str, Any]]) -> dict[str, ParamShard]:
@@ -213,5 +214,4 @@ def migrate(old: Mapping[str, Any], pieces: Sequence[Piece], stepped: Sequence[t
         tensors["param"] = (next(saved_masters) if has_master else tensor.detach().clone()).reshape(-1)
         params[piece.name] = {"shape": list(piece.param.shape), "start": piece.start, "end": piece.end,
                               "tensors": tensors, "scalars": scalars, "group": gi}
-    groups = [{k: v for k, v in g.items() if k not in _SETTINGS_SKIPPED} for g in inner["param_groups"]]
-    return {"params": params, "groups": groups}
+    return {"params": params, "groups": [settings_of(g) for g in inner["param_groups"]]}
