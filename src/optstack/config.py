@@ -167,9 +167,8 @@ class AdamConfig:
     @property
     def state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """The storage dtypes of (exp_avg, exp_avg_sq); torch.uint8 for '8bit' (the codes)."""
-        return tuple(torch.uint8 if name == "8bit" else dtype_from_name(name, f"adam.{field}")
-                     for field, name in (("exp_avg_dtype", self.exp_avg_dtype),
-                                         ("exp_avg_sq_dtype", self.exp_avg_sq_dtype)))  # type: ignore[return-value]
+        return tuple(torch.uint8 if name == "8bit" else _DTYPES[name]
+                     for name in (self.exp_avg_dtype, self.exp_avg_sq_dtype))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -348,8 +348,7 @@ class Scheduler(LRScheduler):
 
     def get_wd(self, group: Mapping[str, Any] | None = None) -> float:
         """The weight decay at the current step, before ``wd_mult``; ``group``'s start_wd/end_wd win."""
-        if group is None:
-            return self._wd(self._num_steps)
+        group = group or {}
         return self._wd(self._num_steps, start_wd=group.get("start_wd"), end_wd=group.get("end_wd"))
 
     def step(self, epoch: int | None = None, *, increment: int | None = None) -> None:
@@ -367,7 +366,7 @@ class Scheduler(LRScheduler):
                              f"got epoch={epoch!r}, increment={increment!r}")
         if epoch is not None:
             _check_count("Scheduler.step", "epoch", epoch)
-            # A positional int meant `increment` before this class followed torch; say so instead of silence.
+            # Megatron's step(increment) is positional: a caller used to it must not silently set the step.
             warnings.warn(f"Scheduler.step({epoch}) is torch's deprecated `epoch` form: it sets the step to "
                           f"{epoch} (it was {self._num_steps}); call step() to advance by one or "
                           "step(increment=n) to advance by n", UserWarning, stacklevel=2)

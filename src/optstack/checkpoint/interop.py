@@ -62,10 +62,10 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
     entries = [{k: v.view(params[n]["shape"]) for k, v in data[n].items()}
                | {k: decode_scalar(v) for k, v in state[n]["scalars"].items()} for n in order]
     groups: list[dict[str, Any]] = []
-    for g, saved in enumerate(manifest["groups"]):
+    for g, group in enumerate(manifest["groups"]):
         if ids := [i for i, n in enumerate(order) if params[n]["group"] == g]:
             settings = {k: tuple(v) if k == "betas" and isinstance(v, list) else v
-                        for k, v in saved["settings"].items()}
+                        for k, v in group["settings"].items()}
             groups.append({**settings, "params": ids, "param_names": [order[i] for i in ids]})
     return {"state": {i: entry for i, entry in enumerate(entries) if entry}, "param_groups": groups}
 

@@ -102,8 +102,7 @@ def _mine(view: View, rank: int) -> dict[str, tuple[int, int]]:
 
 
 def _rows(view: View, model: ModelTable | None) -> list[tuple[str, str]]:
-    """The view as (what, value) rows, equal on every rank that computed the same view (``plan.first_difference``
-    compares them)."""
+    """The view as (what, value) rows, equal on every rank that computed the same view (``Agreement`` hashes them)."""
     rows = [(f"parameter {name!r}", json.dumps([p.shape, p.identity, p.settings, p.runs], sort_keys=True))
             for name, p in view.items()]
     return rows + [(f"model tensor {k!r}", repr(v)) for k, v in (model or {}).items()]

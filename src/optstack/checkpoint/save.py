@@ -262,7 +262,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             for device tensors); the write, the checks, the commit, ``latest`` and pruning go on in a background
             thread (over a process group of their own), while training steps. ``handle.wait()`` returns the
             path or raises what a blocking save would; ``handle.done()``; ``handle.error``. The next save (or
-            load) waits for it first. A crash at any point leaves the previous checkpoints whole.
+            load) waits for it first.
 
     Returns:
         The checkpoint's directory (``blocking=True``), or a ``SaveHandle`` for it (``blocking=False``).
