@@ -91,8 +91,6 @@ class LRSchedule(_Schedule):
        with ``r`` the fraction of them done, ``wsd_style`` gives coeff: linear ``1 - r``, cosine
        ``(cos(pi * r) + 1) / 2``, exponential ``2 * 0.5**r - 1``, minus_sqrt ``1 - sqrt(r)``.
 
-    ``style`` defaults to ``"cosine"``, the most common LLM schedule (Megatron and torch have no default).
-
     Differences from Megatron, in what is accepted only: ``warmup_steps == decay_steps`` is allowed (Megatron
     asserts ``<``; the value is still well defined); ``wsd_decay_steps`` may not exceed ``decay_steps``;
     ``wsd_style`` defaults to ``"exponential"`` (Megatron's ``--lr-wsd-decay-style`` default; its class default
@@ -104,7 +102,8 @@ class LRSchedule(_Schedule):
         min_lr: floor of the decay, and the value after ``decay_steps``.
         warmup_steps: steps of linear warmup; 0 for none.
         decay_steps: the step at which the decay reaches ``min_lr`` (counted from step 0, warmup included).
-        style: the shape after the warmup (default ``"cosine"``).
+        style: the shape after the warmup (default ``"cosine"``, the most common LLM schedule; Megatron and torch
+            have no default).
         wsd_decay_steps: WSD only: the length of the final annealing phase (0 = no annealing).
         wsd_style: WSD only: the shape of the annealing phase.
     """
