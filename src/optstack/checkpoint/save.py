@@ -65,12 +65,10 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "save_plan", "manifest_of", "together", "local_state",
-           "check_optimizer", "load_into", "whole_values"]
+__all__ = ["save_checkpoint", "save_plan", "manifest_of", "together", "local_state", "check_optimizer", "load_into",
+           "whole_values"]
 
 T = TypeVar("T")
-
-
 Failure = tuple[bool, str] | None  # (a storage error?, its line), exchanged between ranks
 
 #: How long rank 0 waits, at the start of a save, for every other rank to call ``save_checkpoint`` too before it
@@ -350,8 +348,7 @@ class _Save:
                                                          self.job, self.keep_last)
 
         def commit(files: dict[str, Any]) -> str | None:
-            """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the
-            error."""
+            """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the error."""
             _check_written(path, files)
             manifest = manifest_of(plan, self.step, comm.size, self.scaler, self.scheduler, files, job.id)
             if key is not None:
