@@ -358,9 +358,8 @@ _SETTING_RANGES: dict[str, tuple[float, float]] = {
 
 def _numbers(value: Any) -> list[Any]:
     """The numbers in a setting (itself, or a list's members); non-numbers are left to their users."""
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int | float) and not isinstance(v, bool)]
-    return [value] if isinstance(value, int | float) and not isinstance(value, bool) else []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
 
 
 def _check_group(where: str, at: str, group: Mapping[str, Any]) -> None:
