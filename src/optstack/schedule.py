@@ -1,10 +1,9 @@
 """Learning-rate and weight-decay schedules, and the scheduler that writes them into param groups.
 
-``LRSchedule`` (warmup, then constant / linear / cosine / inverse-square-root / WSD down to ``min_lr``) and
-``WDSchedule`` (constant, or a linear / cosine ramp) are frozen, validated values and pure functions of the step,
-with the semantics of Megatron Core's ``OptimizerParamScheduler``; ``Scheduler`` applies both to every param group
-of anything with ``param_groups``, its only state the step count, and has torch's ``LRScheduler`` surface too.
-Where this module differs from Megatron or torch on purpose, the class concerned says so.
+``LRSchedule`` and ``WDSchedule`` are frozen, validated values and pure functions of the step, with the semantics
+of Megatron Core's ``OptimizerParamScheduler``; ``Scheduler`` applies both to every param group of anything with
+``param_groups``, its only state the step count, and has torch's ``LRScheduler`` surface too. Where this module
+differs from Megatron or torch on purpose, the class concerned says so.
 """
 
 from __future__ import annotations
