@@ -100,10 +100,6 @@ def _precision(name: str, value: Any) -> None:
     dtype_from_name(value, name)
 
 
-def _registry_name(name: str, value: Any) -> None:
-    check_name(name, value)
-
-
 _BETA, _POSITIVE, _NON_NEGATIVE = _number(0.0, 1.0, hi_open=True), _number(0.0, lo_open=True), _number(0.0)
 
 
@@ -171,9 +167,8 @@ class AdamConfig:
     @property
     def state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """The storage dtypes of (exp_avg, exp_avg_sq); torch.uint8 for '8bit' (the codes)."""
-        return tuple(torch.uint8 if name == "8bit" else dtype_from_name(name, f"adam.{field}")
-                     for field, name in (("exp_avg_dtype", self.exp_avg_dtype),
-                                         ("exp_avg_sq_dtype", self.exp_avg_sq_dtype)))  # type: ignore[return-value]
+        return tuple(torch.uint8 if name == "8bit" else _DTYPES[name]
+                     for name in (self.exp_avg_dtype, self.exp_avg_sq_dtype))  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,7 +250,7 @@ class MuonConfig:
                   coefficients=_one_of("quintic", "simple", "polar_express"),
                   scale_mode=_one_of("spectral", "unit_rms_norm", "shape_scaling"), extra_scale_factor=_POSITIVE,
                   matmul_precision=_one_of("highest", "high", "medium"), split_qkv=_flag,
-                  scalar_algorithm=_registry_name, tp_mode=_one_of("duplicated", "blockwise", "distributed"))
+                  scalar_algorithm=check_name, tp_mode=_one_of("duplicated", "blockwise", "distributed"))
         if self.scalar_algorithm == "muon" or get_algorithm(self.scalar_algorithm).capabilities.whole_matrices:
             raise ValueError(f"muon.scalar_algorithm must not be {self.scalar_algorithm!r} (it takes what Muon cannot: "
                              "vectors, embeddings; that algorithm steps whole matrices); e.g. 'adamw'")
@@ -469,7 +464,7 @@ class OptimizerConfig:
             if cls is not MISSING and not isinstance(value, cls):  # type: ignore[arg-type]
                 raise ValueError(f"{f.name} must be of type {cls.__name__}, got {type(value).__name__} {value!r:.80}; "
                                  f"pass {f.name}={cls.__name__}(...)")
-        _validate("", self, algorithm=_registry_name, lr=_NON_NEGATIVE, min_lr=_NON_NEGATIVE,
+        _validate("", self, algorithm=check_name, lr=_NON_NEGATIVE, min_lr=_NON_NEGATIVE,
                   weight_decay=_NON_NEGATIVE, decoupled_lr=_or_none(_NON_NEGATIVE),
                   decoupled_min_lr=_or_none(_NON_NEGATIVE), mup_width_mult=_POSITIVE, precision=_precision,
                   clip_grad=_NON_NEGATIVE, norm_type=_norm_type,

@@ -1,10 +1,9 @@
 """Learning-rate and weight-decay schedules, and the scheduler that writes them into param groups.
 
-``LRSchedule`` (warmup, then constant / linear / cosine / inverse-square-root / WSD down to ``min_lr``) and
-``WDSchedule`` (constant, or a linear / cosine ramp) are frozen, validated values and pure functions of the step,
-with the semantics of Megatron Core's ``OptimizerParamScheduler``; ``Scheduler`` applies both to every param group
-of anything with ``param_groups``, its only state the step count, and has torch's ``LRScheduler`` surface too.
-Where this module differs from Megatron or torch on purpose, the class concerned says so.
+``LRSchedule`` and ``WDSchedule`` are frozen, validated values and pure functions of the step, with the semantics
+of Megatron Core's ``OptimizerParamScheduler``; ``Scheduler`` applies both to every param group of anything with
+``param_groups``, its only state the step count, and has torch's ``LRScheduler`` surface too. Where this module
+differs from Megatron or torch on purpose, the class concerned says so.
 """
 
 from __future__ import annotations
@@ -91,8 +90,6 @@ class LRSchedule(_Schedule):
        with ``r`` the fraction of them done, ``wsd_style`` gives coeff: linear ``1 - r``, cosine
        ``(cos(pi * r) + 1) / 2``, exponential ``2 * 0.5**r - 1``, minus_sqrt ``1 - sqrt(r)``.
 
-    ``style`` defaults to ``"cosine"``, the most common LLM schedule (Megatron and torch have no default).
-
     Differences from Megatron, in what is accepted only: ``warmup_steps == decay_steps`` is allowed (Megatron
     asserts ``<``; the value is still well defined); ``wsd_decay_steps`` may not exceed ``decay_steps``;
     ``wsd_style`` defaults to ``"exponential"`` (Megatron's ``--lr-wsd-decay-style`` default; its class default
@@ -104,7 +101,8 @@ class LRSchedule(_Schedule):
         min_lr: floor of the decay, and the value after ``decay_steps``.
         warmup_steps: steps of linear warmup; 0 for none.
         decay_steps: the step at which the decay reaches ``min_lr`` (counted from step 0, warmup included).
-        style: the shape after the warmup (default ``"cosine"``).
+        style: the shape after the warmup (default ``"cosine"``, the most common LLM schedule; Megatron and torch
+            have no default).
         wsd_decay_steps: WSD only: the length of the final annealing phase (0 = no annealing).
         wsd_style: WSD only: the shape of the annealing phase.
     """
@@ -348,8 +346,7 @@ class Scheduler(LRScheduler):
 
     def get_wd(self, group: Mapping[str, Any] | None = None) -> float:
         """The weight decay at the current step, before ``wd_mult``; ``group``'s start_wd/end_wd win."""
-        if group is None:
-            return self._wd(self._num_steps)
+        group = group or {}
         return self._wd(self._num_steps, start_wd=group.get("start_wd"), end_wd=group.get("end_wd"))
 
     def step(self, epoch: int | None = None, *, increment: int | None = None) -> None:
@@ -367,7 +364,7 @@ class Scheduler(LRScheduler):
                              f"got epoch={epoch!r}, increment={increment!r}")
         if epoch is not None:
             _check_count("Scheduler.step", "epoch", epoch)
-            # A positional int meant `increment` before this class followed torch; say so instead of silence.
+            # Megatron's step(increment) is positional: a caller used to it must not silently set the step.
             warnings.warn(f"Scheduler.step({epoch}) is torch's deprecated `epoch` form: it sets the step to "
                           f"{epoch} (it was {self._num_steps}); call step() to advance by one or "
                           "step(increment=n) to advance by n", UserWarning, stacklevel=2)

@@ -1,9 +1,8 @@
-"""Asynchronous saves: the copy to host memory, the background thread and its handle, one save at a time.
+"""Asynchronous saves (``save_checkpoint(..., blocking=False)``): the copy to host memory, the background thread
+and its handle, one save at a time.
 
-``save_checkpoint(..., blocking=False)`` plans as a blocking save does, copies this rank's state to host memory
-(``to_host``: pinned buffers for device tensors, one synchronisation at the end) and returns a ``SaveHandle``;
-a thread then writes, checks, commits, points ``latest`` and prunes exactly as a blocking save does. Its
-collectives go over a process group of their own (``comm_for``: gloo, created once per set of ranks), so they
+The thread writes, checks, commits, points ``latest`` and prunes exactly as a blocking save does, its
+collectives over a process group of their own (``comm_for``: gloo, created once per set of ranks), so they
 never interleave with the training's collectives on the caller's group. Saves commit in order: a save or a
 load first waits for the asynchronous save in flight (``wait_pending``). The crash guarantees are the blocking
 save's: the thread writes into the locked temporary directory and the rename is the commit.
@@ -148,6 +147,7 @@ class _Buffers:
 
 
 _buffers = _Buffers()
+give_back = _buffers.give  # a save's host buffers, for the next asynchronous save
 
 
 def release_buffers() -> None:
@@ -188,7 +188,3 @@ def on_host(shards: Mapping[str, ParamShard], tensors: Mapping[str, torch.Tensor
     if devices:
         torch.accelerator.synchronize()  # the non-blocking copies into pinned memory have landed
     return out_shards, out_tensors, taken
-
-
-def give_back(buffers: list[torch.Tensor]) -> None:
-    _buffers.give(buffers)

@@ -132,8 +132,7 @@ _keys_then(pickle.FROZENSET, lambda self: list(self.stack))
 
 def _checked_set(kind: type) -> Callable[..., Any]:
     def build(items: Any = ()) -> Any:
-        items = list(items) if isinstance(items, list | tuple) else None
-        if items is None:
+        if not isinstance(items, list | tuple):
             raise Refused(f"a {kind.__name__} built from something other than a list")
         for item in items:
             check_key(item)

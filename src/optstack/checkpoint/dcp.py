@@ -10,11 +10,10 @@ what they leave out: the loss scaler and, if given, the scheduler. Replicated, Z
 loads at another data-parallel size (ZeRO-1 and layer-wise state are ``ShardedTensor``s: ``stage/sharded.py``).
 State held whole (one process, layer-wise, Muon's owner ranks on DTensor models) keeps the parameter's shape,
 as FSDP2's DTensor state does, so it moves between those; ZeRO-1's is flat: between other placements, use
-``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. A load reads into a staging copy and commits it
-only once DCP has read everything (``OptimizerState``): a failed ``dcp.load`` changes nothing, and torch's
-default planner works (the copy keeps what its ``flatten_sharded_tensors`` would drop). ``dcp.async_save``
-works for replicated and DTensor state; torch 2.13's async stager cannot copy ``ShardedTensor``s (it takes
-each tensor's ``data_ptr``): for ZeRO-1 and layer-wise state use ``save_checkpoint(..., blocking=False)``.
+``optstack.checkpoint.save_checkpoint`` / ``load_checkpoint``. A failed ``dcp.load`` changes nothing
+(``OptimizerState``). ``dcp.async_save`` works for replicated and DTensor state; torch 2.13's async stager
+cannot copy ``ShardedTensor``s (it takes each tensor's ``data_ptr``): for ZeRO-1 and layer-wise state use
+``save_checkpoint(..., blocking=False)``.
 
 DCP's own ``FileSystemReader`` (``checkpoint_id=d``) unpickles ``.metadata`` with ``pickle.load`` and bytes
 items with ``torch.load(weights_only=False)``: loading a checkpoint from anyone else can run their code.
@@ -57,9 +56,9 @@ class OptimizerState:
     ``dcp.load`` (recognised by its caller, torch's ``state_dict_loader``) it is a staging copy that DCP reads
     into; ``load_state_dict`` checks the scaler's and the scheduler's state, then commits (copies the staged
     values into the live state): a load that fails in DCP (a refused or truncated file) leaves the optimizer,
-    scaler and scheduler as they were. Each rank's staging
-    copy also holds an empty part of every sharded entry of which it holds nothing, so that torch's default
-    load planner keeps the entry: no planner argument is needed. (Root cause, torch 2.13: with its default
+    scaler and scheduler as they were. Each rank's staging copy also holds an empty part of every sharded entry
+    of which it holds nothing, so that torch's default load planner keeps the entry: no planner argument is
+    needed. (Root cause, torch 2.13: with its default
     ``flatten_sharded_tensors=True``, ``_flatten_sharded_tensors`` returns without setting a ``ShardedTensor``
     that has no local shard, so the entry is missing from the rank's state dict; ``create_local_plan`` then
     takes the missing keys for a pre-2.4 checkpoint, re-flattens with the 2.3 key mapping and fails with

@@ -42,7 +42,7 @@ from optstack.protocol import ParamShard
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "PART", "check_part", "GROUP_MAP", "migrate", "seal", "unseal",
            "dtype_name", "dtype_from_name", "json_lines", "encode_scalar", "decode_scalar", "identity_of",
            "group_identity", "settings_of",
-           "optim_key", "model_key", "canonical", "check_manifest"]
+           "optim_key", "model_key", "canonical", "check_manifest", "is_count"]
 
 FORMAT = "optstack.checkpoint"
 VERSION = 3
@@ -235,23 +235,20 @@ def migrate(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def _bad(where: str, field: str, value: Any, expected: str) -> ValueError:
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return ValueError(f"{where}: {field} is {shown} ({type(value).__name__}), expected {expected}; the manifest "
-                      "was altered or written by something other than optstack")
-
-
-def _count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
+    """An int >= 0 (not a bool): what a file's sizes, offsets and ranks must be."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _need(ok: bool, where: str, field: str, value: Any, expected: str) -> None:
     if not ok:
-        raise _bad(where, field, value, expected)
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(f"{where}: {field} is {shown} ({type(value).__name__}), expected {expected}; the manifest "
+                         "was altered or written by something other than optstack")
 
 
 def _shape(where: str, field: str, value: Any) -> int:
-    _need(isinstance(value, list) and all(_count(d) for d in value), where, field, value, "a list of ints >= 0")
+    _need(isinstance(value, list) and all(is_count(d) for d in value), where, field, value, "a list of ints >= 0")
     return math.prod(value)
 
 
@@ -266,9 +263,9 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
     anything else is a ``ValueError`` naming ``where`` and the field, before any of it is used.
     """
     world = manifest.get("world_size")
-    _need(_count(world) and world >= 1, where, "world_size", world, "an int >= 1")
+    _need(is_count(world) and world >= 1, where, "world_size", world, "an int >= 1")
     step = manifest.get("step")
-    _need(step is None or _count(step), where, "step", step, "an int >= 0 or null")
+    _need(step is None or is_count(step), where, "step", step, "an int >= 0 or null")
     groups = manifest.get("groups")
     _need(isinstance(groups, list), where, "groups", groups, "a list")
     for i, group in enumerate(groups):
@@ -285,11 +282,11 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         if manifest.get("inline"):
             _check_state(where, at, entry)
         group = entry.get("group")
-        _need(_count(group) and group < len(groups), where, f"{at}.group", group, f"an index < {len(groups)}")
+        _need(is_count(group) and group < len(groups), where, f"{at}.group", group, f"an index < {len(groups)}")
         chunks = entry.get("chunks")
         _need(isinstance(chunks, list), where, f"{at}.chunks", chunks, "a list")
         for chunk in chunks:
-            ok = isinstance(chunk, list) and len(chunk) in (3, 4) and all(_count(c) for c in chunk)
+            ok = isinstance(chunk, list) and len(chunk) in (3, 4) and all(is_count(c) for c in chunk)
             ok = ok and (len(chunk) == 3 or chunk[3] >= 1)
             count = chunk[3] if ok and len(chunk) == 4 else 1
             _need(ok and chunk[0] + count <= world and chunk[1] <= chunk[2]
@@ -304,7 +301,7 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         _shape(where, f"{at}.shape", entry.get("shape"))
         _dtype(where, f"{at}.dtype", entry.get("dtype"))
         rank = entry.get("rank")
-        _need(_count(rank) and rank < world, where, f"{at}.rank", rank, f"a rank < {world}")
+        _need(is_count(rank) and rank < world, where, f"{at}.rank", rank, f"a rank < {world}")
     _need(isinstance(manifest.get("scaler"), dict), where, "scaler", manifest.get("scaler"), "a dict")
     scheduler = manifest.get("scheduler")
     _need(scheduler is None or isinstance(scheduler, dict), where, "scheduler", scheduler, "a dict or null")
@@ -315,7 +312,7 @@ def check_manifest(manifest: Mapping[str, Any], where: str) -> None:
         # A file inside the checkpoint: '<rank directory>/<file>', never absolute or '..'.
         _need(len(parts) == 2 and all(p and p not in (".", "..") and "\\" not in p for p in parts), where,
               "a file name", name, "'<rank directory>/<file>'")
-        _need(isinstance(entry, dict) and _count(entry.get("bytes")) and _hex(entry.get("crc32"), 8)
+        _need(isinstance(entry, dict) and is_count(entry.get("bytes")) and _hex(entry.get("crc32"), 8)
               and ("sha256" not in entry or _hex(entry["sha256"], 64)), where, f"files[{name!r}]", entry,
               "{'bytes': int, 'crc32': 8 hex digits} (and 'sha256': 64)")
 
@@ -361,9 +358,8 @@ _SETTING_RANGES: dict[str, tuple[float, float]] = {
 
 def _numbers(value: Any) -> list[Any]:
     """The numbers in a setting (itself, or a list's members); non-numbers are left to their users."""
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int | float) and not isinstance(v, bool)]
-    return [value] if isinstance(value, int | float) and not isinstance(value, bool) else []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
 
 
 def _check_group(where: str, at: str, group: Mapping[str, Any]) -> None:

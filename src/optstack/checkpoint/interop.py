@@ -18,8 +18,8 @@ import torch
 
 from optstack.checkpoint.format import decode_scalar, encode_scalar
 from optstack.checkpoint.load import Saved, read_manifest, read_ranges, verify_files
-from optstack.checkpoint.save import agree, check_optimizer, local_state, together
-from optstack.checkpoint.state import collect, describe, group_map, restore_group_settings
+from optstack.checkpoint.save import check_optimizer, local_state, together
+from optstack.checkpoint.state import group_map, restore_group_settings
 from optstack.distributed.comm import Comm, NullComm, world_comm
 from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
@@ -62,10 +62,10 @@ def export_torch_state_dict(path: str | os.PathLike[str], *, names: Sequence[str
     entries = [{k: v.view(params[n]["shape"]) for k, v in data[n].items()}
                | {k: decode_scalar(v) for k, v in state[n]["scalars"].items()} for n in order]
     groups: list[dict[str, Any]] = []
-    for g, saved in enumerate(manifest["groups"]):
+    for g, group in enumerate(manifest["groups"]):
         if ids := [i for i, n in enumerate(order) if params[n]["group"] == g]:
             settings = {k: tuple(v) if k == "betas" and isinstance(v, list) else v
-                        for k, v in saved["settings"].items()}
+                        for k, v in group["settings"].items()}
             groups.append({**settings, "params": ids, "param_names": [order[i] for i in ids]})
     return {"state": {i: entry for i, entry in enumerate(entries) if entry}, "param_groups": groups}
 
@@ -141,12 +141,7 @@ def write_group_map(path: str | os.PathLike[str], optimizer: ChainedOptimizer, *
     """Write ``optimizer``'s parameter -> group map as JSON to ``path`` (rank 0; collective) and return it."""
     optimizer = check_optimizer(optimizer)
     comm = comm if comm is not None else world_comm("checkpoint")
-    error, held = None, {}
-    try:
-        held = describe({n: s for shards in collect(optimizer.stages) for n, s in shards.items()})
-    except ValueError as exc:
-        error = str(exc)
-    agree(comm, error, "cannot write the group map")
+    held = together(comm, "cannot write the group map", lambda: local_state(optimizer, None)[1])
     params: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     index_of: dict[str, int] = {}

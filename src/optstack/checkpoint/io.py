@@ -283,8 +283,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
-    steps, pointer = committed_steps(path), path / LATEST
-    name = _latest_name(path) if pointer.is_file() else None
+    steps, pointer, name = committed_steps(path), path / LATEST, _latest_name(path)
     if not steps:
         if name is not None:
             raise ValueError(f"{pointer} names {name!r}, which is not a checkpoint in {path}")

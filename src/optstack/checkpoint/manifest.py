@@ -102,8 +102,7 @@ def _mine(view: View, rank: int) -> dict[str, tuple[int, int]]:
 
 
 def _rows(view: View, model: ModelTable | None) -> list[tuple[str, str]]:
-    """The view as (what, value) rows, equal on every rank that computed the same view (``plan.first_difference``
-    compares them)."""
+    """The view as (what, value) rows, equal on every rank that computed the same view (``Agreement`` hashes them)."""
     rows = [(f"parameter {name!r}", json.dumps([p.shape, p.identity, p.settings, p.runs], sort_keys=True))
             for name, p in view.items()]
     return rows + [(f"model tensor {k!r}", repr(v)) for k, v in (model or {}).items()]
@@ -189,10 +188,8 @@ def plan_from_view(view: View, model: ModelTable | None, size: int, rank: int) -
         params[name] = {"shape": list(p.shape), "group": groups[key], "chunks": chunks}
     model_entries, model_writes = None, [[] for _ in range(size)]
     if model is not None:
-        model_entries = {}
-        for key in sorted(model, key=lambda k: (-math.prod(model[k][0]), k)):
-            shape, dtype = model[key]
-            model_entries[key] = {"shape": list(shape), "dtype": dtype, "rank": least_loaded(math.prod(shape))}
-        model_entries = {k: model_entries[k] for k in model}  # in the model's order
+        largest_first = sorted(model, key=lambda k: (-math.prod(model[k][0]), k))
+        rank_of = {k: least_loaded(math.prod(model[k][0])) for k in largest_first}
+        model_entries = {k: {"shape": list(s), "dtype": d, "rank": rank_of[k]} for k, (s, d) in model.items()}
         model_writes[rank] = [k for k, e in model_entries.items() if e["rank"] == rank]
     return SavePlan(params, group_list, model_entries, writes, model_writes)

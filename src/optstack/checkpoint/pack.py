@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from optstack.checkpoint.format import dtype_from_name, dtype_name
+from optstack.checkpoint.format import dtype_from_name, dtype_name, is_count
 from optstack.checkpoint.storage import Chunk, read_chunks
 
 __all__ = ["SMALL_BYTES", "MIN_PACKED", "SEGMENT_BYTES", "pack_chunks", "read_packed", "check_packs"]
@@ -106,33 +106,26 @@ def check_packs(packs: Any, world_size: int, where: str) -> None:
 def _index(rank: int, segments: Any, where: str = "the manifest") -> dict[str, tuple[int, int, int, int]]:
     """{DCP key: (segment, offset in it, start, numel)} of ``rank``'s packs; ValueError unless the manifest's
     entry has the format's types and sizes (it is read from disk: checked before use)."""
-    def count(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
     where_ = f"{where}: the packs of rank {rank}, packs[{str(rank)!r}]"
+    malformed = ValueError(f"{where_}, are not [[dtype, [[key, start, numel], ...]], ...]: the manifest was altered "
+                           "or written by something other than optstack")
+    if not isinstance(segments, list):
+        raise malformed
     out: dict[str, tuple[int, int, int, int]] = {}
-    ok = isinstance(segments, list)
-    for index, segment in enumerate(segments if ok else ()):
-        ok = (isinstance(segment, list) and len(segment) == 2 and isinstance(segment[0], str)
-              and isinstance(segment[1], list))
-        if not ok:
-            break
+    for index, segment in enumerate(segments):
+        if not (isinstance(segment, list) and len(segment) == 2 and isinstance(segment[0], str)
+                and isinstance(segment[1], list)):
+            raise malformed
         itemsize = dtype_from_name(segment[0]).itemsize
         offset = 0
         for i, item in enumerate(segment[1]):
-            ok = (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and count(item[1])
-                  and count(item[2]))
-            if not ok:
-                break
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and is_count(item[1])
+                    and is_count(item[2])):
+                raise malformed
             if item[2] * itemsize > SMALL_BYTES or (offset + item[2]) * itemsize > SEGMENT_BYTES:
                 raise ValueError(f"{where_}[{index}][1][{i}] holds {item[2]} elements of {segment[0]}: an item "
                                  f"is at most {SMALL_BYTES} bytes and a segment {SEGMENT_BYTES}; the manifest "
                                  "was altered")
             out[item[0]] = (index, offset, item[1], item[2])
             offset += item[2]
-        if not ok:
-            break
-    if not ok:
-        raise ValueError(f"{where_}, are not [[dtype, [[key, start, numel], ...]], ...]: the manifest was altered "
-                         "or written by something other than optstack")
     return out

@@ -1,5 +1,4 @@
-"""Reading a checkpoint deserialises data only: DCP metadata through a restricted unpickler, bytes items as
-``weights_only`` loads. Loading a checkpoint never runs code from it.
+"""Reading a checkpoint deserialises data only: loading one never runs code from it.
 
 torch.distributed.checkpoint stores each directory's index (``.metadata``) as a pickle, and its own
 ``FileSystemReader`` reads it with ``pickle.load``: a ``.metadata`` file from someone else could run anything.
@@ -8,21 +7,15 @@ file system's ``_StorageInfo``, ``torch.Size``, dtypes, layouts, paths as pure p
 and scalars, and sets state only on fresh instances of those dataclasses; the first global outside that list
 is a ``ValueError`` naming the file, raised by the unpickler before it looks the global up, so nothing outside
 the list is ever imported, built or called. The result is then checked field by field.
-``SafeFileSystemReader`` is DCP's reader with that unpickler, for ``dcp.load``::
+``SafeFileSystemReader`` is DCP's reader with that unpickler and every read bounded (``bounded.py``)::
 
     dcp.load(state, storage_reader=SafeFileSystemReader(d))
-
-Every read is bounded (``bounded.py``): the unpickler checks each dict key and set member before it hashes
-it, the metadata check is linear in the file's size, and each item is read within its file, through its
-transforms at most to the size the metadata gives it, its ``torch.save`` record checked and dry-run before
-``torch.load(weights_only=True)`` reads it. The bytes items (non-tensor state such as param groups) DCP's
-planner would load with ``weights_only=False``; this reader loads them with ``weights_only=True`` first and
-hands the planner a fresh serialisation of the result, never the file's own bytes.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 from collections.abc import Callable
@@ -55,6 +48,7 @@ from optstack.checkpoint.bounded import (
     read_bounded,
     register_key,
 )
+from optstack.checkpoint.format import is_count
 
 try:  # where torch 2.13 defines it; the name in the pickle is what matters
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -97,9 +91,6 @@ def _allowed() -> dict[tuple[str, str], Any]:
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed()
 
 
-_Refused = Refused
-
-
 # DCP's metadata objects: the only ones whose state a pickle may set (a class, function or shared singleton
 # such as an enum member must never have attributes set by a file).
 _BUILDABLE = frozenset(c for c in (Metadata, MetadataIndex, TensorStorageMetadata, BytesStorageMetadata,
@@ -131,10 +122,10 @@ class _MetadataUnpickler(BoundedUnpickler):
     def _load_build_metadata(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
         if type(inst) not in _BUILDABLE:
-            raise _Refused(f"state to set on a {type(inst).__name__} object")
+            raise Refused(f"state to set on a {type(inst).__name__} object")
         for part in state if isinstance(state, tuple) else (state,):
             if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
-                raise _Refused(f"special attributes {sorted(map(repr, part))[:8]} to set on a "
+                raise Refused(f"special attributes {sorted(map(repr, part))[:8]} to set on a "
                                f"{type(inst).__name__}")
         BoundedUnpickler.dispatch[pickle.BUILD[0]](self)
 
@@ -152,7 +143,7 @@ def load_metadata(file: IO[bytes], where: str) -> Metadata:
         data = file.read()  # in memory: a length the pickle claims is then never allocated beyond the file
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         _check_metadata(metadata, len(data))
-    except _Refused as exc:
+    except Refused as exc:
         raise ValueError(
             f"{where} holds {exc}, which DCP checkpoint metadata never does: refusing to load it (loading a "
             "checkpoint never runs code from it). The file was altered, or written by something other than "
@@ -184,10 +175,6 @@ _MIN_CHUNK_BYTES = 8  # a chunk's pickle (a ChunkStorageMetadata and its two siz
 def _expect(ok: bool, what: str, value: Any, expected: str) -> None:
     if not ok:
         raise _Malformed(f"{what} is a {type(value).__name__}, expected {expected}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_size(what: str, value: Any, ndim: int | None = None) -> None:
@@ -240,7 +227,7 @@ def _check_metadata(md: Any, size: int) -> None:
         # Only a file beside the metadata: a path elsewhere would read a file the checkpoint does not hold.
         if not isinstance(path, str) or not path or "/" in path or "\\" in path or path in (".", ".."):
             raise _Malformed(f"storage_data[{index.fqn!r}] points at {path!r}, not a file in the directory")
-        _expect(_is_int(info.offset) and _is_int(info.length), f"the offset/length of {index.fqn!r}",
+        _expect(is_count(info.offset) and is_count(info.length), f"the offset/length of {index.fqn!r}",
                 (info.offset, info.length), "ints >= 0")
         descriptors = getattr(info, "transform_descriptors", None)
         if descriptors is not None:
@@ -290,7 +277,7 @@ class SafeFileSystemReader(FileSystemReader):
             if isinstance(entry, TensorStorageMetadata):
                 itemsize = entry.properties.dtype.itemsize
                 for chunk in entry.chunks:
-                    self._chunk_bytes[key, tuple(chunk.offsets)] = itemsize * _numel(chunk.sizes)
+                    self._chunk_bytes[key, tuple(chunk.offsets)] = itemsize * math.prod(chunk.sizes)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's ``FileSystemReader.read_data`` (torch 2.13), every read bounded (class docstring)."""
@@ -354,13 +341,6 @@ class SafeFileSystemReader(FileSystemReader):
     def _where(self, item: ReadItem) -> str:
         info = self.storage_data.get(item.storage_index)
         return str(self.fs.concat_path(self.path, info.relative_path)) if info is not None else str(self.path)
-
-
-def _numel(sizes: Any) -> int:
-    out = 1
-    for n in sizes:
-        out *= n
-    return out
 
 
 class _DataOnlyBytes:

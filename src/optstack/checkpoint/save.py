@@ -65,12 +65,10 @@ from optstack.optimizer import ChainedOptimizer
 from optstack.protocol import ParamShard
 from optstack.schedule import Scheduler
 
-__all__ = ["save_checkpoint", "save_plan", "manifest_of", "agree", "together", "model_tensors", "local_state",
-           "check_optimizer", "load_into", "whole_values"]
+__all__ = ["save_checkpoint", "save_plan", "manifest_of", "together", "local_state", "check_optimizer", "load_into",
+           "whole_values"]
 
 T = TypeVar("T")
-
-
 Failure = tuple[bool, str] | None  # (a storage error?, its line), exchanged between ranks
 
 #: How long rank 0 waits, at the start of a save, for every other rank to call ``save_checkpoint`` too before it
@@ -124,11 +122,6 @@ def adopt_job(optimizer: ChainedOptimizer, job: Any) -> None:
     _JOBS[optimizer] = Job(job) if isinstance(job, str) and job else Job(uuid.uuid4().hex, legacy=True)
 
 
-def agree(comm: Comm | NullComm, error: str | None, what: str) -> None:
-    """Raise the same ``ValueError`` on every rank when any rank has an ``error`` (collective)."""
-    _agree(comm, None if error is None else (False, error), what)
-
-
 def _agree(comm: Comm | NullComm, failure: Failure, what: str, path: Path | None = None, storage: bool = False,
            cause: BaseException | None = None, committed: bool = False) -> None:
     """Raise one error on every rank when any rank has a ``failure`` (collective): a ``CheckpointError`` about
@@ -160,7 +153,7 @@ def local_state(optimizer: ChainedOptimizer, model: nn.Module | None, fingerprin
         dict[str, ParamShard], dict[str, HeldParam], dict[str, torch.Tensor], ModelTable | None]:
     """This rank's shards of all stages and their table, the model's tensors and theirs (None: no model)."""
     shards = {name: shard for per_stage in collect(optimizer.stages) for name, shard in per_stage.items()}
-    tensors = model_tensors(model) if model is not None else {}
+    tensors = model_state(model) if model is not None else {}  # a DTensor stays one (``whole_values``, ``load_into``)
     # (a DTensor's shape is the whole tensor's: the table is the same on every rank)
     table = None if model is None else {k: (tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
     return shards, describe(shards, fingerprints), tensors, table
@@ -206,13 +199,6 @@ def check_optimizer(optimizer: Any) -> ChainedOptimizer:
         raise ValueError(f"optimizer must be an optstack ChainedOptimizer (build_optimizer(...).optimizer), got "
                          f"{type(optimizer).__name__}")
     return optimizer
-
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict tensors as detached views, named as by ``optstack.names.model_state``; a DTensor
-    (FSDP2, tensor parallelism) stays one: ``whole_values`` gathers it for a save, ``load_into`` cuts a loaded
-    whole tensor back to this rank's shard."""
-    return model_state(model)
 
 
 def whole_values(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -274,7 +260,7 @@ def save_checkpoint(root: str | os.PathLike[str], optimizer: ChainedOptimizer, *
             for device tensors); the write, the checks, the commit, ``latest`` and pruning go on in a background
             thread (over a process group of their own), while training steps. ``handle.wait()`` returns the
             path or raises what a blocking save would; ``handle.done()``; ``handle.error``. The next save (or
-            load) waits for it first. A crash at any point leaves the previous checkpoints whole.
+            load) waits for it first.
 
     Returns:
         The checkpoint's directory (``blocking=True``), or a ``SaveHandle`` for it (``blocking=False``).
@@ -362,8 +348,7 @@ class _Save:
                                                          self.job, self.keep_last)
 
         def commit(files: dict[str, Any]) -> str | None:
-            """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the
-            error."""
+            """Rank 0: commit, then ``latest`` and prune; raise when nothing was committed, else return the error."""
             _check_written(path, files)
             manifest = manifest_of(plan, self.step, comm.size, self.scaler, self.scheduler, files, job.id)
             if key is not None:

@@ -192,7 +192,7 @@ def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model
             errors.append(f"parameter {name!r} has shape {tuple(entry['shape'])} in the checkpoint, {h.shape} here")
             continue
         if "dtypes" in entry and "param" in h.dtypes and entry["dtypes"].get("param") != h.dtypes["param"]:
-            # (a version-2 manifest; a version-3 one keeps dtypes in its writers' parts: ``check_part_dtypes``)
+            # (a version-2 manifest; a version-3 one keeps dtypes in its writers' parts: ``load.check_dtypes``)
             errors.append(f"parameter {name!r}: the optimizer's copy ('param') is {entry['dtypes'].get('param')} "
                           f"in the checkpoint, {h.dtypes['param']} here")
         identity = manifest["groups"][entry["group"]]["identity"]
@@ -220,15 +220,9 @@ def check_load(manifest: Mapping[str, Any], held: Mapping[str, HeldParam], model
 def part_of(writes: Sequence[tuple[str, int, int]], held: Mapping[str, HeldParam],
             packs: list[Any]) -> dict[str, Any]:
     """One writing rank's part of the manifest (``format.py``): the dtypes and scalars of each parameter it
-    writes (of its own state: no other rank's table is needed), and its packs.
-
-    An entry is per parameter and per key, each with its own dtype: state that is not element-wise (e.g. a
-    preconditioner held whole by a matrix's owner) would add its keys here with their own shapes."""
-    params = {}
-    for name, _, _ in writes:
-        h = held[name]
-        params[name] = {"dtypes": h.dtypes, "scalars": h.scalars}
-    return {"params": params, "packs": packs}
+    writes (of its own state: no other rank's table is needed), and its packs."""
+    return {"params": {name: {"dtypes": held[name].dtypes, "scalars": held[name].scalars} for name, _, _ in writes},
+            "packs": packs}
 
 
 def group_map(params: Mapping[str, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
