@@ -200,15 +200,16 @@ def build_optimizer(
         # parallelism where ranks hold different layers.
         keys = union_group_keys(keys, world_comm("group-keys"))
     groups = build_param_groups(named, resolved, lr=config.lr, min_lr=config.min_lr, keys=keys, trainable_only=False)
-    if ddp is None:
-        topology = Topology()
+    ranks = world_comm("dtensor") if dtensor else None
+    if ddp is None:  # a DTensor model's owners are planned over every rank holding a part of it
+        topology = Topology(dp=ranks.size, rank=ranks.rank) if ranks is not None else Topology()
     else:  # the wrapper's plan's (its instances), else its groups'
         topology = ddp.plan.topology if ddp.plan is not None else topology_of(ddp.groups)
     # the wrapper's plan where the settings and groups are the same; else the stages follow what the wrapper holds
     plan = ParamPlan.build(config, specs_of(named), resolved, topology, keys=keys, wrapped=ddp is not None,
                            dtensor=dtensor)
     optimizer = ChainedOptimizer(
-        _build_stages(groups, config, grad_of, ddp, plan, world_comm("dtensor") if dtensor else None),
+        _build_stages(groups, config, grad_of, ddp, plan, ranks),
         scaler=config.loss_scale.build(config.precision),  # dynamic by default for fp16, else none
         clip_grad=config.clip_grad,
         norm_type=config.norm_type,
@@ -414,7 +415,7 @@ def _build_stages(
         if placement in ("dtensor", "dtensor_owner"):
             assert dtensor is not None
             stage = dtensor_stage(kind_groups, make, comm=dtensor, precision=replicated_precision,
-                                  whole_matrices=placement == "dtensor_owner")
+                                  whole_matrices=placement == "dtensor_owner", owners=plan.stage_owners(index_of_stage))
         elif ddp is None:
             stage = replicated_stage(kind_groups, make, grad_of=grad_of, precision=replicated_precision)
         elif placement == "zero1" or (owned and config.distributed.sharding == "zero1" and ddp.shard_grads

@@ -336,8 +336,9 @@ class ParamPlan:
     # ---- views -------------------------------------------------------------------------------------------------
     def stage_owners(self, stage: int) -> dict[str, int] | None:
         """Parameter name -> owner rank for a stage the plan placed with owners of its own choosing (``layerwise``
-        over the data-parallel group, ``zero1_owners`` over the shard group), else None."""
-        if self.stages[stage].placement not in ("layerwise", "zero1_owners"):
+        over the data-parallel group, ``zero1_owners`` over the shard group, ``dtensor_owner`` over the ranks of
+        the DTensor model), else None."""
+        if self.stages[stage].placement not in ("layerwise", "zero1_owners", "dtensor_owner"):
             return None
         return {p.name: p.owner for p in self.params if p.stage == stage and p.owner is not None}
 
@@ -514,9 +515,9 @@ def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
             if owner is not None:
                 owners[spec.name] = owner
     for kind, placement in placements.items():
-        if placement in ("layerwise", "zero1_owners"):
+        if placement in ("layerwise", "zero1_owners", "dtensor_owner"):
             members = [spec for spec, _, k in rows if k == kind]
-            ranks = topology.expert_dp if kind[1] else (topology.dp if placement == "layerwise"
-                                                        else topology.shard_size)
+            ranks = topology.expert_dp if kind[1] and placement != "dtensor_owner" else (
+                topology.shard_size if placement == "zero1_owners" else topology.dp)
             owners |= zip((s.name for s in members), pack_owners([s.cost for s in members], ranks), strict=True)
     return owners

@@ -682,3 +682,29 @@ def test_muon_qkv_split_on_a_tensor_parallel_qkv_weight(world2) -> None:
         assert out["duplicated"] <= 1e-6, out  # the whole QKV weight on its owner: one process's split
         assert out["blockwise"] <= 1e-6, out  # each rank's attention group split and orthogonalised on its own
         assert out["distributed"] <= 1e-5, out
+
+
+def owners_vs_plan() -> dict[str, Any]:
+    """An FSDP2 Muon model whose matrices cost a, a, b, b, b (a <= 2b): a greedy assignment alternates ranks, the
+    plan's packing puts both dear ones on one rank; the stage must step the plan's."""
+    from optstack.factory import default_rules
+    from optstack.plan import ParamPlan, Topology, specs_of
+    from optstack.rules import resolve
+
+    torch.manual_seed(0)
+    model = _fully_shard(nn.Sequential(*(nn.Linear(n, n, bias=False) for n in (20, 20, 18, 18, 18))))
+    config = OptimizerConfig(algorithm="muon", lr=0.05)
+    opt = build_optimizer(config, model).optimizer
+    named = list(model.named_parameters())
+    comm = world_comm()
+    plan = ParamPlan.build(config, specs_of(named), resolve(named, default_rules(config)),
+                           Topology(dp=comm.size, rank=comm.rank), wrapped=False, dtensor=True)
+    (stage,) = [s for s in opt.stages if s.placement.kind == "dtensor-owners"]
+    return {"stage": dict(zip([n for n, _ in stage.placement._all], stage.placement.owners, strict=True)),
+            "plan": {p.name: p.owner for p in plan.params if p.owner is not None}}
+
+
+def test_fsdp2_muon_owners_are_the_plans(world2) -> None:
+    for out in world2.run(owners_vs_plan):
+        assert out["stage"] == out["plan"] == {"0.weight": 0, "1.weight": 0, "2.weight": 1, "3.weight": 1,
+                                               "4.weight": 1}, out

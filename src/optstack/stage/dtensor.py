@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from optstack.distributed.comm import Comm, NullComm
 from optstack.distributed.param_gather import OwnerRoutes, root_placements
 from optstack.protocol import MakeOptimizer, ParamShard, phase
-from optstack.stage.placement import Piece, Placement, assign_params, newton_schulz_cost
+from optstack.stage.placement import Piece, Placement, newton_schulz_cost, owners_of
 from optstack.stage.precision import Direct, Masters, Precision
 from optstack.stage.stage import Stage
 
@@ -342,6 +342,7 @@ class DTensorOwners(_DTensorPlacement):
         masters: the stage's precision gives bf16/fp16 parameters fp32 masters (``Masters``): their whole
             copies are never stepped, so they need no refresh from the model.
         cost: a parameter's update cost from its global shape (balances the assignment).
+        owners: parameter name -> owner rank of ``comm`` (a plan's); None: balanced by ``cost`` here.
         device: where a rank with no parameters runs its reductions.
     """
 
@@ -349,11 +350,13 @@ class DTensorOwners(_DTensorPlacement):
     owns_whole = True
 
     def __init__(self, *, comm: Comm | NullComm, masters: bool, device: torch.device | None = None,
-                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost) -> None:
+                 cost: Callable[[Sequence[int]], float] = newton_schulz_cost,
+                 owners: Mapping[str, int] | None = None) -> None:
         super().__init__(comm=comm, device=device)
         self.shard_comm = comm
         self.masters = masters
         self.cost = cost
+        self._planned = dict(owners) if owners is not None else None
         self.owners: list[int] = []
         self._all: list[tuple[str, torch.Tensor]] = []
         self._routes = OwnerRoutes(comm, (), ())  # over _all, planned by pieces()
@@ -362,7 +365,8 @@ class DTensorOwners(_DTensorPlacement):
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         self._all = [(n, p) for gn, gp in zip(names, params, strict=True) for n, p in zip(gn, gp, strict=True)]
         check_dtensor_params(self._all)
-        self.owners = assign_params([self.cost(tuple(p.shape)) for _, p in self._all], self.dp.size)
+        self.owners = owners_of(self._planned, [n for n, _ in self._all], [p for _, p in self._all], self.dp.size,
+                                self.cost, type(self).__name__)
         mine = {id(p) for (_, p), owner in zip(self._all, self.owners, strict=True) if owner == self.dp.rank}
         self._counted.update({id(p): id(p) in mine for _, p in self._all})
         self._routes = OwnerRoutes(self.dp, [p for _, p in self._all], self.owners)
@@ -420,12 +424,15 @@ class DTensorOwners(_DTensorPlacement):
 
 
 def dtensor_stage(param_groups: Sequence[dict[str, Any]], make_optimizer: MakeOptimizer, *, comm: Comm | NullComm,
-                  masters: bool = True, whole_matrices: bool = False, precision: Precision | None = None) -> Stage:
+                  masters: bool = True, whole_matrices: bool = False, precision: Precision | None = None,
+                  owners: Mapping[str, int] | None = None) -> Stage:
     """A stage over DTensor parameters: local shards (``DTensorLocal``), or with ``whole_matrices`` whole
-    matrices on owner ranks (``DTensorOwners``, for Muon). ``masters``: fp32 masters for bf16/fp16 shards.
-    Collective over ``comm``; a ``precision`` given replaces the one ``masters`` picks."""
+    matrices on owner ranks (``DTensorOwners``, for Muon; ``owners``: the plan's, else balanced here).
+    ``masters``: fp32 masters for bf16/fp16 shards. Collective over ``comm``; a ``precision`` given replaces the
+    one ``masters`` picks."""
     if precision is None:
         precision = Masters() if masters else Direct()
     masters = not isinstance(precision, Direct)
-    placement = DTensorOwners(comm=comm, masters=masters) if whole_matrices else DTensorLocal(comm=comm)
+    placement = (DTensorOwners(comm=comm, masters=masters, owners=owners) if whole_matrices
+                 else DTensorLocal(comm=comm))
     return Stage(param_groups, make_optimizer, placement=placement, precision=precision)

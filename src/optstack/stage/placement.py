@@ -34,7 +34,7 @@ from optstack.protocol import ParamShard, phase
 from optstack.stage.sharded import to_sharded
 
 __all__ = ["GradOf", "Holdings", "LayerWise", "OwnersOverShards", "Piece", "Placement", "Run", "Whole", "Zero1",
-           "assign_params", "newton_schulz_cost"]
+           "assign_params", "newton_schulz_cost", "owners_of"]
 
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -269,6 +269,19 @@ class Publisher(Protocol):
         """Wait for a publication in flight (before the parameters are read or stepped again)."""
 
 
+def owners_of(planned: Mapping[str, int] | None, names: Sequence[str], params: Sequence[torch.Tensor], ranks: int,
+              cost: Callable[[Sequence[int]], float], who: str) -> list[int]:
+    """Each parameter's owner rank: the plan's (``planned``: name -> rank, checked to cover ``names`` with ranks in
+    ``[0, ranks)``), else balanced by ``cost`` here."""
+    if planned is None:
+        return assign_params([cost(tuple(p.shape)) for p in params], ranks)
+    missing = [n for n in names if n not in planned]
+    if missing or any(not 0 <= planned[n] < ranks for n in names):
+        raise ValueError(f"{who}: the owners given do not cover these parameters with ranks in [0, {ranks}) "
+                         f"(e.g. {(missing or list(names))[0]!r}); plan them for this group")
+    return [planned[n] for n in names]
+
+
 class LayerWise(Placement):
     """Whole parameters, each stepped by its owner rank, then broadcast to every rank (what Muon needs).
 
@@ -302,15 +315,8 @@ class LayerWise(Placement):
 
     def pieces(self, names: list[list[str]], params: list[list[torch.Tensor]]) -> list[list[Piece]]:
         self._all = [p for group in params for p in group]
-        if self._planned is not None:
-            flat = [n for group in names for n in group]
-            missing = [n for n in flat if n not in self._planned]
-            if missing or any(not 0 <= self._planned[n] < self.dp.size for n in flat):
-                raise ValueError(f"LayerWise: the owners given do not cover these parameters with ranks in "
-                                 f"[0, {self.dp.size}) (e.g. {(missing or flat)[0]!r}); plan them for this group")
-            self.owners = [self._planned[n] for n in flat]
-        else:
-            self.owners = assign_params([self.cost(tuple(p.shape)) for p in self._all], self.dp.size)
+        self.owners = owners_of(self._planned, [n for group in names for n in group], self._all, self.dp.size,
+                                self.cost, type(self).__name__)
         self._broadcast = OwnerBroadcast(self.dp, self._all, self.owners)
         owner = iter(self.owners)
         return [[Piece(n, p, 0, p.numel(), p) for n, p in zip(gn, gp, strict=True) if next(owner) == self.dp.rank]
