@@ -184,7 +184,7 @@ class MegatronOptimizer(GradNormGroups):
 
     def get_loss_scale(self) -> torch.Tensor:
         """The loss scale as a 1-element fp32 tensor on the parameters' device."""
-        device = self._stage.device if self._stage is not None else torch.device("cpu")
+        device = self.stages[0].device if self.stages else torch.device("cpu")
         return torch.tensor([self._chain.loss_scale], dtype=torch.float32, device=device)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
