@@ -1,10 +1,6 @@
 """Megatron's bucket groups over a ``DistributedDataParallel``'s buckets: ``BucketGroup`` (reductions started and
 finished together; the layer-wise optimizer's parameter gathers with ``overlap_param_gather``) and
-``partition_buckets``, which finds the wrapper of given buffers through the core's live wrappers
-(``distributed.ddp.wrappers_owning``).
-
-The wrapper is ``optstack.megatron.ddp.DistributedDataParallel``, which builds the groups; it is typed here as its
-core base ``DataParallel`` so that the import runs one way (the wrapper imports this module).
+``partition_buckets``. The wrapper is typed as its core base ``DataParallel`` so the import runs one way.
 """
 
 from __future__ import annotations

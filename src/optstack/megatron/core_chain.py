@@ -1,11 +1,7 @@
-"""How the face's optimizer classes drive optstack's core chain (``optstack.optimizer.ChainedOptimizer``).
-
-- a torch optimizer's groups become a stage's (``_plain_groups``; ``_whole_placement``) and the torch optimizer the
-  stage's inner optimizer, its groups' ``params`` replaced by the tensors stepped (``_rebind``);
-- the core chain over stages takes an ``OptimizerConfig``'s ``clip_grad``, ``grad_norm_skip_threshold`` and
-  ``log_num_zeros_in_grad`` (``_core_chain``);
-- Megatron's step, ``prepare_grads`` and ``reload_model_params`` over such a chain (``_step``, ``_prepare``,
-  ``_reload``), with the torch optimizer's groups as the truth for their settings (``_pull``).
+"""How the face's optimizer classes drive optstack's core chain (``optstack.optimizer.ChainedOptimizer``): a torch
+optimizer's groups become a stage's and the torch optimizer its inner optimizer (``_rebind``); Megatron's step,
+``prepare_grads`` and ``reload_model_params`` over the chain, with the torch optimizer's groups as the truth for
+their settings (``_pull``).
 """
 
 from __future__ import annotations

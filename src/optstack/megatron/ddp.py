@@ -1,27 +1,16 @@
-"""Megatron Core's ``DistributedDataParallel`` over optstack's wrapper.
+"""Megatron Core's ``DistributedDataParallel`` over optstack's ``DataParallel`` (it *is* one, so the optimizer
+factories take it as the wrapped model). The config's fields and their translation: ``ddp_config``; the bucket
+groups: ``bucket_groups``.
 
-``from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig`` becomes
-``from optstack.megatron import ...``. ``DistributedDataParallelConfig`` has Megatron's field names, order
-and defaults; ``DistributedDataParallel(config, ddp_config, module)`` translates it into the core
-``optstack.distributed.ddp.DataParallel`` (it *is* one, so ``get_megatron_optimizer`` and ``build_optimizer``
-take it as the wrapped model). The config's fields and how they translate: ``optstack.megatron.ddp_config``; the
-bucket groups: ``optstack.megatron.bucket_groups``.
+``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (the face sets it; the core sets no
+attributes). A tensor the caller assigns to it instead is copied into the buffer by ``finish_grad_sync`` (which
+the optimizers' step calls), and ``main_grad`` becomes the view again.
 
-Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's ``ParamAndGradBuffer``: ``param_data``,
-``grad_data``, ``buckets``, ``numel``, ``numel_unpadded``), ``bucket_groups`` / ``expert_parallel_bucket_groups``
-(one ``BucketGroup`` per bucket), ``register_grad_ready``, ``start_grad_sync``, ``finish_grad_sync(force_all_reduce=)``,
-``start_param_sync``, ``scale_gradients``, ``zero_grad_buffer``, ``broadcast_params``, ``no_sync``.
-
-``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (this face sets it; the core sets no
-attributes), zeroed by ``zero_grad_buffer`` (eagerly, so it reads zero). A tensor the caller assigns to it instead
-is taken, as Megatron's optimizers read ``param.main_grad``: ``finish_grad_sync`` (which the optimizers' step and
-``prepare_grads`` call) copies it into the buffer view and makes ``main_grad`` the view again.
-``finish_grad_sync()`` called again with no
-gradient in between is a no-op. Megatron does the same with ``overlap_grad_reduce``; without it Megatron reduces the
-buffers again. optstack cannot: its optimizers call ``finish_grad_sync()`` at the start of each step (so a loop that
-forgets it still steps reduced gradients), after Megatron's loop already did, and a second reduction would sum the
-sums with per-token losses (x data-parallel size) and, under a reduce-scatter, fold other ranks' unreduced ranges
-into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_sync(force_all_reduce=True)``.
+``finish_grad_sync()`` called again with no gradient in between is a no-op, as Megatron's with
+``overlap_grad_reduce`` (without it Megatron reduces again). optstack's optimizers call it at the start of each
+step, after Megatron's loop already did; a second reduction would sum the sums with per-token losses and, under a
+reduce-scatter, fold other ranks' unreduced ranges into the owned shard. To reduce the buffers on purpose:
+``finish_grad_sync(force_all_reduce=True)``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,22 @@
-"""Megatron's emerging-optimizer registry (``megatron.core.optimizer.emerging_optimizers``) on optstack's kernels.
+"""Megatron's emerging-optimizer registry (``megatron.core.optimizer.emerging_optimizers``) on optstack's kernels:
+``_EMERGING_OPTIMIZERS`` maps a name to an ``EmergingOptimizerEntry``; the classes are optstack's, so NVIDIA
+Emerging-Optimizers is not needed (``HAVE_EMERGING_OPTIMIZERS`` is True).
 
-Megatron builds ``muon``, ``adaptive_muon``, ``soap`` (and the rest of NVIDIA Emerging-Optimizers' registry) from
-``_EMERGING_OPTIMIZERS``: name -> ``EmergingOptimizerEntry`` (class, lazy state init, config -> kwargs, default
-per-parameter overrides). Here the classes are optstack's own, so the package is not needed
-(``HAVE_EMERGING_OPTIMIZERS`` is True: the face offers what the flag guards):
-
-- ``TensorParallelMuon``: core ``Muon`` (its groups, validation and state) with Megatron's plain-tensor tensor
-  parallelism: a parameter carrying ``partition_dim`` (Megatron's ``tensor_model_parallel`` layers) is this rank's
-  shard of a matrix split over ``pg_collection.tp`` (``expt_tp`` for ``expert_tp`` parameters). ``tp_mode``:
-  ``duplicated`` all-gathers the shards, orthogonalises the whole matrix and keeps this rank's part; ``distributed``
-  runs Newton-Schulz on the shards with the Gram products all-reduced; ``blockwise`` orthogonalises each shard as a
-  matrix of its own. ``duplicated`` equals one process holding the whole matrix; ``distributed`` too, to fp32
-  round-off; ``blockwise`` equals one process orthogonalising the blocks. With no tensor-parallel group of more
-  than one rank the step is core Muon's (batched). GTP weight rematerialisation (``gtp_remat`` groups,
-  ``is_gtp_weight_remat`` / ``pad_length`` parameters) follows Megatron's ``scaled_orthogonalize_fn_with_gtp_remat``.
+- ``TensorParallelMuon``: core ``Muon`` with Megatron's plain-tensor tensor parallelism: a parameter carrying
+  ``partition_dim`` is this rank's shard of a matrix split over ``pg_collection.tp`` (``expt_tp`` for
+  ``expert_tp``). ``tp_mode``: ``duplicated`` gathers the shards and orthogonalises the whole matrix (equal to one
+  process); ``distributed`` runs Newton-Schulz on the shards with the Gram products all-reduced (equal to fp32
+  round-off); ``blockwise`` orthogonalises each shard alone. Without a tensor-parallel group of several ranks the
+  step is core Muon's (batched). GTP weight rematerialisation follows Megatron's
+  ``scaled_orthogonalize_fn_with_gtp_remat``.
 - ``TensorParallelAdaptiveMuon``: the same, then Megatron's second moment of the scaled orthogonalised update
   (``adamuon``: element-wise, ``o / (sqrt(v) + eps)``; ``normuon``: the mean over the columns when rows >= cols,
-  else over the rows, as Emerging-Optimizers' code does, ``o / sqrt(max(v, eps))``), summed across
-  tensor-parallel shards where the mean runs along the split.
-  (optstack's core ``adaptive_muon`` is dion's NorMuon / the sign-stabilised AdaMuon paper form; this class is
-  Megatron's.)
-- ``SOAP``: Emerging-Optimizers' ``SOAP`` arguments and defaults on the core ``SOAP`` (``optstack.algorithms.soap``)
-  with that package's options: KL-Shampoo factors (``use_kl_shampoo``), an update from the first step, ``eigh``
-  at every refresh, every side preconditioned. ``get_megatron_optimizer(optimizer='soap')`` builds the core
-  ``soap`` set up alike (``optstack.megatron.config.to_core``).
+  else the rows, ``o / sqrt(max(v, eps))``), summed across tensor-parallel shards where the mean runs along the
+  split. (The core's ``adaptive_muon`` is dion's NorMuon / the AdaMuon paper's form; this class is Megatron's.)
+- ``SOAP``: Emerging-Optimizers' arguments and defaults on the core ``SOAP`` with that package's options.
 
-Megatron's tests patch this module's ``get_pg_size`` / ``get_pg_rank`` and ``is_emerging_optimizers_min_version``:
-the classes look them up here at call time, and the shim registers this module itself (not a copy).
+Megatron's tests patch this module's ``get_pg_size`` / ``get_pg_rank`` / ``is_emerging_optimizers_min_version``;
+the classes look them up here at call time.
 """
 
 from __future__ import annotations
@@ -220,7 +210,7 @@ def _renamed(owner: str, name: str, value: Any, default: Any, old_name: str, old
 
 
 class TensorParallelMuon(Muon):
-    """Megatron's ``TensorParallelMuon`` (Megatron's defaults) on optstack's ``Muon``; see the module docstring.
+    """Megatron's ``TensorParallelMuon`` (its defaults) on optstack's ``Muon`` (module docstring).
 
     Args:
         params: 2-D parameters or param groups.
@@ -380,15 +370,12 @@ class TensorParallelMuon(Muon):
 
     # -- the step
 
-    def _tensor_parallel(self) -> bool:
-        """Whether some process group of ``pg_collection`` this optimizer reads splits matrices across ranks."""
+    def _per_parameter(self) -> bool:
+        """Step parameter by parameter rather than by core Muon's batched step: when some process group of
+        ``pg_collection`` splits matrices across ranks."""
         pgs = self.pg_collection
         return pgs is not None and any(get_pg_size(getattr(pgs, n, None)) > 1
                                        for n in ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat"))
-
-    def _per_parameter(self) -> bool:
-        """Step parameter by parameter (through the groups) rather than by core Muon's batched step."""
-        return self._tensor_parallel()
 
     def _init_group(self, group: dict[str, Any], skip_non_grad_params: bool = True) -> None:
         """Create the state of the group's parameters (those with a gradient unless ``skip_non_grad_params``)."""
@@ -506,8 +493,9 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon):
 
 
 class SOAP(CoreSOAP):
-    """Emerging-Optimizers' ``SOAP`` (its arguments and defaults: what Megatron's tests construct) on the core
-    ``SOAP``; see the module docstring. State and ``exported_state`` are the core's.
+    """Emerging-Optimizers' ``SOAP`` (its arguments and defaults, which Megatron's tests construct) on the core
+    ``SOAP``: KL-Shampoo factors (``use_kl_shampoo``), an update from the first step, ``eigh`` at every refresh,
+    every side preconditioned. State and ``exported_state`` are the core's.
 
     Raises:
         ValueError: a bad setting; a parameter that is not 2-D (route it to Adam).

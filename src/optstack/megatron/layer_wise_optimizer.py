@@ -1,6 +1,5 @@
-"""Megatron's ``LayerWiseDistributedOptimizer`` and how it places the optimizers it is given layer-wise (torch
-optimizers: ``_torch_layer_wise``; Megatron optimizers: ``_placed_layer_wise``); the parts it is built from are
-``optstack.megatron.layer_wise``'s.
+"""Megatron's ``LayerWiseDistributedOptimizer``: the optimizers it is given placed layer-wise (torch optimizers:
+``_torch_layer_wise``; Megatron optimizers: ``_placed_layer_wise``) from ``layer_wise``'s parts.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.layer_wise import (
     bucket_synced_layer_wise,
-    comm_of,
     fresh_precision,
     plan_bucket_gathers,
     publishing_wrapper,
@@ -303,4 +301,7 @@ def _dp_comm(pg_collection: Any, expert: bool) -> Comm | NullComm:
     group = None if pg_collection is None else (
         getattr(pg_collection, "expt_dp", None) if expert else
         getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None))
-    return comm_of(group, "expert data-parallel" if expert else "data-parallel")
+    name = "expert data-parallel" if expert else "data-parallel"
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return NullComm(name)
+    return Comm(group, name=name)

@@ -1,11 +1,5 @@
-"""Megatron's ``get_megatron_optimizer``: the Megatron config and overrides in, optstack's stack underneath.
-
-``get_megatron_optimizer`` groups parameters exactly as ``get_param_groups`` does (Megatron's name matching,
-its override semantics), hands the settings it resolved to ``optstack.factory.build_optimizer``, and returns
-what Megatron returns: a ``ChainedOptimizer`` (a ``LayerWiseDistributedOptimizer`` for the layer-wise one) over
-one Megatron optimizer per core stage (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
-``DistributedOptimizer``), sharing the core chain's one norm, clip and skip; ``step()`` returns Megatron's
-``(update_successful, grad_norm, num_zeros_in_grad)`` tuple.
+"""Megatron's ``get_megatron_optimizer``: parameters grouped as ``get_param_groups`` groups them, the resolved
+settings handed to ``optstack.factory.build_optimizer``, and Megatron's classes over the core chain's stages.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""Megatron's optimizer interface and its classes over one torch optimizer, class for class, over optstack's stages.
+"""Megatron's optimizer interface and its classes over one torch optimizer, each one core ``Stage`` whose inner
+optimizer is that torch optimizer: ``FP32Optimizer`` steps the parameters (``Whole`` + ``Direct``),
+``Float16OptimizerWithFloat16Params`` fp32 masters of the bf16/fp16 ones (``Whole`` + ``Masters``),
+``DistributedOptimizer`` this rank's ranges of a ``DistributedDataParallel`` model's buckets (``Zero1`` +
+``Masters``). The step is the core ``ChainedOptimizer``'s over those stages (``core_chain``).
 
-``from megatron.core.optimizer import MegatronOptimizer, FP32Optimizer, ...`` becomes
-``from optstack.megatron import ...``. Each class is what Megatron's is to its caller, translated to the core:
-
-- a Megatron optimizer over one torch optimizer is one core ``Stage`` whose inner optimizer is that torch
-  optimizer: ``FP32Optimizer`` steps the parameters directly (``Whole`` + ``Direct``),
-  ``Float16OptimizerWithFloat16Params`` steps fp32 masters of the bf16/fp16 ones (``Whole`` + ``Masters``;
-  the torch optimizer's groups then hold the masters, as in Megatron), ``DistributedOptimizer`` steps this
-  rank's ranges of a ``DistributedDataParallel`` model's buckets (``Zero1`` + ``Masters``);
-- the step (finite check, one global norm, clip, skip, inner step, publish) is the core
-  ``optstack.optimizer.ChainedOptimizer``'s over those stages (``optstack.megatron.core_chain``). Several
-  optimizers stepped as one: ``optstack.megatron.chained``; the layer-wise optimizer:
-  ``optstack.megatron.layer_wise_optimizer``; the grad scalers: ``optstack.megatron.grad_scaler``.
-
-What Megatron callers read is Megatron's: ``param_groups`` and ``state`` are the inner torch optimizer's (the
-groups hold the tensors stepped: masters, or flat shards under the distributed optimizer; the scheduler's
-writes there reach the step), ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``,
-``get_loss_scale()`` a 1-element tensor.
+What callers read is Megatron's: ``param_groups`` and ``state`` are the torch optimizer's (its groups hold the
+tensors stepped, masters or flat shards; the scheduler's writes there reach the step), ``step()`` returns
+``(update_successful, grad_norm, num_zeros_in_grad)``, ``get_loss_scale()`` a 1-element tensor.
 """
 
 from __future__ import annotations
