@@ -34,11 +34,7 @@ from optstack.megatron.ddp_config import (
     megatron_bucket_size,
     megatron_plan,
 )
-from optstack.megatron.param_and_grad_buffer import (
-    BufferView,
-    FullParamLayout,
-    megatron_key,
-)
+from optstack.megatron.param_and_grad_buffer import BufferView, FullParamLayout, megatron_key
 from optstack.megatron.process_groups import (
     ProcessGroupCollection,
     collection_group,

@@ -32,12 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from optstack.algorithms.muon import Muon, muon_scale_factor, newton_schulz_blocks
-from optstack.algorithms.newton_schulz import (
-    COEFFICIENT_SETS,
-    matmul_precision,
-    newton_schulz,
-    ns_matmul_dtype,
-)
+from optstack.algorithms.newton_schulz import COEFFICIENT_SETS, matmul_precision, newton_schulz, ns_matmul_dtype
 from optstack.algorithms.soap import SOAP as CoreSOAP
 from optstack.distributed.comm import Comm
 from optstack.megatron.keys import ParamKey, ParamPredicate

@@ -27,12 +27,7 @@ from optstack.megatron.layer_wise import (
     wrapper_of,
 )
 from optstack.megatron.optimizers import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
-from optstack.megatron.param_and_grad_buffer import (
-    FullParamLayout,
-    PerBufferParamLayout,
-    bucket_end_divisor,
-    plan_buffer,
-)
+from optstack.megatron.param_and_grad_buffer import PerBufferParamLayout, bucket_end_divisor, plan_buffer
 from optstack.precision.scaler import NoScaler
 from optstack.stage import Direct, Masters, Stage, layerwise_stage
 from optstack.stage.placement import LayerWise
@@ -43,44 +38,35 @@ __all__ = ["LayerWiseDistributedOptimizer"]
 class LayerWiseDistributedOptimizer(ChainedOptimizer):
     """Megatron's layer-wise distributed optimizer: whole parameters stepped by owner ranks of the
     data-parallel group (balanced by Newton-Schulz cost), then sent to every rank; what Muon needs.
+    ``get_megatron_optimizer`` builds it for ``use_layer_wise_distributed_optimizer`` over Muon's (layer-wise)
+    and the scalar optimizer's (replicated) optimizers. Built directly, as Megatron's callers do, over:
 
-    ``get_megatron_optimizer(OptimizerConfig(optimizer='muon', use_layer_wise_distributed_optimizer=True),
-    [model])`` builds it over the ``DistributedDataParallel`` model; its chained optimizers are Muon's
-    (layer-wise) and the scalar optimizer's (replicated).
+    - plain torch optimizers: each one's groups placed layer-wise, stepped as a
+      ``Float16OptimizerWithFloat16Params`` with ``config.bf16`` (else an ``FP32Optimizer``), gradients read from
+      ``param.main_grad`` or ``param.grad`` over ``pg_collection``'s ``dp_cp`` / ``expt_dp``, or over the
+      wrapper's groups and buffers when ``model_chunks`` holds the ``DistributedDataParallel`` model;
+    - Megatron optimizers over one whole-parameter stage: placed layer-wise with a fresh inner optimizer of the
+      same class and defaults (so they must not have stepped); with ``config.bf16`` an ``FP32Optimizer`` becomes a
+      ``Float16OptimizerWithFloat16Params`` (megatron-core 0.16 re-wraps it) and a
+      ``Float16OptimizerWithFloat16Params`` is refused, unless ``get_megatron_optimizer`` built it over bf16
+      parameters with ``bf16=False`` (``megatron_fp32``). Others are kept.
 
-    Built directly, as Megatron's callers do, over:
-
-    - plain torch optimizers (Megatron's way): each one's groups are placed layer-wise and, with
-      ``config.bf16``, stepped through fp32 masters as a ``Float16OptimizerWithFloat16Params`` (else an
-      ``FP32Optimizer``); gradients are read from ``param.main_grad`` (set by ``DistributedDataParallel``) or
-      ``param.grad``, over ``pg_collection``'s ``dp_cp`` / ``expt_dp`` groups; over the wrapper's own groups and
-      buffers when ``model_chunks`` holds the ``DistributedDataParallel`` model of their parameters;
-    - Megatron optimizers: those over one whole-parameter stage (what ``get_megatron_optimizer`` builds without
-      the distributed optimizer, or ``FP32Optimizer(torch_optimizer, config)``) are placed layer-wise with a
-      fresh inner optimizer of the same class and defaults (so they must not have stepped); with
-      ``config.bf16`` an ``FP32Optimizer`` becomes a ``Float16OptimizerWithFloat16Params`` (megatron-core 0.16
-      unwraps and re-wraps it; current main refuses it) and a ``Float16OptimizerWithFloat16Params`` is refused
-      (both releases), unless ``get_megatron_optimizer`` built it over bf16 parameters with ``bf16=False``
-      (Megatron's ``FP32Optimizer`` there: ``megatron_fp32``). Others are kept.
-
-    With ``config.overlap_param_gather`` (and the model's ``DistributedDataParallelConfig`` agreeing) the step
-    leaves the parameters other ranks stepped to the model's bucket groups, as Megatron does:
-    ``model.start_param_sync()`` starts their gathers, the forward pre-hooks finish them (each bucket's
-    ``layerwise_params_list`` says which rank sends what; the replicated scalar optimizer's parameters are sent by
-    one rank each). Until then other ranks' parameters are the previous step's here: read the model after a
-    forward, ``model.start_param_sync(force_sync=True)`` or ``optimizer.finish_param_sync()``.
+    With ``config.overlap_param_gather`` the model's bucket groups gather the parameters other ranks stepped, as
+    Megatron's: ``model.start_param_sync()`` starts them, the forward pre-hooks finish them. Until then other
+    ranks' parameters are the previous step's: read the model after a forward, or call
+    ``optimizer.finish_param_sync()``.
 
     Args:
-        optimizers: the optimizers (see above).
+        optimizers: the optimizers (above).
         config: the Megatron ``OptimizerConfig``.
-        pg_collection: Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``expt_dp``), or None
+        pg_collection: Megatron's ``ProcessGroupCollection`` (``dp_cp`` or ``dp``, ``expt_dp``), or None
             (torch.distributed's world); not needed when ``model_chunks`` holds the wrapper.
         init_state_fn_list: one per optimizer, kept as the wrapping optimizers' ``init_state_fn``.
         model_chunks: the ``DistributedDataParallel`` model chunks (needed with ``overlap_param_gather``).
 
     Attributes:
-        overlap_param_gather: whether the bucket groups gather the parameters (above). pg_collection,
-            model_chunks: as given.
+        overlap_param_gather: whether the bucket groups gather the parameters. pg_collection, model_chunks: as
+            given.
 
     Raises:
         TypeError: with ``config.bf16``, an optimizer already wrapped as ``Float16OptimizerWithFloat16Params``
@@ -156,16 +142,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         return plan_buffer(params, bucket_size, data_parallel_world_size, ddp_config, whole=True,
                            indices=param_indices)
 
-    @staticmethod
-    def compute_full_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,
-                                  data_parallel_world_size: int, ddp_config: Any,
-                                  expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
-        """Megatron's (current main): the layouts of the buffers of ``params`` (forward order) for a wrapper with
-        ``use_distributed_optimizer``, the parameters tagged ``is_managed_by_layer_wise_optimizer``
-        (``tag_params_for_buffer_routing``) each whole inside one rank's shard, the others in the distributed
-        optimizer's layout: the face's wrapper's plan, as ``DistributedOptimizer.compute_full_param_layout``."""
-        return compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
-                                         expert_data_parallel_world_size)
+    # Megatron's (current main): the tagged parameters each lie whole inside one rank's shard (its docstring)
+    compute_full_param_layout = staticmethod(compute_full_param_layout)
 
     def finish_param_sync(self) -> None:
         """Make every rank hold every updated parameter: with ``overlap_param_gather`` the bucket groups' gathers

@@ -32,11 +32,7 @@ from optstack.megatron.core_chain import (
 from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.norm_groups import GradNormGroups
-from optstack.megatron.param_and_grad_buffer import (
-    PerBufferParamLayout,
-    build_model_gbuf_range,
-    plan_buffer,
-)
+from optstack.megatron.param_and_grad_buffer import PerBufferParamLayout, build_model_gbuf_range, plan_buffer
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import LossScaler, NoScaler
 from optstack.stage import Direct, Masters, Stage, zero1_stage
