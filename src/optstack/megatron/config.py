@@ -351,14 +351,13 @@ def megatron_optimizer_name(algorithm: str) -> str:
 
 
 def _loss_scale(config: OptimizerConfig, precision: str) -> core.LossScaleConfig:
-    window = config.loss_scale_window
-    if isinstance(window, bool) or not isinstance(window, int | float) or window != int(window):
+    window = config.loss_scale_window  # a finite number (check_types)
+    if window != int(window):
         raise ValueError(f"OptimizerConfig.loss_scale_window must be a whole number, got {window!r}")
     common = dict(min_scale=config.min_loss_scale, window=int(window), hysteresis=config.hysteresis)
     if config.loss_scale:  # Megatron: a truthy loss_scale means a constant scaler
-        value = config.loss_scale
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                or value <= 0:
+        value = config.loss_scale  # a finite number (check_types)
+        if value <= 0:
             raise ValueError(f"OptimizerConfig.loss_scale must be None or a finite number > 0, got {value!r}")
         if precision == "fp32":
             raise ValueError(
@@ -371,14 +370,11 @@ def _loss_scale(config: OptimizerConfig, precision: str) -> core.LossScaleConfig
 
 
 def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
-    """Translate a Megatron ``OptimizerConfig`` into ``optstack.config.OptimizerConfig``.
-
-    Mapping: optimizer 'adam' -> 'adamw' (decoupled_weight_decay=True) or 'adam'; 'dist_muon' -> 'muon' with
-    layer-wise sharding (with a DeprecationWarning, as Megatron); fp16/bf16 -> precision; loss_scale set ->
-    constant scaling, None -> dynamic for fp16 and none otherwise; use_distributed_optimizer ->
-    sharding 'zero1'; use_layer_wise_distributed_optimizer -> 'layerwise'; optimizer_cpu_offload ->
-    offload.fraction = optimizer_offload_fraction; grad_norm_skip_threshold inf -> None (never skip);
-    min_lr None -> 0.0; clip_grad always passed on (Megatron's default 1.0; the core's is 0.0, no clipping).
+    """Translate a Megatron ``OptimizerConfig`` into ``optstack.config.OptimizerConfig`` (module docstring), and:
+    'adam' -> 'adamw' with ``decoupled_weight_decay``; 'dist_muon' -> 'muon', layer-wise (a DeprecationWarning,
+    as Megatron's); ``loss_scale`` set -> constant scaling, None -> dynamic for fp16, else none;
+    ``use_distributed_optimizer`` -> 'zero1'; ``grad_norm_skip_threshold`` inf -> None; ``min_lr`` None -> 0.0;
+    ``clip_grad`` always passed on (Megatron's default 1.0; the core's 0.0).
 
     Raises:
         ValueError: ``lr`` is None, a field has a value optstack does not support, or a value is invalid

@@ -121,8 +121,8 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("nccl_ub", False, "NCCL user-buffer registration is not implemented; set it False"),
     ("delay_wgrad_compute", False, "delayed weight-gradient computation is not implemented; set it False"),
 )
-_BOOL_FIELDS = ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gather",
-                "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective",
+_BOOL_FIELDS = ("use_megatron_fsdp", "use_custom_fsdp", "grad_reduce_in_fp32", "overlap_grad_reduce",
+                "overlap_param_gather", "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective",
                 "pad_buckets_for_high_nccl_busbw")
 
 
@@ -159,10 +159,10 @@ def _check_fsdp_config(config: DistributedDataParallelConfig) -> None:
 
 def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     """Raise a ``ValueError`` naming the first field of ``config`` that is invalid or unsupported."""
-    for field in ("use_megatron_fsdp", "use_custom_fsdp"):
-        if not isinstance(getattr(config, field), bool):
-            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got "
-                             f"{getattr(config, field)!r}")
+    for field in _BOOL_FIELDS:
+        value = getattr(config, field)
+        if not isinstance(value, bool):
+            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got {value!r}")
     if config.use_custom_fsdp and not config.use_megatron_fsdp:
         raise ValueError("DistributedDataParallelConfig.use_custom_fsdp=True is not supported alone: it is "
                          "Megatron's deprecated name; set use_megatron_fsdp=True (Megatron sets both)")
@@ -171,10 +171,6 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value != allowed or type(value) is not type(allowed):
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r} is not supported by optstack; "
                              f"{fix}")
-    for field in _BOOL_FIELDS:
-        value = getattr(config, field)
-        if not isinstance(value, bool):
-            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got {value!r}")
     size = config.bucket_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(

@@ -46,22 +46,11 @@ __all__ = ["FullyShardedDataParallel", "default_fsdp_units"]
 
 
 def default_fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The model's layers: every child of an ``nn.ModuleList`` or ``nn.Sequential`` inside ``module`` (outermost
-    containers only), the generic stand-in for Megatron's ``TransformerLayer`` units."""
-    units: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                units.extend(c for c in child.children() if any(p.requires_grad for p in c.parameters()))
-            else:
-                visit(child)
-
+    """The model's layers: every trainable child of an ``nn.ModuleList`` or ``nn.Sequential`` inside ``module``
+    (outermost containers only), the generic stand-in for Megatron's ``TransformerLayer`` units."""
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
-        units.extend(c for c in module.children() if any(p.requires_grad for p in c.parameters()))
-    else:
-        visit(module)
-    return units
+        return [c for c in module.children() if any(p.requires_grad for p in c.parameters())]
+    return [unit for child in module.children() for unit in default_fsdp_units(child)]
 
 
 def _units(module: nn.Module, unit_modules: Sequence[type[nn.Module] | nn.Module] | None,

@@ -82,15 +82,12 @@ def get_megatron_optimizer(
         (``allreduce=False``) get their own, chained with the dense one (one grad norm, one skip decision).
         ``.built`` is optstack's ``BuiltOptimizer`` (its ``param_groups`` carry the parameter names).
 
-    Data parallelism: pass the model wrapped in ``optstack.megatron.DistributedDataParallel`` (one chunk).
-    ``use_distributed_optimizer`` builds the ZeRO-1 optimizer over its gradient buffers (parameters
-    gathered after the step, overlapped with the next forward with ``overlap_param_gather``);
-    ``use_layer_wise_distributed_optimizer`` (or ``optimizer='dist_muon'``) the layer-wise one for Muon's
-    matrices; otherwise every rank steps the whole model on the all-reduced gradients (over a wrapper built
-    with ``use_distributed_optimizer=True`` too: it then all-reduces, where Megatron would step gradients
-    reduced only in each rank's shard). Bucket size and
-    gradient dtype are the wrapper's (``DistributedDataParallelConfig``). ``step()`` finishes the gradient
-    sync itself if the training loop did not; ``zero_grad()`` zeroes the wrapper's grad buffers.
+    Data parallelism: pass the model wrapped in ``optstack.megatron.DistributedDataParallel`` (one chunk), whose
+    buckets and gradient dtype are used. ``use_distributed_optimizer`` builds ZeRO-1 over its buffers,
+    ``use_layer_wise_distributed_optimizer`` (or ``'dist_muon'``) the layer-wise optimizer; otherwise every rank
+    steps whole parameters on all-reduced gradients (also over a wrapper built for the distributed optimizer,
+    where Megatron would step gradients reduced only in each rank's shard). ``step()`` finishes the gradient sync
+    if the loop did not; ``zero_grad()`` zeroes the wrapper's buffers.
 
     Raises:
         ValueError: an unsupported config value, an override changing a protected field, conflicting
@@ -246,11 +243,10 @@ def _get_megatron_optimizer_based_on_param_groups(
     if skip_megatron_wrapping:
         return optimizer, None
     init_state_fn = _lion_init_state if lion else None
+    scaler = core_config.loss_scale.build(core_config.precision)
     if config.use_distributed_optimizer:
-        scaler = core_config.loss_scale.build(core_config.precision)
         return DistributedOptimizer(optimizer, config, scaler, init_state_fn, model_chunks=list(model_chunks))
     if config.fp16 or config.bf16:
-        scaler = core_config.loss_scale.build(core_config.precision)
         return Float16OptimizerWithFloat16Params(optimizer, config, scaler, init_state_fn)
     return FP32Optimizer(optimizer, config, init_state_fn)
 

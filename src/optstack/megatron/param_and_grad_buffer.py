@@ -242,18 +242,6 @@ class BucketView:
         return getattr(self.core, name)
 
     @property
-    def param_data(self) -> torch.Tensor:
-        return self.core.param_data
-
-    @property
-    def grad_data(self) -> torch.Tensor:
-        return self.core.grad_data
-
-    @property
-    def numel_unpadded(self) -> int:
-        return self.core.numel_unpadded
-
-    @property
     def bucket_id(self) -> int:
         return self.core.index
 
