@@ -12,7 +12,6 @@ import torch
 
 from optstack.megatron.core_chain import _core_chain, _norms_by_group, _skip_threshold, _step
 from optstack.megatron.norm_groups import (
-    SEPARATE_GRAD_NORM_GROUPS,
     _validate_grad_norm_group,
     clip_by_groups,
     grad_norm,
@@ -167,12 +166,6 @@ class ChainedOptimizer(MegatronOptimizer):
         norms = [grad_norm(o.get_grads_for_grad_norm(grad_norm_group), o.get_grad_stats_parallel_group())
                  for o in self.chained_optimizers if hasattr(o, "get_grads_for_grad_norm")]
         return math.sqrt(sum(n * n for n in norms))
-
-    @torch.no_grad()
-    def _compute_grad_norms_by_group(self) -> dict[str, float]:
-        self.grad_norms_by_group = {name: self._get_grad_norm_for_group(name)
-                                    for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
-        return self.grad_norms_by_group
 
     @torch.no_grad()
     def _step_protocol(self) -> tuple[bool, float | None, int | None]:

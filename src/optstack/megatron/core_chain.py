@@ -37,6 +37,15 @@ def _core_chain(stages: Sequence[Stage], config: Any, scaler: LossScaler, grad_s
                        **norm_group_kwargs(p for s in stages for g in s.param_groups for p in g["params"]))
 
 
+def _chain_like(chain: CoreChained, stages: Sequence[Stage], **changes: Any) -> CoreChained:
+    """A core chain over ``stages`` with ``chain``'s scaler, clip, skip, zero counting, gradient syncs and norm
+    groups, ``changes`` overriding them."""
+    settings = dict(scaler=chain.scaler, clip_grad=chain.clip_grad, log_num_zeros_in_grad=chain.log_num_zeros_in_grad,
+                    grad_norm_skip_threshold=chain.grad_norm_skip_threshold, grad_syncs=chain.grad_syncs,
+                    norm_groups=chain.norm_groups, norm_group_of=chain.norm_group_of)
+    return CoreChained(stages, **{**settings, **changes})
+
+
 def _rebind(optimizer: torch.optim.Optimizer, owner: str) -> Callable[[list[dict[str, Any]]], Any]:
     """A ``make_optimizer`` handing the stage ``optimizer`` itself, its groups' ``params`` replaced by the
     tensors the stage steps (masters, shard views), as Megatron replaces them; state moves along when the

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from optstack.algorithms._orthogonal import NS_EPS, momentum_updates
 from optstack.algorithms.muon import Muon, muon_scale_factor, newton_schulz_blocks
 from optstack.algorithms.newton_schulz import COEFFICIENT_SETS, matmul_precision, newton_schulz, ns_matmul_dtype
 from optstack.algorithms.soap import SOAP as CoreSOAP
@@ -46,7 +47,6 @@ HAVE_EMERGING_OPTIMIZERS = True
 #: The Emerging-Optimizers API the classes follow (``use_syrk`` of 0.4's ``newton_schulz_tp`` included).
 _EMERGING_OPTIMIZERS_API = "0.4.0"
 _SYRK_MIN_EO_VERSION = "0.4.0.dev0"
-_NS_EPS = 1e-7  # Newton-Schulz's norm floor, as core Muon's
 
 
 def get_emerging_optimizers_version() -> str:
@@ -274,7 +274,7 @@ class TensorParallelMuon(Muon):
         matmul_dtype = ns_matmul_dtype(precision, grad.device)  # type: ignore[arg-type]
         with matmul_precision(precision, grad.device):  # type: ignore[arg-type]
             if parts == 1:
-                out = newton_schulz(grad, steps=steps, coefficients=coefficients, eps=_NS_EPS,
+                out = newton_schulz(grad, steps=steps, coefficients=coefficients, eps=NS_EPS,
                                     matmul_dtype=matmul_dtype)
             elif self.tp_mode == "distributed":
                 (out,) = newton_schulz_blocks([grad], partition_dim, steps=steps, coefficients=coefficients,
@@ -282,7 +282,7 @@ class TensorParallelMuon(Muon):
                                               all_reduce=Comm(tp_group, name="tensor-parallel").all_reduce)
             else:  # duplicated: the whole matrix on every rank, this rank's part kept
                 whole = self._all_gather_tensor(grad, tp_group, partition_dim)
-                out = newton_schulz(whole, steps=steps, coefficients=coefficients, eps=_NS_EPS,
+                out = newton_schulz(whole, steps=steps, coefficients=coefficients, eps=NS_EPS,
                                     matmul_dtype=matmul_dtype)
                 out = out.chunk(parts, partition_dim)[get_pg_rank(tp_group)].contiguous()
         return out * (muon_scale_factor(size[0], size[1], self.scale_mode) * self.extra_scale_factor)
@@ -393,13 +393,13 @@ class TensorParallelMuon(Muon):
                 loss = closure()
         for group in self.param_groups:
             self._init_group(group)
-            beta, lr, wd = group["momentum"], float(group["lr"]), float(group["weight_decay"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p]["momentum_buffer"]
-                buf.mul_(beta).add_(p.grad, alpha=1 - beta)  # the same formulas as core Muon's step
-                update = torch.add(p.grad * (1 - beta), buf, alpha=beta) if group["nesterov"] else buf
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            updates = momentum_updates([p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                                       group["momentum"], group["nesterov"])
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            for p, update in zip(params, updates, strict=True):
                 step = self._normalised(p, self.orthogonalize(p, update, **group), group)
                 if wd != 0:
                     p.mul_(1 - lr * wd)

@@ -135,10 +135,13 @@ class GradNormGroups:
         return grad_norm(self.get_grads_for_grad_norm(), self.get_grad_stats_parallel_group())
 
     @torch.no_grad()
+    def _get_grad_norm_for_group(self, grad_norm_group: str) -> float:
+        return grad_norm(self.get_grads_for_grad_norm(grad_norm_group), self.get_grad_stats_parallel_group())
+
+    @torch.no_grad()
     def _compute_grad_norms_by_group(self) -> dict[str, float]:
-        self.grad_norms_by_group = {
-            name: grad_norm(self.get_grads_for_grad_norm(name), self.get_grad_stats_parallel_group())
-            for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
+        self.grad_norms_by_group = {name: self._get_grad_norm_for_group(name)
+                                    for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
         return self.grad_norms_by_group
 
     @torch.no_grad()

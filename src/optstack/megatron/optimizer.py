@@ -22,6 +22,7 @@ from optstack.factory import BuiltOptimizer, algorithm_kwargs, build_optimizer
 from optstack.groups import group_map
 from optstack.megatron.chained import ChainedOptimizer
 from optstack.megatron.config import EMERGING_OPTIMIZERS, OptimizerConfig, to_core
+from optstack.megatron.core_chain import _chain_like
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.fsdp import FullyShardedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
@@ -41,7 +42,6 @@ from optstack.megatron.optimizers import (
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
 from optstack.megatron.torch_optimizers import Lion
-from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.rules import Ndim, Predicate, Rule, muon_routing_rule
 
 __all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
@@ -176,10 +176,7 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
     chain = built.optimizer
     norm_groups = norm_group_kwargs(p for s in chain.stages for g in s.param_groups for p in g["params"])
     if norm_groups:  # MTP parameters: the same chain, their gradients clipped by their group's own norm
-        chain = CoreChained(chain.stages, scaler=chain.scaler, clip_grad=chain.clip_grad, norm_type=chain.norm_type,
-                            grad_norm_skip_threshold=chain.grad_norm_skip_threshold,
-                            log_num_zeros_in_grad=chain.log_num_zeros_in_grad, grad_syncs=chain.grad_syncs,
-                            defaults=chain.defaults, **norm_groups)
+        chain = _chain_like(chain, chain.stages, norm_type=chain.norm_type, defaults=chain.defaults, **norm_groups)
         built = dataclasses.replace(built, optimizer=chain)
     members: list[MegatronOptimizer] = []
     for stage in chain.stages:

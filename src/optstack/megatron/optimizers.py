@@ -19,6 +19,7 @@ import torch
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.bucket_state import BucketRanges
 from optstack.megatron.core_chain import (
+    _chain_like,
     _core_chain,
     _norms_by_group,
     _plain_groups,
@@ -108,14 +109,13 @@ class MegatronOptimizer(GradNormGroups):
         self._stage: Stage | None = None
         self._chain = _core_chain([], config, NoScaler())
 
-    def _attach(self, stage: Stage | None, chain: CoreChained) -> None:
+    def _attach(self, stage: Stage, chain: CoreChained) -> None:
         """Step through ``chain`` (over ``stage``); the inner groups lose optstack's ``param_names`` key."""
         self._stage, self._chain = stage, chain
-        if stage is not None:
-            self.optimizer = stage.optimizer
-            self.is_stub_optimizer = False
-            for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
-                group.pop("param_names", None)
+        self.optimizer = stage.optimizer
+        self.is_stub_optimizer = False
+        for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
+            group.pop("param_names", None)
 
     @classmethod
     def _over(cls, stage: Stage, config: Any, chain: CoreChained, *, megatron_fp32: bool = False
@@ -136,11 +136,7 @@ class MegatronOptimizer(GradNormGroups):
         if self._chain.stages == self.stages:
             return self._chain
         if getattr(self, "_own", None) is None:
-            self._own = CoreChained(self.stages, scaler=self._chain.scaler, clip_grad=self._chain.clip_grad,
-                                    grad_norm_skip_threshold=self._chain.grad_norm_skip_threshold,
-                                    log_num_zeros_in_grad=self._chain.log_num_zeros_in_grad,
-                                    grad_syncs=self._chain.grad_syncs, norm_groups=self._chain.norm_groups,
-                                    norm_group_of=self._chain.norm_group_of)
+            self._own = _chain_like(self._chain, self.stages)
         return self._own
 
     # -- views ---------------------------------------------------------------------------------------
