@@ -10,13 +10,8 @@ from typing import Any
 
 import torch
 
-from optstack.megatron.core_chain import _core_chain, _norms_by_group, _skip_threshold, _step
-from optstack.megatron.norm_groups import (
-    _validate_grad_norm_group,
-    clip_by_groups,
-    grad_norm,
-    separate_group_of,
-)
+from optstack.megatron.core_chain import _core_chain, _skip_threshold
+from optstack.megatron.norm_groups import _validate_grad_norm_group, clip_by_groups, grad_norm, separate_group_of
 from optstack.megatron.optimizers import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from optstack.precision.scaler import NoScaler
 from optstack.stage import Stage
@@ -69,15 +64,11 @@ class ChainedOptimizer(MegatronOptimizer):
     def __init__(self, chained_optimizers: Sequence[Any]) -> None:
         self.chained_optimizers = list(chained_optimizers)
         self.built: Any = None
-        self.grad_norms_by_group: dict[str, float] = {}
         configs = [o.config for o in self.chained_optimizers
                    if isinstance(o, MegatronOptimizer) or all(hasattr(o, k) for k in _PROTOCOL + ("config",))]
         config = configs[0] if configs else None
-        self.config = config
-        self.init_state_fn = None
-        self.optimizer = None
+        super().__init__(None, config, None)
         self.is_stub_optimizer = all(getattr(o, "is_stub_optimizer", False) for o in self.chained_optimizers)
-        self._stage = None
         self._members = [self._member(o, config) for o in self.chained_optimizers]
         stages = [s for m in self._members if m is not None for s in m.stages]
         chains = [m._chain for m in self._members if m is not None and m.stages]
@@ -142,9 +133,7 @@ class ChainedOptimizer(MegatronOptimizer):
         if unsteppable:
             raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
                              "torch.optim optimizers; chain those only")
-        result = _step(self._chain, self.param_groups, self.config)
-        self.grad_norms_by_group = _norms_by_group(self._chain, self.config)
-        return result.applied, result.grad_norm, result.num_zeros
+        return super().step()  # over self._chain, which holds every member's stage
 
     def has_grad_norm_group(self, grad_norm_group: str) -> bool:
         """Whether any chained optimizer holds parameters of ``grad_norm_group`` (on any rank)."""
