@@ -168,23 +168,20 @@ class BucketGroup:
         ``skip_next_bucket_dispatch``, start the next group's (``next_param_gather_bucket_group``), as Megatron's
         forward pre-hooks do. The distributed optimizer's gathers are synchronous: nothing to wait for (the
         next group's starts all the same, so the chain reads as Megatron's)."""
-        if self._ddp.shard_grads:
-            if not self.param_gather_dispatched:
-                self.start_param_sync()
-            following = self.next_param_gather_bucket_group
-            if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
-                following.start_param_sync()
-            self.param_gather_dispatched = False
-            return
         if not self.param_gather_dispatched:
             self.start_param_sync()
-        if self.param_gather_handle is None:
-            return
-        self.param_gather_handle.wait()
+        sharded = self._ddp.shard_grads
+        if not sharded:
+            if self.param_gather_handle is None:
+                return
+            self.param_gather_handle.wait()
         following = self.next_param_gather_bucket_group
         if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
             following.start_param_sync()
-        self._wait_layer_wise()
+        if sharded:
+            self.param_gather_dispatched = False
+        else:
+            self._wait_layer_wise()
 
     def _wait_layer_wise(self) -> None:
         """Wait for a layer-wise gather in flight and copy what other ranks stepped into the parameters."""

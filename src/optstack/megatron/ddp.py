@@ -170,8 +170,7 @@ class DistributedDataParallel(DataParallel):
         #: Megatron's current main: tagged matrices in whole-shard buffers (wrap_model_chunks_with_ddp)
         self._laid_out_for_layer_wise = any(b.key.whole for b in self.param_and_grad_buffers)
         self.full_param_layout = self._check_layout(full_param_layout)
-        # Megatron's public contract: param.main_grad is the parameter's view of the gradient buffer (the face
-        # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
+        # param.main_grad, Megatron's contract (module docstring)
         self._main_grad_views: dict[int, torch.Tensor] = {}
         self._synced_since_zero = False  # finish_grad_sync reduces at least once after zero_grad_buffer
         for buffer in self.param_and_grad_buffers:
@@ -254,11 +253,10 @@ class DistributedDataParallel(DataParallel):
 
     def register_grad_ready(self, param: torch.Tensor) -> None:
         """``param``'s gradient is complete in the buffer (the bucket group of ``param`` does the rest)."""
-        for group in self._groups(expert=False) + self._groups(expert=True):
-            if param in group.params:
-                group.register_grad_ready(param)
-                return
-        raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the model")
+        group = self._group_of.get(id(param))
+        if group is None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the model")
+        group.register_grad_ready(param)
 
     def start_grad_sync(self, *unused: Any, through: int | None = None, force_all_reduce: bool = False) -> None:
         """Start the reductions of every bucket not started yet."""
@@ -271,9 +269,7 @@ class DistributedDataParallel(DataParallel):
         optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
         self._wait_layer_wise_param_sync()  # its gathers land in grad_data: done before gradients go there
         if force_all_reduce or not self._synced_since_zero:
-            # the first sync since zero_grad_buffer reduces whatever the buffers hold, as Megatron's always does
-            # (gradients may have been written into main_grad directly); later ones are no-ops until the next
-            # gradient (the optimizer's step calls it again)
+            # whatever the buffers hold (gradients may have been written into main_grad directly), as Megatron's
             super().start_grad_sync(force_all_reduce=force_all_reduce)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         self._synced_since_zero = True

@@ -102,9 +102,13 @@ def _is_muon_excluded(param: Tensor) -> bool:
     return not getattr(param, "use_muon", True) or _is_nonlinear_or_embedding(param)
 
 
+def _to_adam(name: str, fn: Callable[[Tensor], bool]) -> dict[ParamKey, dict[str, Any]]:
+    """Default overrides sending the parameters ``fn`` selects to Adam."""
+    return {ParamKey(predicate=ParamPredicate(name=name, fn=fn)): {"optimizer": "adam"}}
+
+
 def _default_param_overrides_factory() -> dict[ParamKey, dict[str, Any]]:
-    return {ParamKey(predicate=ParamPredicate(name="nonlinear_or_embedding", fn=_is_nonlinear_or_embedding)):
-            {"optimizer": "adam"}}
+    return _to_adam("nonlinear_or_embedding", _is_nonlinear_or_embedding)
 
 
 @dataclass
@@ -506,13 +510,10 @@ class SOAP(CoreSOAP):
 
 #: Megatron's registry: optimizer name -> how to build it.
 _EMERGING_OPTIMIZERS: dict[str, EmergingOptimizerEntry] = {
-    "muon": EmergingOptimizerEntry(
-        optimizer_cls=TensorParallelMuon, config_to_kwargs=_muon_config_to_kwargs,
-        default_param_overrides={ParamKey(predicate=ParamPredicate(name="muon_excluded", fn=_is_muon_excluded)):
-                                 {"optimizer": "adam"}}),
+    "muon": EmergingOptimizerEntry(optimizer_cls=TensorParallelMuon, config_to_kwargs=_muon_config_to_kwargs,
+                                   default_param_overrides=_to_adam("muon_excluded", _is_muon_excluded)),
     "adaptive_muon": EmergingOptimizerEntry(
         optimizer_cls=TensorParallelAdaptiveMuon, config_to_kwargs=_adaptive_muon_config_to_kwargs,
-        default_param_overrides={ParamKey(predicate=ParamPredicate(name="muon_excluded", fn=_is_muon_excluded)):
-                                 {"optimizer": "adam"}}),
+        default_param_overrides=_to_adam("muon_excluded", _is_muon_excluded)),
     "soap": EmergingOptimizerEntry(optimizer_cls=SOAP, config_to_kwargs=_soap_config_to_kwargs),
 }
