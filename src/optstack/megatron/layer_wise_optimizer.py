@@ -19,7 +19,6 @@ from optstack.megatron.core_chain import _core_chain, _plain_groups, _rebind
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.layer_wise import (
-    bucket_synced_layer_wise,
     fresh_precision,
     plan_bucket_gathers,
     publishing_wrapper,
@@ -29,7 +28,7 @@ from optstack.megatron.layer_wise import (
 from optstack.megatron.optimizers import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from optstack.megatron.param_and_grad_buffer import PerBufferParamLayout, bucket_end_divisor, plan_buffer
 from optstack.precision.scaler import NoScaler
-from optstack.stage import Direct, Masters, Stage, layerwise_stage
+from optstack.stage import Direct, Masters, Stage
 from optstack.stage.placement import LayerWise
 
 __all__ = ["LayerWiseDistributedOptimizer"]
@@ -262,13 +261,9 @@ def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool, to_b
     def make(gs: list[dict[str, Any]]) -> torch.optim.Optimizer:
         return type(inner)(gs, **defaults)
 
-    if bucket_synced:
-        placed = Stage(groups, make, placement=bucket_synced_layer_wise(ddp, expert=expert), precision=precision)
-    elif ddp is not None:
-        placed = layerwise_stage(groups, make, ddp=ddp, expert=expert, precision=precision)
-    else:
-        placed = torch_layer_wise_stage(groups, make, precision=precision, expert=expert, ddp=None,
-                                        dp=_dp_comm(pg_collection, expert), bucket_synced=False)
+    placed = torch_layer_wise_stage(groups, make, precision=precision, expert=expert, ddp=ddp,
+                                    dp=NullComm() if ddp is not None else _dp_comm(pg_collection, expert),
+                                    bucket_synced=bucket_synced)
     cls = Float16OptimizerWithFloat16Params if to_bf16 else type(optimizer)
     return cls._over(placed, config, _core_chain([placed], config, optimizer._chain.scaler, syncs))
 
