@@ -130,13 +130,12 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     muon_split_qkv: bool = True
     muon_nesterov: bool = False
-    # megatron-core 0.16's spelling of muon_nesterov (later releases renamed it); either one turns it on.
     muon_use_nesterov: bool = False
     muon_scale_mode: str = "spectral"
     muon_fp32_matmul_prec: str = "medium"
     muon_coefficient_type: str = "quintic"
     muon_num_ns_steps: int = 5
-    muon_tp_mode: str = "duplicated"  # Megatron main's default (was "blockwise")
+    muon_tp_mode: str = "duplicated"  # Megatron main's default
     muon_extra_scale_factor: float = 1.0
     soap_shampoo_beta: float = 0.95
     soap_precondition_frequency: int = 1
