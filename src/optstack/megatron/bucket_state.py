@@ -117,12 +117,9 @@ class BucketRanges:
         (tensor state only, as Megatron: non-tensor entries such as ``found_inf`` are left out). Flat, live
         tensors (a master kept as a remainder comes back as a fresh fp32 copy)."""
         stepped = self._stepped(model_param)
-        main = self._stage.precision.readable([stepped])[0]
-        tensors = {"param": main}
-        for key, value in self._stage.optimizer.state.get(stepped, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-        return tensors
+        state = self._stage.optimizer.state.get(stepped, {})
+        return {"param": self._stage.precision.readable([stepped])[0],
+                **{k: v for k, v in state.items() if isinstance(v, torch.Tensor)}}
 
     def _set_main_param_and_optimizer_states(self, model_param: torch.nn.Parameter,
                                              tensors: dict[str, Any]) -> None:
@@ -134,9 +131,8 @@ class BucketRanges:
         """
         stepped = self._stepped(model_param)
         self._stage.precision.materialize()  # a master kept as a remainder: its fp32 workspace
-        targets = {"param": stepped}
-        targets.update((k, v) for k, v in self._stage.optimizer.state.get(stepped, {}).items()
-                       if isinstance(v, torch.Tensor))
+        state = self._stage.optimizer.state.get(stepped, {})
+        targets = {"param": stepped, **{k: v for k, v in state.items() if isinstance(v, torch.Tensor)}}
         with torch.no_grad():
             for key, target in targets.items():
                 if key not in tensors:

@@ -71,6 +71,8 @@ class DistributedDataParallel(DataParallel):
             Megatron's wrapper; else torch.distributed's world, every rank data-parallel; one process works
             without it), Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``tp``, ``pp``, ``ep``,
             ``expt_dp``, ``mp`` groups) or an optstack ``ParallelGroups``.
+        full_param_layout: Megatron's precomputed layout (``compute_full_param_layout``), checked to be the one
+            built; None: built (kept with ``use_distributed_optimizer``, as Megatron computes it then).
 
     Attributes:
         module: the wrapped model. config / ddp_config: as given (``ddp_config`` a copy).
@@ -196,8 +198,7 @@ class DistributedDataParallel(DataParallel):
         return self._views[id(buffer)]
 
     def _check_layout(self, given: FullParamLayout | None) -> FullParamLayout | None:
-        """The layout of the buffers (Megatron's ``full_param_layout``): the given one, checked to be the one
-        built, or with the distributed optimizer the one built (Megatron computes it then)."""
+        """``full_param_layout`` (class docstring)."""
         built = FullParamLayout({megatron_key(b.key): self._view_of(b).param_layout()
                                  for b in self.param_and_grad_buffers})
         if given is None:

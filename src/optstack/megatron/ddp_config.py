@@ -255,12 +255,10 @@ def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dic
 
 def megatron_layout_plan(named: Sequence[tuple[str, torch.Tensor]], ddp_config: Any, topology: Topology, *,
                          bucket_size: int | None, sharded: bool) -> ParamPlan:
-    """The core ``ParamPlan`` of the face's buffers for ``named`` parameters (model order): ``ddp_config``
-    (Megatron's fields, read with their defaults) translated (module docstring) into a config, rules and the
-    given topology. Parameters tagged for the layer-wise optimizer by Megatron's ``tag_params_for_buffer_routing``
-    (``is_managed_by_layer_wise_optimizer``) are planned as Muon's, so under the distributed optimizer
-    (``sharded``) they get whole-shard buffers of their own (Megatron's current main); the rest as AdamW's
-    (element-wise: any range of a bucket). Only the layout is the face's: its optimizers plan their stages."""
+    """The core ``ParamPlan`` of the face's buffers for ``named`` parameters (model order), ``ddp_config``
+    translated (module docstring). Parameters tagged ``is_managed_by_layer_wise_optimizer`` are planned as Muon's,
+    so under the distributed optimizer (``sharded``) they get whole-shard buffers of their own (Megatron's current
+    main); the rest as AdamW's (any range of a bucket). Only the layout is used: the optimizers plan their stages."""
     config = OptimizerConfig(algorithm="adamw", distributed=DistributedConfig(
         sharding="zero1" if sharded else "replicated", whole_matrices="whole_shards",
         overlap_grad_reduce=bool(getattr(ddp_config, "overlap_grad_reduce", False)),
@@ -292,11 +290,10 @@ def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int |
                               data_parallel_world_size: int, ddp_config: Any,
                               expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
     """Megatron's ``DistributedOptimizer.compute_full_param_layout`` (and ``LayerWiseDistributedOptimizer``'s): the
-    layout of each buffer of ``params`` (forward order; Megatron's ``group_params_for_buffers``) as a view of the
-    plan the face's wrapper is built from (``megatron_layout_plan`` with the distributed optimizer), buckets split
-    across ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``, planned apart as
-    Megatron sizes them independently). Parameters tagged ``is_managed_by_layer_wise_optimizer`` lie each whole
-    inside one rank's shard, since that is the wrapper's layout of them."""
+    layout of each buffer of ``params`` (forward order; Megatron's ``group_params_for_buffers``), a view of the
+    plan the wrapper is built from, buckets split across ``data_parallel_world_size`` ranks (experts, planned
+    apart: ``expert_data_parallel_world_size``). Tagged parameters (``is_managed_by_layer_wise_optimizer``) lie
+    each whole inside one rank's shard."""
     groups = group_params_for_buffers([p for p in params if p.requires_grad],
                                       bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
     layouts: dict[BufferKey, PerBufferParamLayout] = {}
