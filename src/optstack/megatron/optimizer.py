@@ -287,10 +287,10 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
             f"got {type(pg_collection).__name__}; pass pg_collection=None"
         )
     layer_wise = config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"
-    if layer_wise and any(isinstance(c, FullyShardedDataParallel) for c in chunks):
-        raise ValueError("the layer-wise distributed optimizer needs DistributedDataParallel; over a "
-                         "FullyShardedDataParallel model use optimizer='muon' (DTensor Muon gathers each matrix)")
     if any(isinstance(c, FullyShardedDataParallel) for c in chunks):
+        if layer_wise:
+            raise ValueError("the layer-wise distributed optimizer needs DistributedDataParallel; over a "
+                             "FullyShardedDataParallel model use optimizer='muon' (DTensor Muon gathers each matrix)")
         return  # FSDP2 DTensor parameters: the DTensor placement is the distributed optimizer
     if not wrapped and (config.use_distributed_optimizer or layer_wise):
         field = "use_distributed_optimizer" if config.use_distributed_optimizer else (

@@ -280,10 +280,8 @@ class FP32Optimizer(MegatronOptimizer):
                  init_state_fn: Callable | None = None) -> None:
         super().__init__(optimizer, config, init_state_fn)
         if optimizer is not None:
-            owner = type(self).__name__
-            groups = _plain_groups(optimizer, owner)
-            stage = Stage(groups, lambda groups: optimizer, placement=_whole_placement(groups),
-                          precision=Direct())
+            groups = _plain_groups(optimizer, type(self).__name__)
+            stage = Stage(groups, lambda groups: optimizer, placement=_whole_placement(groups), precision=Direct())
             self._attach(stage, _core_chain([stage], config, NoScaler()))
 
 
