@@ -295,13 +295,9 @@ class DistributedDataParallel(DataParallel):
                 param.main_grad = view
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
-        """Gather every bucket's parameters from the ranks owning them.
-
-        With ``use_distributed_optimizer`` (whose step gathers by itself; call it after writing owned ranges of
-        ``param_data`` by other means): synchronous. With ``overlap_param_gather`` and the layer-wise optimizer:
-        each bucket group's gather of the parameters its owner ranks stepped, asynchronous (the forward
-        pre-hooks finish it) unless ``force_sync``; the gathers land in ``grad_data``, zeroed afterwards, as
-        in Megatron. Otherwise a no-op (every rank holds every parameter)."""
+        """Gather every bucket's parameters from the ranks owning them, as ``BucketGroup.start_param_sync`` does
+        for its buckets (the distributed optimizer's step gathers by itself: call it after writing owned ranges of
+        ``param_data`` by other means); the forward pre-hooks finish asynchronous gathers."""
         if self.shard_grads:
             super().finish_param_sync()  # the optimizer's overlapped gathers still in flight land first
             for buffer, bucket in self.bucket_order:
