@@ -1,5 +1,6 @@
 """Megatron's ``ChainedOptimizer`` (and ``ProxyDict``, its view of the chained optimizers' state): the stages of
 every optimizer given joined into one core chain, so they share one norm, one clip factor and one skip decision.
+Objects implementing Megatron's optimizer protocol themselves are stepped through it, as Megatron steps them.
 """
 
 from __future__ import annotations

@@ -372,8 +372,9 @@ def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
     """Translate a Megatron ``OptimizerConfig`` into ``optstack.config.OptimizerConfig`` (module docstring), and:
     'adam' -> 'adamw' with ``decoupled_weight_decay``; 'dist_muon' -> 'muon', layer-wise (a DeprecationWarning,
     as Megatron's); ``loss_scale`` set -> constant scaling, None -> dynamic for fp16, else none;
-    ``use_distributed_optimizer`` -> 'zero1'; ``grad_norm_skip_threshold`` inf -> None; ``min_lr`` None -> 0.0;
-    ``clip_grad`` always passed on (Megatron's default 1.0; the core's 0.0).
+    ``use_distributed_optimizer`` -> 'zero1', ``use_layer_wise_distributed_optimizer`` -> 'layerwise';
+    ``optimizer_cpu_offload`` -> ``offload.fraction = optimizer_offload_fraction``; ``grad_norm_skip_threshold``
+    inf -> None; ``min_lr`` None -> 0.0; ``clip_grad`` always passed on (Megatron's default 1.0; the core's 0.0).
 
     Raises:
         ValueError: ``lr`` is None, a field has a value optstack does not support, or a value is invalid

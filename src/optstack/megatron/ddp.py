@@ -3,14 +3,14 @@ factories take it as the wrapped model). The config's fields and their translati
 groups: ``bucket_groups``.
 
 ``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (the face sets it; the core sets no
-attributes). A tensor the caller assigns to it instead is copied into the buffer by ``finish_grad_sync`` (which
-the optimizers' step calls), and ``main_grad`` becomes the view again.
+attributes), zeroed eagerly by ``zero_grad_buffer``. A tensor the caller assigns to it instead is copied into the
+buffer by ``finish_grad_sync`` (which the optimizers' step calls), and ``main_grad`` becomes the view again.
 
 ``finish_grad_sync()`` called again with no gradient in between is a no-op, as Megatron's with
 ``overlap_grad_reduce`` (without it Megatron reduces again). optstack's optimizers call it at the start of each
-step, after Megatron's loop already did; a second reduction would sum the sums with per-token losses and, under a
-reduce-scatter, fold other ranks' unreduced ranges into the owned shard. To reduce the buffers on purpose:
-``finish_grad_sync(force_all_reduce=True)``.
+step (so a loop that forgets it still steps reduced gradients), after Megatron's loop already did; a second
+reduction would sum the sums with per-token losses and, under a reduce-scatter, fold other ranks' unreduced
+ranges into the owned shard. To reduce the buffers on purpose: ``finish_grad_sync(force_all_reduce=True)``.
 """
 
 from __future__ import annotations
