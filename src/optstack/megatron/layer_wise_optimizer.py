@@ -184,8 +184,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             stage = getattr(member, "_stage", None)
             if stage is not None and isinstance(stage.placement, LayerWise):
                 grads = member.get_grads_for_grad_norm()
-                local = (norm_pows(grads, 2.0, stage.device).sum().reshape(1) if grads
-                         else torch.zeros(1, device=stage.device))
+                local = norm_pows(grads, 2.0, stage.device).sum().reshape(1)
                 # whole on every rank of the data-parallel group; other parts over the expert/model-parallel ones
                 total += float(stage.placement.comm.all_reduce(stage.placement.dp.all_reduce(local)).item())
             else:

@@ -46,7 +46,7 @@ def _comm(group: Any) -> Comm | NullComm:
 def grad_norm(grads: Sequence[torch.Tensor], group: Any) -> float:
     """The L2 norm of ``grads`` across ``group`` (fp32), Megatron's ``get_grad_norm_fp32``."""
     device = grads[0].device if grads else torch.device("cpu")
-    total = norm_pows(list(grads), 2.0, device).sum().reshape(1) if grads else torch.zeros(1, device=device)
+    total = norm_pows(list(grads), 2.0, device).sum().reshape(1)  # [0.] without gradients
     return math.sqrt(float(_comm(group).all_reduce(total).item()))
 
 
