@@ -1,10 +1,6 @@
-"""The Megatron-compatible face of optstack: switch by changing an import.
-
-``from megatron.core.optimizer import ...`` (and ``from megatron.core.distributed import ...``) becomes
-``from optstack.megatron import ...``: the same names, signatures and defaults (``OptimizerConfig``,
-``ParamKey``, ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``DistributedDataParallel``,
-``DistributedDataParallelConfig``, ...), translated to optstack's core (``optstack.config``, ``optstack.rules``,
-``optstack.groups``, ``optstack.schedule``, ``optstack.factory``), which never sees Megatron's names.
+"""The Megatron-compatible face of optstack: ``from megatron.core.optimizer import ...`` (and
+``megatron.core.distributed``) becomes ``from optstack.megatron import ...``, with the same names, signatures and
+defaults, translated to optstack's core, which never sees Megatron's names.
 """
 
 from optstack.megatron.chained import ChainedOptimizer, ProxyDict

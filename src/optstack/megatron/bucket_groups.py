@@ -1,10 +1,6 @@
 """Megatron's bucket groups over a ``DistributedDataParallel``'s buckets: ``BucketGroup`` (reductions started and
 finished together; the layer-wise optimizer's parameter gathers with ``overlap_param_gather``) and
-``partition_buckets``, which finds the wrapper of given buffers through the core's live wrappers
-(``distributed.ddp.wrappers_owning``).
-
-The wrapper is ``optstack.megatron.ddp.DistributedDataParallel``, which builds the groups; it is typed here as its
-core base ``DataParallel`` so that the import runs one way (the wrapper imports this module).
+``partition_buckets``. The wrapper is typed as its core base ``DataParallel`` so the import runs one way.
 """
 
 from __future__ import annotations
@@ -172,23 +168,20 @@ class BucketGroup:
         ``skip_next_bucket_dispatch``, start the next group's (``next_param_gather_bucket_group``), as Megatron's
         forward pre-hooks do. The distributed optimizer's gathers are synchronous: nothing to wait for (the
         next group's starts all the same, so the chain reads as Megatron's)."""
-        if self._ddp.shard_grads:
-            if not self.param_gather_dispatched:
-                self.start_param_sync()
-            following = self.next_param_gather_bucket_group
-            if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
-                following.start_param_sync()
-            self.param_gather_dispatched = False
-            return
         if not self.param_gather_dispatched:
             self.start_param_sync()
-        if self.param_gather_handle is None:
-            return
-        self.param_gather_handle.wait()
+        sharded = self._ddp.shard_grads
+        if not sharded:
+            if self.param_gather_handle is None:
+                return
+            self.param_gather_handle.wait()
         following = self.next_param_gather_bucket_group
         if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
             following.start_param_sync()
-        self._wait_layer_wise()
+        if sharded:
+            self.param_gather_dispatched = False
+        else:
+            self._wait_layer_wise()
 
     def _wait_layer_wise(self) -> None:
         """Wait for a layer-wise gather in flight and copy what other ranks stepped into the parameters."""

@@ -1,19 +1,16 @@
 """Megatron's bucket-space view of a distributed optimizer: ``gbuf_ranges`` and the ``dp_reshardable`` state.
 
 Megatron's ``DistributedOptimizer`` keeps, per grad buffer, ``{(param dtype, grad dtype): [per bucket
-{"param_map": {model param: ranges}}]}`` (``gbuf_ranges``) for the parameters this rank owns part of, and code
-around it (checkpoint converters, tests) walks that structure to read or write each parameter's main param and
-optimizer state (``_get_main_param_and_optimizer_states``), or saves them bucket by bucket
-(``get_parameter_state_dp_reshardable``). optstack's ZeRO-1 stage holds the same ranges as ``Piece``s over the
-wrapper's buffers; ``BucketRanges`` presents them with Megatron's names and shapes. Everything is derived from
-the stage and the wrapper (both fixed once built), so nothing is stored twice.
-
-optstack's own checkpoints are name-keyed and reshard across data-parallel sizes (``state_dict``,
-``optstack.checkpoint``); this bucket-space format, as in Megatron, loads only into the same layout.
+{"param_map": {model param: ranges}}]}`` (``gbuf_ranges``), which checkpoint converters and tests walk to read or
+write each parameter's main param and optimizer state, or save bucket by bucket. optstack's ZeRO-1 stage holds the
+same ranges as ``Piece``s over the wrapper's buffers; ``BucketRanges`` derives Megatron's names and shapes from the
+stage and the wrapper (both fixed once built). Unlike optstack's name-keyed checkpoints, this format loads only
+into the same layout, as in Megatron.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -36,11 +33,9 @@ class BucketRanges:
     _chain: Any
 
     # -- the layout ------------------------------------------------------------------------------------
+    @functools.cached_property
     def _views(self) -> list[BufferView]:
         """The wrapper's buffers holding this optimizer's parameters, as Megatron's buffer views."""
-        cached = vars(self).get("_bucket_views")
-        if cached is not None:
-            return cached
         stage = self._stage
         mine = {id(p) for g in (stage.param_groups if stage is not None else []) for p in g["params"]}
         views: list[BufferView] = []
@@ -49,32 +44,27 @@ class BucketRanges:
                 if any(id(p) in mine for p in buffer.params):
                     view_of = getattr(ddp, "_view_of", None)
                     views.append(view_of(buffer) if view_of is not None else BufferView(buffer, ddp.shard_comm(buffer)))
-        vars(self)["_bucket_views"] = views
         return views
 
     @property
     def buffers(self) -> list[BufferView]:
         """The grad buffers this optimizer shards (Megatron's ``DistributedOptimizer.buffers``)."""
-        return list(self._views())
+        return list(self._views)
 
-    @property
+    @functools.cached_property
     def gbuf_ranges(self) -> list[dict[DTypes, list[dict[str, Any]]]]:
         """Per buffer, ``{(param dtype, grad dtype): [per bucket {"param_map": {param: ranges}}]}``: this rank's
         ranges of the parameters of each bucket it owns part of (``gbuf_world``, ``gbuf_world_in_bucket``,
         ``gbuf_local``, ``param``: Megatron's ``Range``s)."""
-        cached = vars(self).get("_gbuf_ranges")
-        if cached is not None:
-            return cached
         stepped = set(self.model_param_group_index_map)
         out = []
-        for view in self._views():
+        for view in self._views:
             buckets = []
             for index in range(len(view.buckets)):
                 ranges = build_model_gbuf_range(view, index)
                 ranges["param_map"] = {p: r for p, r in ranges["param_map"].items() if p in stepped}
                 buckets.append(ranges)
             out.append({(view.param_dtype, view.grad_dtype): buckets})
-        vars(self)["_gbuf_ranges"] = out
         return out
 
     @property
@@ -87,31 +77,27 @@ class BucketRanges:
                 for bucket_index, ranges in enumerate(buckets)
                 for param in ranges["param_map"]}
 
-    @property
+    @functools.cached_property
     def model_param_group_index_map(self) -> dict[torch.nn.Parameter, tuple[int, int]]:
         """``{param: (group index, position in the group)}``: where the tensor stepped for this rank's range of
         ``param`` sits in the torch optimizer's ``param_groups`` (parameters this rank owns part of)."""
-        cached = vars(self).get("_group_index_map")
-        if cached is not None:
-            return cached
         out: dict[torch.nn.Parameter, tuple[int, int]] = {}
         if self._stage is not None:
             pieces = iter(self._stage.pieces)
             for group_index, group in enumerate(self._stage.optimizer.param_groups):
                 for order in range(len(group["params"])):
                     out[next(pieces).param] = (group_index, order)
-        vars(self)["_group_index_map"] = out
         return out
 
     @property
     def per_bucket_numel(self) -> list[dict[DTypes, list[int]]]:
         """Per buffer, ``{(param dtype, grad dtype): [each bucket's numel, padding included]}``."""
-        return [{(v.param_dtype, v.grad_dtype): [b.grad_data.numel() for b in v.buckets]} for v in self._views()]
+        return [{(v.param_dtype, v.grad_dtype): [b.grad_data.numel() for b in v.buckets]} for v in self._views]
 
     @property
     def per_bucket_numel_unpadded(self) -> list[dict[DTypes, list[int]]]:
         """Per buffer, ``{(param dtype, grad dtype): [each bucket's numel without padding]}``."""
-        return [{(v.param_dtype, v.grad_dtype): [b.numel_unpadded for b in v.buckets]} for v in self._views()]
+        return [{(v.param_dtype, v.grad_dtype): [b.numel_unpadded for b in v.buckets]} for v in self._views]
 
     def _get_model_param_range_map(self, param: torch.nn.Parameter) -> dict[str, Range]:
         """This rank's ranges of ``param`` (its entry in ``gbuf_ranges``)."""
@@ -131,12 +117,9 @@ class BucketRanges:
         (tensor state only, as Megatron: non-tensor entries such as ``found_inf`` are left out). Flat, live
         tensors (a master kept as a remainder comes back as a fresh fp32 copy)."""
         stepped = self._stepped(model_param)
-        main = self._stage.precision.readable([stepped])[0]
-        tensors = {"param": main}
-        for key, value in self._stage.optimizer.state.get(stepped, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-        return tensors
+        state = self._stage.optimizer.state.get(stepped, {})
+        return {"param": self._stage.precision.readable([stepped])[0],
+                **{k: v for k, v in state.items() if isinstance(v, torch.Tensor)}}
 
     def _set_main_param_and_optimizer_states(self, model_param: torch.nn.Parameter,
                                              tensors: dict[str, Any]) -> None:
@@ -148,9 +131,8 @@ class BucketRanges:
         """
         stepped = self._stepped(model_param)
         self._stage.precision.materialize()  # a master kept as a remainder: its fp32 workspace
-        targets = {"param": stepped}
-        targets.update((k, v) for k, v in self._stage.optimizer.state.get(stepped, {}).items()
-                       if isinstance(v, torch.Tensor))
+        state = self._stage.optimizer.state.get(stepped, {})
+        targets = {"param": stepped, **{k: v for k, v in state.items() if isinstance(v, torch.Tensor)}}
         with torch.no_grad():
             for key, target in targets.items():
                 if key not in tensors:

@@ -1,10 +1,6 @@
-"""Megatron's ``ChainedOptimizer`` (and ``ProxyDict``, its view of the chained optimizers' state): several
-optimizers stepped as one.
-
-``ChainedOptimizer`` joins the stages of every optimizer it is given into one core chain
-(``optstack.optimizer.ChainedOptimizer``), so they share one norm, one clip factor and one skip decision, as in
-Megatron; objects that implement Megatron's optimizer protocol themselves (``prepare_grads``, ``get_grad_norm``,
-``step_with_ready_grads``) are stepped through it, as Megatron steps them.
+"""Megatron's ``ChainedOptimizer`` (and ``ProxyDict``, its view of the chained optimizers' state): the stages of
+every optimizer given joined into one core chain, so they share one norm, one clip factor and one skip decision.
+Objects implementing Megatron's optimizer protocol themselves are stepped through it, as Megatron steps them.
 """
 
 from __future__ import annotations
@@ -15,15 +11,8 @@ from typing import Any
 
 import torch
 
-from optstack.megatron.core_chain import _core_chain, _norms_by_group, _reload, _skip_threshold, _step
-from optstack.megatron.norm_groups import (
-    SEPARATE_GRAD_NORM_GROUPS,
-    _get_param_grad_norm_group,
-    _is_separate_grad_norm_group,
-    _validate_grad_norm_group,
-    clip_by_norm,
-    grad_norm,
-)
+from optstack.megatron.core_chain import _core_chain, _skip_threshold
+from optstack.megatron.norm_groups import _validate_grad_norm_group, clip_by_groups, grad_norm, separate_group_of
 from optstack.megatron.optimizers import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from optstack.precision.scaler import NoScaler
 from optstack.stage import Stage
@@ -76,15 +65,11 @@ class ChainedOptimizer(MegatronOptimizer):
     def __init__(self, chained_optimizers: Sequence[Any]) -> None:
         self.chained_optimizers = list(chained_optimizers)
         self.built: Any = None
-        self.grad_norms_by_group: dict[str, float] = {}
         configs = [o.config for o in self.chained_optimizers
                    if isinstance(o, MegatronOptimizer) or all(hasattr(o, k) for k in _PROTOCOL + ("config",))]
         config = configs[0] if configs else None
-        self.config = config
-        self.init_state_fn = None
-        self.optimizer = None
+        super().__init__(None, config, None)
         self.is_stub_optimizer = all(getattr(o, "is_stub_optimizer", False) for o in self.chained_optimizers)
-        self._stage = None
         self._members = [self._member(o, config) for o in self.chained_optimizers]
         stages = [s for m in self._members if m is not None for s in m.stages]
         chains = [m._chain for m in self._members if m is not None and m.stages]
@@ -94,7 +79,7 @@ class ChainedOptimizer(MegatronOptimizer):
         else:
             scaler = chains[0].scaler if chains else NoScaler()
             syncs = list({id(s): s for c in chains for s in c.grad_syncs}.values())
-            self._chain = _core_chain(stages, config if config is not None else _NO_CLIP, scaler, syncs)
+            self._chain = _core_chain(stages, config, scaler, syncs)  # config None: no clip, no skip
 
     @staticmethod
     def _member(optimizer: Any, config: Any) -> MegatronOptimizer | None:
@@ -102,9 +87,8 @@ class ChainedOptimizer(MegatronOptimizer):
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
             low = any(p.dtype in _LOW_PRECISION for g in optimizer.param_groups for p in g["params"])
-            cfg = config if config is not None else _NO_CLIP
-            return (Float16OptimizerWithFloat16Params(optimizer, cfg, None) if low
-                    else FP32Optimizer(optimizer, cfg))
+            return (Float16OptimizerWithFloat16Params(optimizer, config, None) if low
+                    else FP32Optimizer(optimizer, config))
         return None
 
     @property
@@ -150,9 +134,7 @@ class ChainedOptimizer(MegatronOptimizer):
         if unsteppable:
             raise ValueError(f"ChainedOptimizer.step: {unsteppable} are neither optstack.megatron optimizers nor "
                              "torch.optim optimizers; chain those only")
-        result = _step(self._chain, self.param_groups, self.config)
-        self.grad_norms_by_group = _norms_by_group(self._chain, self.config)
-        return result.applied, result.grad_norm, result.num_zeros
+        return super().step()  # over self._chain, which holds every member's stage
 
     def has_grad_norm_group(self, grad_norm_group: str) -> bool:
         """Whether any chained optimizer holds parameters of ``grad_norm_group`` (on any rank)."""
@@ -176,12 +158,6 @@ class ChainedOptimizer(MegatronOptimizer):
         return math.sqrt(sum(n * n for n in norms))
 
     @torch.no_grad()
-    def _compute_grad_norms_by_group(self) -> dict[str, float]:
-        self.grad_norms_by_group = {name: self._get_grad_norm_for_group(name)
-                                    for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
-        return self.grad_norms_by_group
-
-    @torch.no_grad()
     def _step_protocol(self) -> tuple[bool, float | None, int | None]:
         """Megatron's chained step over objects that implement Megatron's optimizer protocol themselves
         (``prepare_grads``, ``get_grad_norm``, ``step_with_ready_grads``): one skip decision for all, read
@@ -196,17 +172,11 @@ class ChainedOptimizer(MegatronOptimizer):
         skip = False
         for o in live:
             params = o.get_parameters()
-            by_group: dict[str | None, list[torch.Tensor]] = {}
-            for p in params:
-                group = _get_param_grad_norm_group(p)
-                by_group.setdefault(group if _is_separate_grad_norm_group(group) else None, []).append(p)
             if o.config.clip_grad > 0.0:
-                for group, members in by_group.items():
-                    total = main_norm if group is None else self.grad_norms_by_group.get(group)
-                    if total is not None:
-                        clip_by_norm(members, o.config.clip_grad, total)
+                clip_by_groups(params, o.config.clip_grad, main_norm, self.grad_norms_by_group)
             threshold = _skip_threshold(o.config)
-            skip = skip or (None in by_group and threshold is not None and main_norm > threshold)
+            in_main = any(separate_group_of(p) is None for p in params)
+            skip = skip or (in_main and threshold is not None and main_norm > threshold)
         zeros = None
         if self.config is not None and getattr(self.config, "log_num_zeros_in_grad", False):
             zeros = sum(int(o.count_zeros()) for o in self.chained_optimizers)
@@ -246,23 +216,5 @@ class ChainedOptimizer(MegatronOptimizer):
             if m is None and hasattr(o, "zero_grad"):
                 o.zero_grad(set_to_none)
 
-    def get_loss_scale(self) -> torch.Tensor:
-        device = self.stages[0].device if self.stages else torch.device("cpu")
-        return torch.tensor([self._chain.loss_scale], dtype=torch.float32, device=device)
-
-    def reload_model_params(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
-        _reload(self.stages, state_dict)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({[type(o).__name__ for o in self.chained_optimizers]})"
-
-
-class _NoClip:
-    """The config of a chain of plain torch optimizers: stepped as they would be alone."""
-
-    clip_grad = 0.0
-    grad_norm_skip_threshold = float("inf")
-    log_num_zeros_in_grad = False
-
-
-_NO_CLIP = _NoClip()

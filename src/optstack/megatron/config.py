@@ -1,45 +1,25 @@
-"""Megatron Core's ``OptimizerConfig`` (field names, order and defaults) and its translation to optstack's.
+"""Megatron Core's ``OptimizerConfig`` (field names, order and defaults) and ``to_core``, its translation to
+``optstack.config.OptimizerConfig``, the only config the rest of optstack reads.
 
-``OptimizerConfig`` here is what ``megatron.core.optimizer.OptimizerConfig`` is: a mutable dataclass whose
-fields a Megatron training script fills in. ``to_core`` turns it into ``optstack.config.OptimizerConfig``,
-the only config the rest of optstack reads. A field set to a value optstack does not support is a
-``ValueError`` naming the field and the value, raised at construction and again by ``to_core`` (Megatron code
-mutates configs after construction); it is never silently ignored.
+A field set to a value optstack does not support is a ``ValueError`` naming it, at construction and again in
+``to_core`` (Megatron code mutates configs). Accepted and without effect, as they tune only Megatron's
+implementation or logging: ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``, ``pin_cpu_params``,
+``barrier_with_L1_time``, ``timers``, ``config_logger_dir``; the ``soap_*`` / ``adaptive_muon_*`` fields for other
+optimizers; ``optimizer_offload_fraction`` without ``optimizer_cpu_offload``.
 
-Fields that are accepted but change nothing, because they only tune Megatron's implementation or its
-logging: ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads``,
-``pin_cpu_params``, ``barrier_with_L1_time``, ``timers``, ``config_logger_dir``; the ``soap_*`` and
-``adaptive_muon_*`` fields unless ``optimizer`` is theirs; ``optimizer_offload_fraction`` while
-``optimizer_cpu_offload`` is False (as in Megatron).
-
-``optimizer='adaptive_muon'`` -> the core's ``adaptive_muon`` (``adaptive_muon_moment2_method`` / ``_beta2`` /
-``_eps``; not sign-stabilised, no norm restore: Megatron's ``adamuon``); ``optimizer='soap'`` -> the core's
-``soap`` with Emerging-Optimizers' options (``use_kl_shampoo`` from ``soap_use_kl_shampoo``, an update from the
-first step, ``eigh`` at every refresh, every side preconditioned), its ``soap_*`` fields and Adam's betas / eps.
-An emerging optimizer
-(``muon``, ``adaptive_muon``, ``soap``) with ``fp16=True`` is refused when the optimizer is built (Megatron's
-``get_megatron_optimizer``), not when the config is.
-
-``muon_use_nesterov`` (megatron-core 0.16's name) and ``muon_nesterov`` (later releases) are both accepted;
-either one set True turns Nesterov momentum on.
-
-``overlap_param_gather_with_optimizer_step`` (with ``use_distributed_optimizer`` and ``overlap_param_gather``, as
-Megatron requires) is what optstack's overlapped gathers do already: each stage launches its buckets' gathers as
-soon as its step has written them, so they overlap the rest of the step and the next forward.
-``overlap_param_gather`` with the layer-wise optimizer (Megatron's current main): the model's bucket groups
-gather what each rank stepped (``DistributedDataParallel.start_param_sync`` and its forward pre-hooks).
-
-Accepted where Megatron refuses: ``use_precision_aware_optimizer`` (low-precision Adam moments) does not need
-``use_distributed_optimizer`` here.
-
-The precision-aware optimizer (``use_precision_aware_optimizer=True``, as in Megatron the switch for the
-fields below): ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` -> ``adam`` (torch.uint8, Transformer Engine's FP8
-moments in Megatron, -> optstack's 8-bit block-quantized moments, ``'8bit'``); ``main_params_dtype`` torch.float32 (fp32
-masters) or torch.bfloat16 (bf16 parameters stepped directly) -> ``masters.dtype``; ``main_grads_dtype``
-torch.bfloat16 -> ``masters.grad_dtype`` (gradients read without an fp32 copy); ``store_param_remainders``
-(default True, as Megatron) -> ``masters.store_remainders`` for bf16 parameters with fp32 masters (ignored
-otherwise, as in Megatron). Without the switch masters are whole fp32 and ``store_param_remainders`` does
-nothing.
+- ``adaptive_muon`` -> the core's, not sign-stabilised, no norm restore (Megatron's ``adamuon``); ``soap`` -> the
+  core's with Emerging-Optimizers' options (KL-Shampoo from ``soap_use_kl_shampoo``, an update from the first
+  step, ``eigh`` at every refresh, every side preconditioned) and Adam's betas / eps. An emerging optimizer with
+  ``fp16=True`` is refused when the optimizer is built, not the config (as Megatron).
+- ``muon_use_nesterov`` (megatron-core 0.16) and ``muon_nesterov`` (later): either one turns Nesterov on.
+- ``overlap_param_gather_with_optimizer_step`` is what optstack's overlapped gathers do already (each stage
+  launches its gathers as soon as its step wrote them).
+- The precision-aware optimizer (``use_precision_aware_optimizer=True``; here without needing
+  ``use_distributed_optimizer``): ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` -> ``adam`` (torch.uint8, Transformer
+  Engine's FP8 moments, -> optstack's 8-bit block-quantized ``'8bit'``); ``main_params_dtype`` fp32 (masters) or
+  bf16 (bf16 parameters stepped directly) -> ``masters.dtype``; ``main_grads_dtype`` bf16 ->
+  ``masters.grad_dtype`` (no fp32 gradient copy); ``store_param_remainders`` -> ``masters.store_remainders`` for
+  bf16 parameters with fp32 masters. Without the switch masters are whole fp32.
 """
 
 from __future__ import annotations
@@ -150,13 +130,12 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     muon_split_qkv: bool = True
     muon_nesterov: bool = False
-    # megatron-core 0.16's spelling of muon_nesterov (later releases renamed it); either one turns it on.
     muon_use_nesterov: bool = False
     muon_scale_mode: str = "spectral"
     muon_fp32_matmul_prec: str = "medium"
     muon_coefficient_type: str = "quintic"
     muon_num_ns_steps: int = 5
-    muon_tp_mode: str = "duplicated"  # Megatron main's default (was "blockwise")
+    muon_tp_mode: str = "duplicated"  # Megatron main's default
     muon_extra_scale_factor: float = 1.0
     soap_shampoo_beta: float = 0.95
     soap_precondition_frequency: int = 1
@@ -371,14 +350,13 @@ def megatron_optimizer_name(algorithm: str) -> str:
 
 
 def _loss_scale(config: OptimizerConfig, precision: str) -> core.LossScaleConfig:
-    window = config.loss_scale_window
-    if isinstance(window, bool) or not isinstance(window, int | float) or window != int(window):
+    window = config.loss_scale_window  # a finite number (check_types)
+    if window != int(window):
         raise ValueError(f"OptimizerConfig.loss_scale_window must be a whole number, got {window!r}")
     common = dict(min_scale=config.min_loss_scale, window=int(window), hysteresis=config.hysteresis)
     if config.loss_scale:  # Megatron: a truthy loss_scale means a constant scaler
-        value = config.loss_scale
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                or value <= 0:
+        value = config.loss_scale  # a finite number (check_types)
+        if value <= 0:
             raise ValueError(f"OptimizerConfig.loss_scale must be None or a finite number > 0, got {value!r}")
         if precision == "fp32":
             raise ValueError(
@@ -391,14 +369,12 @@ def _loss_scale(config: OptimizerConfig, precision: str) -> core.LossScaleConfig
 
 
 def to_core(config: OptimizerConfig) -> core.OptimizerConfig:
-    """Translate a Megatron ``OptimizerConfig`` into ``optstack.config.OptimizerConfig``.
-
-    Mapping: optimizer 'adam' -> 'adamw' (decoupled_weight_decay=True) or 'adam'; 'dist_muon' -> 'muon' with
-    layer-wise sharding (with a DeprecationWarning, as Megatron); fp16/bf16 -> precision; loss_scale set ->
-    constant scaling, None -> dynamic for fp16 and none otherwise; use_distributed_optimizer ->
-    sharding 'zero1'; use_layer_wise_distributed_optimizer -> 'layerwise'; optimizer_cpu_offload ->
-    offload.fraction = optimizer_offload_fraction; grad_norm_skip_threshold inf -> None (never skip);
-    min_lr None -> 0.0; clip_grad always passed on (Megatron's default 1.0; the core's is 0.0, no clipping).
+    """Translate a Megatron ``OptimizerConfig`` into ``optstack.config.OptimizerConfig`` (module docstring), and:
+    'adam' -> 'adamw' with ``decoupled_weight_decay``; 'dist_muon' -> 'muon', layer-wise (a DeprecationWarning,
+    as Megatron's); ``loss_scale`` set -> constant scaling, None -> dynamic for fp16, else none;
+    ``use_distributed_optimizer`` -> 'zero1', ``use_layer_wise_distributed_optimizer`` -> 'layerwise';
+    ``optimizer_cpu_offload`` -> ``offload.fraction = optimizer_offload_fraction``; ``grad_norm_skip_threshold``
+    inf -> None; ``min_lr`` None -> 0.0; ``clip_grad`` always passed on (Megatron's default 1.0; the core's 0.0).
 
     Raises:
         ValueError: ``lr`` is None, a field has a value optstack does not support, or a value is invalid

@@ -1,11 +1,7 @@
-"""How the face's optimizer classes drive optstack's core chain (``optstack.optimizer.ChainedOptimizer``).
-
-- a torch optimizer's groups become a stage's (``_plain_groups``; ``_whole_placement``) and the torch optimizer the
-  stage's inner optimizer, its groups' ``params`` replaced by the tensors stepped (``_rebind``);
-- the core chain over stages takes an ``OptimizerConfig``'s ``clip_grad``, ``grad_norm_skip_threshold`` and
-  ``log_num_zeros_in_grad`` (``_core_chain``);
-- Megatron's step, ``prepare_grads`` and ``reload_model_params`` over such a chain (``_step``, ``_prepare``,
-  ``_reload``), with the torch optimizer's groups as the truth for their settings (``_pull``).
+"""How the face's optimizer classes drive optstack's core chain (``optstack.optimizer.ChainedOptimizer``): a torch
+optimizer's groups become a stage's and the torch optimizer its inner optimizer (``_rebind``); Megatron's step,
+``prepare_grads`` and ``reload_model_params`` over the chain, with the torch optimizer's groups as the truth for
+their settings (``_pull``).
 """
 
 from __future__ import annotations
@@ -39,6 +35,15 @@ def _core_chain(stages: Sequence[Stage], config: Any, scaler: LossScaler, grad_s
                        log_num_zeros_in_grad=getattr(config, "log_num_zeros_in_grad", False),
                        grad_syncs=list(grad_syncs),
                        **norm_group_kwargs(p for s in stages for g in s.param_groups for p in g["params"]))
+
+
+def _chain_like(chain: CoreChained, stages: Sequence[Stage], **changes: Any) -> CoreChained:
+    """A core chain over ``stages`` with ``chain``'s scaler, clip, skip, zero counting, gradient syncs and norm
+    groups, ``changes`` overriding them."""
+    settings = dict(scaler=chain.scaler, clip_grad=chain.clip_grad, log_num_zeros_in_grad=chain.log_num_zeros_in_grad,
+                    grad_norm_skip_threshold=chain.grad_norm_skip_threshold, grad_syncs=chain.grad_syncs,
+                    norm_groups=chain.norm_groups, norm_group_of=chain.norm_group_of)
+    return CoreChained(stages, **{**settings, **changes})
 
 
 def _rebind(optimizer: torch.optim.Optimizer, owner: str) -> Callable[[list[dict[str, Any]]], Any]:

@@ -1,27 +1,16 @@
-"""Megatron Core's ``DistributedDataParallel`` over optstack's wrapper.
+"""Megatron Core's ``DistributedDataParallel`` over optstack's ``DataParallel`` (it *is* one, so the optimizer
+factories take it as the wrapped model). The config's fields and their translation: ``ddp_config``; the bucket
+groups: ``bucket_groups``.
 
-``from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig`` becomes
-``from optstack.megatron import ...``. ``DistributedDataParallelConfig`` has Megatron's field names, order
-and defaults; ``DistributedDataParallel(config, ddp_config, module)`` translates it into the core
-``optstack.distributed.ddp.DataParallel`` (it *is* one, so ``get_megatron_optimizer`` and ``build_optimizer``
-take it as the wrapped model). The config's fields and how they translate: ``optstack.megatron.ddp_config``; the
-bucket groups: ``optstack.megatron.bucket_groups``.
+``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (the face sets it; the core sets no
+attributes), zeroed eagerly by ``zero_grad_buffer``. A tensor the caller assigns to it instead is copied into the
+buffer by ``finish_grad_sync`` (which the optimizers' step calls), and ``main_grad`` becomes the view again.
 
-Megatron's public surface: ``buffers`` / ``expert_parallel_buffers`` (optstack's ``ParamAndGradBuffer``: ``param_data``,
-``grad_data``, ``buckets``, ``numel``, ``numel_unpadded``), ``bucket_groups`` / ``expert_parallel_bucket_groups``
-(one ``BucketGroup`` per bucket), ``register_grad_ready``, ``start_grad_sync``, ``finish_grad_sync(force_all_reduce=)``,
-``start_param_sync``, ``scale_gradients``, ``zero_grad_buffer``, ``broadcast_params``, ``no_sync``.
-
-``param.main_grad`` is Megatron's: the parameter's view of its gradient buffer (this face sets it; the core sets no
-attributes), zeroed by ``zero_grad_buffer`` (eagerly, so it reads zero). A tensor the caller assigns to it instead
-is taken, as Megatron's optimizers read ``param.main_grad``: ``finish_grad_sync`` (which the optimizers' step and
-``prepare_grads`` call) copies it into the buffer view and makes ``main_grad`` the view again.
-``finish_grad_sync()`` called again with no
-gradient in between is a no-op. Megatron does the same with ``overlap_grad_reduce``; without it Megatron reduces the
-buffers again. optstack cannot: its optimizers call ``finish_grad_sync()`` at the start of each step (so a loop that
-forgets it still steps reduced gradients), after Megatron's loop already did, and a second reduction would sum the
-sums with per-token losses (x data-parallel size) and, under a reduce-scatter, fold other ranks' unreduced ranges
-into the owned shard. To reduce what the buffers hold on purpose: ``finish_grad_sync(force_all_reduce=True)``.
+``finish_grad_sync()`` called again with no gradient in between is a no-op, as Megatron's with
+``overlap_grad_reduce`` (without it Megatron reduces again). optstack's optimizers call it at the start of each
+step (so a loop that forgets it still steps reduced gradients), after Megatron's loop already did; a second
+reduction would sum the sums with per-token losses and, under a reduce-scatter, fold other ranks' unreduced
+ranges into the owned shard. To reduce the buffers on purpose: ``finish_grad_sync(force_all_reduce=True)``.
 """
 
 from __future__ import annotations
@@ -45,11 +34,7 @@ from optstack.megatron.ddp_config import (
     megatron_bucket_size,
     megatron_plan,
 )
-from optstack.megatron.param_and_grad_buffer import (
-    BufferView,
-    FullParamLayout,
-    megatron_key,
-)
+from optstack.megatron.param_and_grad_buffer import BufferView, FullParamLayout, megatron_key
 from optstack.megatron.process_groups import (
     ProcessGroupCollection,
     collection_group,
@@ -86,6 +71,8 @@ class DistributedDataParallel(DataParallel):
             Megatron's wrapper; else torch.distributed's world, every rank data-parallel; one process works
             without it), Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``tp``, ``pp``, ``ep``,
             ``expt_dp``, ``mp`` groups) or an optstack ``ParallelGroups``.
+        full_param_layout: Megatron's precomputed layout (``compute_full_param_layout``), checked to be the one
+            built; None: built (kept with ``use_distributed_optimizer``, as Megatron computes it then).
 
     Attributes:
         module: the wrapped model. config / ddp_config: as given (``ddp_config`` a copy).
@@ -185,8 +172,7 @@ class DistributedDataParallel(DataParallel):
         #: Megatron's current main: tagged matrices in whole-shard buffers (wrap_model_chunks_with_ddp)
         self._laid_out_for_layer_wise = any(b.key.whole for b in self.param_and_grad_buffers)
         self.full_param_layout = self._check_layout(full_param_layout)
-        # Megatron's public contract: param.main_grad is the parameter's view of the gradient buffer (the face
-        # only; the core sets no attributes). A tensor the caller assigns instead is taken at finish_grad_sync.
+        # param.main_grad, Megatron's contract (module docstring)
         self._main_grad_views: dict[int, torch.Tensor] = {}
         self._synced_since_zero = False  # finish_grad_sync reduces at least once after zero_grad_buffer
         for buffer in self.param_and_grad_buffers:
@@ -212,8 +198,7 @@ class DistributedDataParallel(DataParallel):
         return self._views[id(buffer)]
 
     def _check_layout(self, given: FullParamLayout | None) -> FullParamLayout | None:
-        """The layout of the buffers (Megatron's ``full_param_layout``): the given one, checked to be the one
-        built, or with the distributed optimizer the one built (Megatron computes it then)."""
+        """``full_param_layout`` (class docstring)."""
         built = FullParamLayout({megatron_key(b.key): self._view_of(b).param_layout()
                                  for b in self.param_and_grad_buffers})
         if given is None:
@@ -269,11 +254,10 @@ class DistributedDataParallel(DataParallel):
 
     def register_grad_ready(self, param: torch.Tensor) -> None:
         """``param``'s gradient is complete in the buffer (the bucket group of ``param`` does the rest)."""
-        for group in self._groups(expert=False) + self._groups(expert=True):
-            if param in group.params:
-                group.register_grad_ready(param)
-                return
-        raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the model")
+        group = self._group_of.get(id(param))
+        if group is None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not a trainable parameter of the model")
+        group.register_grad_ready(param)
 
     def start_grad_sync(self, *unused: Any, through: int | None = None, force_all_reduce: bool = False) -> None:
         """Start the reductions of every bucket not started yet."""
@@ -286,9 +270,7 @@ class DistributedDataParallel(DataParallel):
         optimizer, so every rank holds whole gradients), whatever the buffers hold, as Megatron does."""
         self._wait_layer_wise_param_sync()  # its gathers land in grad_data: done before gradients go there
         if force_all_reduce or not self._synced_since_zero:
-            # the first sync since zero_grad_buffer reduces whatever the buffers hold, as Megatron's always does
-            # (gradients may have been written into main_grad directly); later ones are no-ops until the next
-            # gradient (the optimizer's step calls it again)
+            # whatever the buffers hold (gradients may have been written into main_grad directly), as Megatron's
             super().start_grad_sync(force_all_reduce=force_all_reduce)
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         self._synced_since_zero = True
@@ -313,13 +295,9 @@ class DistributedDataParallel(DataParallel):
                 param.main_grad = view
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
-        """Gather every bucket's parameters from the ranks owning them.
-
-        With ``use_distributed_optimizer`` (whose step gathers by itself; call it after writing owned ranges of
-        ``param_data`` by other means): synchronous. With ``overlap_param_gather`` and the layer-wise optimizer:
-        each bucket group's gather of the parameters its owner ranks stepped, asynchronous (the forward
-        pre-hooks finish it) unless ``force_sync``; the gathers land in ``grad_data``, zeroed afterwards, as
-        in Megatron. Otherwise a no-op (every rank holds every parameter)."""
+        """Gather every bucket's parameters from the ranks owning them, as ``BucketGroup.start_param_sync`` does
+        for its buckets (the distributed optimizer's step gathers by itself: call it after writing owned ranges of
+        ``param_data`` by other means); the forward pre-hooks finish asynchronous gathers."""
         if self.shard_grads:
             super().finish_param_sync()  # the optimizer's overlapped gathers still in flight land first
             for buffer, bucket in self.bucket_order:

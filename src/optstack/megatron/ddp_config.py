@@ -1,49 +1,33 @@
-"""Megatron Core's ``DistributedDataParallelConfig``: its fields, their checks, and how ``DistributedDataParallel``
-translates them into the core ``optstack.distributed.ddp.DataParallel``'s arguments:
+"""Megatron Core's ``DistributedDataParallelConfig``, its checks, and its translation into the core
+``DataParallel``'s arguments and plan:
 
-- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1: each rank needs only its range reduced), by a
-  reduce-scatter on every backend (emulated on gloo), so ranges a rank does not own hold its own scaled, unreduced
-  gradients, as in Megatron;
-- ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets are sharded inside each
-  instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), reduced inside it into
-  each rank's shard, then that shard all-reduced across instances (over the ranks holding the same shard, or
-  ``pg_collection.inter_dist_opt``), as Megatron does; each instance keeps optimizer state for its shards only.
-  ``force_all_reduce`` all-reduces over the whole data-parallel group (whole gradients on every rank; Megatron's
-  reduces only the owned shard across instances);
+- ``use_distributed_optimizer`` -> sharded gradients (ZeRO-1) by a reduce-scatter on every backend (emulated on
+  gloo), so ranges a rank does not own hold its own scaled, unreduced gradients, as in Megatron;
+- ``num_distributed_optimizer_instances`` > 1 -> a partial distributed optimizer: buckets sharded and reduced
+  inside each instance (runs of consecutive data-parallel ranks, or ``pg_collection.intra_dp_cp``), then each
+  shard all-reduced across instances (or over ``pg_collection.inter_dist_opt``); ``force_all_reduce`` reduces
+  over the whole data-parallel group (Megatron's only the owned shard across instances);
 - ``grad_reduce_in_fp32`` -> an fp32 gradient buffer (else the parameter dtype);
-- ``param_name_patterns_for_fp32_local_accumulation`` -> the matching parameters (fnmatch on the wrapped
-  module's names; ``'all'``: every one) accumulate their gradients in an fp32 tensor of their own, rounded into
-  the buffer for the reduction and given the reduced gradient back (the core's ``local_grad_dtypes``);
+- ``param_name_patterns_for_fp32_local_accumulation`` -> matching parameters (fnmatch on the wrapped module's
+  names; ``'all'``: every one) accumulate in an fp32 tensor of their own (the core's ``local_grad_dtypes``);
 - ``overlap_grad_reduce`` -> bucket reductions launched from the backward hooks;
-- ``bucket_size`` -> elements per bucket, as Megatron sizes it: None means max(40M, 1M x data-parallel
-  size), and there is a single bucket per buffer without ``overlap_grad_reduce``, with
-  ``disable_bucketing``, or on a pipeline stage after the first; ``num_buckets`` instead -> the wrapped module's
-  parameter count // ``num_buckets`` elements per bucket (Megatron's training script resolves it so, over all
-  model chunks);
+- ``bucket_size`` / ``num_buckets`` -> elements per bucket as Megatron sizes them (``megatron_bucket_size``);
 - ``check_for_nan_in_grad`` -> the non-finite check before each bucket's reduction;
-- ``average_in_collective``: gradients are averaged over data-parallel ranks either way: False divides each
-  bucket by the data-parallel size before the sum, True averages in the collective (after the sum), so, as in
-  Megatron, ranges a rank does not own under a reduce-scatter stay unscaled.
-  ``config.calculate_per_token_loss=True`` sums instead, as in Megatron.
-- ``overlap_param_gather`` is carried out by the optimizer's ZeRO-1 stage (it owns the gathers);
-  ``get_megatron_optimizer`` requires the optimizer config to agree with this one. Without
-  ``use_distributed_optimizer`` it is for the layer-wise optimizer (Megatron's current main): the bucket groups
-  gather what each rank stepped (``start_param_sync``, ``next_param_gather_bucket_group``, the forward pre-hooks
-  and ``enable_forward_pre_hook`` / ``disable_forward_pre_hook``), as Megatron's do, into ``grad_data``.
+- ``average_in_collective``: False divides each bucket by the data-parallel size before the sum, True averages
+  in the collective, so, as in Megatron, unowned ranges under a reduce-scatter stay unscaled;
+  ``config.calculate_per_token_loss=True`` sums instead;
+- ``overlap_param_gather``: the optimizer's ZeRO-1 stage owns the gathers (``get_megatron_optimizer`` requires
+  the optimizer config to agree); without ``use_distributed_optimizer`` it is the layer-wise optimizer's, whose
+  bucket groups gather into ``grad_data`` (``start_param_sync``, the forward pre-hooks), as Megatron's do.
 
-Fields that only configure Megatron FSDP (``data_parallel_sharding_strategy``,
-``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``keep_fp8_transpose_cache``,
-``fsdp_double_buffer``, ``outer_dp_sharding_strategy``, ``gradient_reduce_div_fusion``) and
-``disable_symmetric_registration`` (NCCL user buffers) are accepted and change nothing while
-``use_megatron_fsdp`` and ``nccl_ub`` are False, as in Megatron. ``use_megatron_fsdp=True`` is for Megatron's
-``FullyShardedDataParallel`` wrapper (``optstack.megatron.fsdp``, on FSDP2, which reads those fields);
-``DistributedDataParallel`` refuses it, naming that wrapper. Every other field set to a value optstack does not
-implement is a ``ValueError`` naming it.
+Megatron-FSDP's fields and ``disable_symmetric_registration`` change nothing while ``use_megatron_fsdp`` and
+``nccl_ub`` are False; ``use_megatron_fsdp=True`` is for ``FullyShardedDataParallel`` (``optstack.megatron.fsdp``),
+which ``DistributedDataParallel`` names when refusing it. Any other unsupported value is a ``ValueError`` naming
+the field.
 
-Buckets are cut as Megatron cuts them (``optstack.distributed.buffers.Bucketing``): in backward order, a bucket
-closes once it holds ``bucket_size`` elements or more; with ``use_distributed_optimizer`` parameters start at
-multiples of 64 elements, buckets are padded to a multiple of ``lcm(data-parallel size, 128)`` and a parameter
-with a truthy ``shared_embedding`` attribute gets a bucket of its own; without it nothing is padded.
+Buckets are cut as Megatron cuts them: in backward order, a bucket closes once it holds ``bucket_size`` elements;
+with ``use_distributed_optimizer`` parameters start at multiples of 64 elements, buckets are padded to a multiple
+of ``lcm(data-parallel size, 128)`` and a truthy ``shared_embedding`` parameter gets a bucket of its own.
 """
 
 from __future__ import annotations
@@ -81,12 +65,9 @@ _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params"
 
 @dataclass
 class DistributedDataParallelConfig:
-    """Configuration of ``DistributedDataParallel``, with Megatron Core's field names, order and defaults.
-
-    The meaning of each field is Megatron's; the module docstring says how optstack carries out the ones it
-    supports. A mutable dataclass, as in Megatron: it is checked at construction and again when a
-    ``DistributedDataParallel`` is built from it (which keeps its own copy and never modifies it).
-    """
+    """Configuration of ``DistributedDataParallel``: Megatron Core's field names, order, defaults and meaning
+    (module docstring). Mutable, as Megatron's: checked at construction and again by the wrapper, which keeps
+    its own copy."""
 
     grad_reduce_in_fp32: bool = False
     overlap_grad_reduce: bool = False
@@ -140,8 +121,8 @@ _FIXED_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("nccl_ub", False, "NCCL user-buffer registration is not implemented; set it False"),
     ("delay_wgrad_compute", False, "delayed weight-gradient computation is not implemented; set it False"),
 )
-_BOOL_FIELDS = ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gather",
-                "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective",
+_BOOL_FIELDS = ("use_megatron_fsdp", "use_custom_fsdp", "grad_reduce_in_fp32", "overlap_grad_reduce",
+                "overlap_param_gather", "use_distributed_optimizer", "check_for_nan_in_grad", "average_in_collective",
                 "pad_buckets_for_high_nccl_busbw")
 
 
@@ -178,10 +159,10 @@ def _check_fsdp_config(config: DistributedDataParallelConfig) -> None:
 
 def check_ddp_config(config: DistributedDataParallelConfig) -> None:
     """Raise a ``ValueError`` naming the first field of ``config`` that is invalid or unsupported."""
-    for field in ("use_megatron_fsdp", "use_custom_fsdp"):
-        if not isinstance(getattr(config, field), bool):
-            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got "
-                             f"{getattr(config, field)!r}")
+    for field in _BOOL_FIELDS:
+        value = getattr(config, field)
+        if not isinstance(value, bool):
+            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got {value!r}")
     if config.use_custom_fsdp and not config.use_megatron_fsdp:
         raise ValueError("DistributedDataParallelConfig.use_custom_fsdp=True is not supported alone: it is "
                          "Megatron's deprecated name; set use_megatron_fsdp=True (Megatron sets both)")
@@ -190,10 +171,6 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
         if value != allowed or type(value) is not type(allowed):
             raise ValueError(f"DistributedDataParallelConfig.{field}={value!r} is not supported by optstack; "
                              f"{fix}")
-    for field in _BOOL_FIELDS:
-        value = getattr(config, field)
-        if not isinstance(value, bool):
-            raise ValueError(f"DistributedDataParallelConfig.{field} must be True or False, got {value!r}")
     size = config.bucket_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(
@@ -229,13 +206,10 @@ def check_ddp_config(config: DistributedDataParallelConfig) -> None:
 
 def megatron_bucket_size(config: DistributedDataParallelConfig, *, dp_size: int, bucketing: bool,
                          num_parameters: int = 0) -> int | None:
-    """Elements per bucket as Megatron chooses them (None: one bucket per buffer).
-
-    ``num_buckets`` set: ``num_parameters // num_buckets`` (Megatron's training script counts every parameter of
-    the model chunks; here of the wrapped module). Megatron's default grows with the data-parallel size so that
-    each rank's part of a bucket stays large enough for the collectives to be bandwidth-bound rather than
-    latency-bound.
-    """
+    """Elements per bucket as Megatron chooses them: None (one bucket per buffer) without ``overlap_grad_reduce``
+    or ``bucketing`` (``disable_bucketing``, a pipeline stage after the first); ``num_parameters // num_buckets``
+    (Megatron's training script counts the model chunks' parameters; here the wrapped module's); else
+    ``bucket_size``, whose default max(40M, 1M x dp) keeps each rank's part large enough to be bandwidth-bound."""
     if not bucketing or not config.overlap_grad_reduce:
         return None
     if config.num_buckets is not None:
@@ -281,12 +255,10 @@ def fp32_local_accumulation(module: nn.Module, patterns: tuple[str, ...]) -> dic
 
 def megatron_layout_plan(named: Sequence[tuple[str, torch.Tensor]], ddp_config: Any, topology: Topology, *,
                          bucket_size: int | None, sharded: bool) -> ParamPlan:
-    """The core ``ParamPlan`` of the face's buffers for ``named`` parameters (model order): ``ddp_config``
-    (Megatron's fields, read with their defaults) translated (module docstring) into a config, rules and the
-    given topology. Parameters tagged for the layer-wise optimizer by Megatron's ``tag_params_for_buffer_routing``
-    (``is_managed_by_layer_wise_optimizer``) are planned as Muon's, so under the distributed optimizer
-    (``sharded``) they get whole-shard buffers of their own (Megatron's current main); the rest as AdamW's
-    (element-wise: any range of a bucket). Only the layout is the face's: its optimizers plan their stages."""
+    """The core ``ParamPlan`` of the face's buffers for ``named`` parameters (model order), ``ddp_config``
+    translated (module docstring). Parameters tagged ``is_managed_by_layer_wise_optimizer`` are planned as Muon's,
+    so under the distributed optimizer (``sharded``) they get whole-shard buffers of their own (Megatron's current
+    main); the rest as AdamW's (any range of a bucket). Only the layout is used: the optimizers plan their stages."""
     config = OptimizerConfig(algorithm="adamw", distributed=DistributedConfig(
         sharding="zero1" if sharded else "replicated", whole_matrices="whole_shards",
         overlap_grad_reduce=bool(getattr(ddp_config, "overlap_grad_reduce", False)),
@@ -318,11 +290,10 @@ def compute_full_param_layout(params: Sequence[nn.Parameter], bucket_size: int |
                               data_parallel_world_size: int, ddp_config: Any,
                               expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
     """Megatron's ``DistributedOptimizer.compute_full_param_layout`` (and ``LayerWiseDistributedOptimizer``'s): the
-    layout of each buffer of ``params`` (forward order; Megatron's ``group_params_for_buffers``) as a view of the
-    plan the face's wrapper is built from (``megatron_layout_plan`` with the distributed optimizer), buckets split
-    across ``data_parallel_world_size`` ranks (experts: ``expert_data_parallel_world_size``, planned apart as
-    Megatron sizes them independently). Parameters tagged ``is_managed_by_layer_wise_optimizer`` lie each whole
-    inside one rank's shard, since that is the wrapper's layout of them."""
+    layout of each buffer of ``params`` (forward order; Megatron's ``group_params_for_buffers``), a view of the
+    plan the wrapper is built from, buckets split across ``data_parallel_world_size`` ranks (experts, planned
+    apart: ``expert_data_parallel_world_size``). Tagged parameters (``is_managed_by_layer_wise_optimizer``) lie
+    each whole inside one rank's shard."""
     groups = group_params_for_buffers([p for p in params if p.requires_grad],
                                       bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
     layouts: dict[BufferKey, PerBufferParamLayout] = {}

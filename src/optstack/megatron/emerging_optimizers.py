@@ -1,32 +1,22 @@
-"""Megatron's emerging-optimizer registry (``megatron.core.optimizer.emerging_optimizers``) on optstack's kernels.
+"""Megatron's emerging-optimizer registry (``megatron.core.optimizer.emerging_optimizers``) on optstack's kernels:
+``_EMERGING_OPTIMIZERS`` maps a name to an ``EmergingOptimizerEntry``; the classes are optstack's, so NVIDIA
+Emerging-Optimizers is not needed (``HAVE_EMERGING_OPTIMIZERS`` is True).
 
-Megatron builds ``muon``, ``adaptive_muon``, ``soap`` (and the rest of NVIDIA Emerging-Optimizers' registry) from
-``_EMERGING_OPTIMIZERS``: name -> ``EmergingOptimizerEntry`` (class, lazy state init, config -> kwargs, default
-per-parameter overrides). Here the classes are optstack's own, so the package is not needed
-(``HAVE_EMERGING_OPTIMIZERS`` is True: the face offers what the flag guards):
-
-- ``TensorParallelMuon``: core ``Muon`` (its groups, validation and state) with Megatron's plain-tensor tensor
-  parallelism: a parameter carrying ``partition_dim`` (Megatron's ``tensor_model_parallel`` layers) is this rank's
-  shard of a matrix split over ``pg_collection.tp`` (``expt_tp`` for ``expert_tp`` parameters). ``tp_mode``:
-  ``duplicated`` all-gathers the shards, orthogonalises the whole matrix and keeps this rank's part; ``distributed``
-  runs Newton-Schulz on the shards with the Gram products all-reduced; ``blockwise`` orthogonalises each shard as a
-  matrix of its own. ``duplicated`` equals one process holding the whole matrix; ``distributed`` too, to fp32
-  round-off; ``blockwise`` equals one process orthogonalising the blocks. With no tensor-parallel group of more
-  than one rank the step is core Muon's (batched). GTP weight rematerialisation (``gtp_remat`` groups,
-  ``is_gtp_weight_remat`` / ``pad_length`` parameters) follows Megatron's ``scaled_orthogonalize_fn_with_gtp_remat``.
+- ``TensorParallelMuon``: core ``Muon`` with Megatron's plain-tensor tensor parallelism: a parameter carrying
+  ``partition_dim`` is this rank's shard of a matrix split over ``pg_collection.tp`` (``expt_tp`` for
+  ``expert_tp``). ``tp_mode``: ``duplicated`` gathers the shards and orthogonalises the whole matrix (equal to one
+  process); ``distributed`` runs Newton-Schulz on the shards with the Gram products all-reduced (equal to fp32
+  round-off); ``blockwise`` orthogonalises each shard alone. Without a tensor-parallel group of several ranks the
+  step is core Muon's (batched). GTP weight rematerialisation follows Megatron's
+  ``scaled_orthogonalize_fn_with_gtp_remat``.
 - ``TensorParallelAdaptiveMuon``: the same, then Megatron's second moment of the scaled orthogonalised update
   (``adamuon``: element-wise, ``o / (sqrt(v) + eps)``; ``normuon``: the mean over the columns when rows >= cols,
-  else over the rows, as Emerging-Optimizers' code does, ``o / sqrt(max(v, eps))``), summed across
-  tensor-parallel shards where the mean runs along the split.
-  (optstack's core ``adaptive_muon`` is dion's NorMuon / the sign-stabilised AdaMuon paper form; this class is
-  Megatron's.)
-- ``SOAP``: Emerging-Optimizers' ``SOAP`` arguments and defaults on the core ``SOAP`` (``optstack.algorithms.soap``)
-  with that package's options: KL-Shampoo factors (``use_kl_shampoo``), an update from the first step, ``eigh``
-  at every refresh, every side preconditioned. ``get_megatron_optimizer(optimizer='soap')`` builds the core
-  ``soap`` set up alike (``optstack.megatron.config.to_core``).
+  else the rows, ``o / sqrt(max(v, eps))``), summed across tensor-parallel shards where the mean runs along the
+  split. (The core's ``adaptive_muon`` is dion's NorMuon / the AdaMuon paper's form; this class is Megatron's.)
+- ``SOAP``: Emerging-Optimizers' arguments and defaults on the core ``SOAP`` with that package's options.
 
-Megatron's tests patch this module's ``get_pg_size`` / ``get_pg_rank`` and ``is_emerging_optimizers_min_version``:
-the classes look them up here at call time, and the shim registers this module itself (not a copy).
+Megatron's tests patch this module's ``get_pg_size`` / ``get_pg_rank`` / ``is_emerging_optimizers_min_version``;
+the classes look them up here at call time.
 """
 
 from __future__ import annotations
@@ -41,13 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from optstack.algorithms._orthogonal import NS_EPS, momentum_updates
 from optstack.algorithms.muon import Muon, muon_scale_factor, newton_schulz_blocks
-from optstack.algorithms.newton_schulz import (
-    COEFFICIENT_SETS,
-    matmul_precision,
-    newton_schulz,
-    ns_matmul_dtype,
-)
+from optstack.algorithms.newton_schulz import COEFFICIENT_SETS, matmul_precision, newton_schulz, ns_matmul_dtype
 from optstack.algorithms.soap import SOAP as CoreSOAP
 from optstack.distributed.comm import Comm
 from optstack.megatron.keys import ParamKey, ParamPredicate
@@ -61,7 +47,6 @@ HAVE_EMERGING_OPTIMIZERS = True
 #: The Emerging-Optimizers API the classes follow (``use_syrk`` of 0.4's ``newton_schulz_tp`` included).
 _EMERGING_OPTIMIZERS_API = "0.4.0"
 _SYRK_MIN_EO_VERSION = "0.4.0.dev0"
-_NS_EPS = 1e-7  # Newton-Schulz's norm floor, as core Muon's
 
 
 def get_emerging_optimizers_version() -> str:
@@ -117,9 +102,13 @@ def _is_muon_excluded(param: Tensor) -> bool:
     return not getattr(param, "use_muon", True) or _is_nonlinear_or_embedding(param)
 
 
+def _to_adam(name: str, fn: Callable[[Tensor], bool]) -> dict[ParamKey, dict[str, Any]]:
+    """Default overrides sending the parameters ``fn`` selects to Adam."""
+    return {ParamKey(predicate=ParamPredicate(name=name, fn=fn)): {"optimizer": "adam"}}
+
+
 def _default_param_overrides_factory() -> dict[ParamKey, dict[str, Any]]:
-    return {ParamKey(predicate=ParamPredicate(name="nonlinear_or_embedding", fn=_is_nonlinear_or_embedding)):
-            {"optimizer": "adam"}}
+    return _to_adam("nonlinear_or_embedding", _is_nonlinear_or_embedding)
 
 
 @dataclass
@@ -220,7 +209,7 @@ def _renamed(owner: str, name: str, value: Any, default: Any, old_name: str, old
 
 
 class TensorParallelMuon(Muon):
-    """Megatron's ``TensorParallelMuon`` (Megatron's defaults) on optstack's ``Muon``; see the module docstring.
+    """Megatron's ``TensorParallelMuon`` (its defaults) on optstack's ``Muon`` (module docstring).
 
     Args:
         params: 2-D parameters or param groups.
@@ -289,7 +278,7 @@ class TensorParallelMuon(Muon):
         matmul_dtype = ns_matmul_dtype(precision, grad.device)  # type: ignore[arg-type]
         with matmul_precision(precision, grad.device):  # type: ignore[arg-type]
             if parts == 1:
-                out = newton_schulz(grad, steps=steps, coefficients=coefficients, eps=_NS_EPS,
+                out = newton_schulz(grad, steps=steps, coefficients=coefficients, eps=NS_EPS,
                                     matmul_dtype=matmul_dtype)
             elif self.tp_mode == "distributed":
                 (out,) = newton_schulz_blocks([grad], partition_dim, steps=steps, coefficients=coefficients,
@@ -297,7 +286,7 @@ class TensorParallelMuon(Muon):
                                               all_reduce=Comm(tp_group, name="tensor-parallel").all_reduce)
             else:  # duplicated: the whole matrix on every rank, this rank's part kept
                 whole = self._all_gather_tensor(grad, tp_group, partition_dim)
-                out = newton_schulz(whole, steps=steps, coefficients=coefficients, eps=_NS_EPS,
+                out = newton_schulz(whole, steps=steps, coefficients=coefficients, eps=NS_EPS,
                                     matmul_dtype=matmul_dtype)
                 out = out.chunk(parts, partition_dim)[get_pg_rank(tp_group)].contiguous()
         return out * (muon_scale_factor(size[0], size[1], self.scale_mode) * self.extra_scale_factor)
@@ -380,15 +369,12 @@ class TensorParallelMuon(Muon):
 
     # -- the step
 
-    def _tensor_parallel(self) -> bool:
-        """Whether some process group of ``pg_collection`` this optimizer reads splits matrices across ranks."""
+    def _per_parameter(self) -> bool:
+        """Step parameter by parameter rather than by core Muon's batched step: when some process group of
+        ``pg_collection`` splits matrices across ranks."""
         pgs = self.pg_collection
         return pgs is not None and any(get_pg_size(getattr(pgs, n, None)) > 1
                                        for n in ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat"))
-
-    def _per_parameter(self) -> bool:
-        """Step parameter by parameter (through the groups) rather than by core Muon's batched step."""
-        return self._tensor_parallel()
 
     def _init_group(self, group: dict[str, Any], skip_non_grad_params: bool = True) -> None:
         """Create the state of the group's parameters (those with a gradient unless ``skip_non_grad_params``)."""
@@ -411,13 +397,13 @@ class TensorParallelMuon(Muon):
                 loss = closure()
         for group in self.param_groups:
             self._init_group(group)
-            beta, lr, wd = group["momentum"], float(group["lr"]), float(group["weight_decay"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p]["momentum_buffer"]
-                buf.mul_(beta).add_(p.grad, alpha=1 - beta)  # the same formulas as core Muon's step
-                update = torch.add(p.grad * (1 - beta), buf, alpha=beta) if group["nesterov"] else buf
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            updates = momentum_updates([p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                                       group["momentum"], group["nesterov"])
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            for p, update in zip(params, updates, strict=True):
                 step = self._normalised(p, self.orthogonalize(p, update, **group), group)
                 if wd != 0:
                     p.mul_(1 - lr * wd)
@@ -506,8 +492,9 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon):
 
 
 class SOAP(CoreSOAP):
-    """Emerging-Optimizers' ``SOAP`` (its arguments and defaults: what Megatron's tests construct) on the core
-    ``SOAP``; see the module docstring. State and ``exported_state`` are the core's.
+    """Emerging-Optimizers' ``SOAP`` (its arguments and defaults, which Megatron's tests construct) on the core
+    ``SOAP``: KL-Shampoo factors (``use_kl_shampoo``), an update from the first step, ``eigh`` at every refresh,
+    every side preconditioned. State and ``exported_state`` are the core's.
 
     Raises:
         ValueError: a bad setting; a parameter that is not 2-D (route it to Adam).
@@ -523,13 +510,10 @@ class SOAP(CoreSOAP):
 
 #: Megatron's registry: optimizer name -> how to build it.
 _EMERGING_OPTIMIZERS: dict[str, EmergingOptimizerEntry] = {
-    "muon": EmergingOptimizerEntry(
-        optimizer_cls=TensorParallelMuon, config_to_kwargs=_muon_config_to_kwargs,
-        default_param_overrides={ParamKey(predicate=ParamPredicate(name="muon_excluded", fn=_is_muon_excluded)):
-                                 {"optimizer": "adam"}}),
+    "muon": EmergingOptimizerEntry(optimizer_cls=TensorParallelMuon, config_to_kwargs=_muon_config_to_kwargs,
+                                   default_param_overrides=_to_adam("muon_excluded", _is_muon_excluded)),
     "adaptive_muon": EmergingOptimizerEntry(
         optimizer_cls=TensorParallelAdaptiveMuon, config_to_kwargs=_adaptive_muon_config_to_kwargs,
-        default_param_overrides={ParamKey(predicate=ParamPredicate(name="muon_excluded", fn=_is_muon_excluded)):
-                                 {"optimizer": "adam"}}),
+        default_param_overrides=_to_adam("muon_excluded", _is_muon_excluded)),
     "soap": EmergingOptimizerEntry(optimizer_cls=SOAP, config_to_kwargs=_soap_config_to_kwargs),
 }

@@ -1,43 +1,30 @@
-"""Megatron's ``FullyShardedDataParallel`` (Megatron-FSDP, ``use_megatron_fsdp=True``) built on torch's FSDP2.
+"""Megatron's ``FullyShardedDataParallel`` (Megatron-FSDP, ``use_megatron_fsdp=True``) on torch's FSDP2.
 
-``from megatron.core.distributed import FullyShardedDataParallel`` becomes ``from optstack.megatron import ...``;
-the wrapper applies torch's ``fully_shard`` to each FSDP unit of the module and to the module itself, on the
-data-parallel mesh, so its parameters become DTensors that ``get_megatron_optimizer`` steps through optstack's
-DTensor placement (``optstack.stage.dtensor``: optimizer state for the local shard only, fp32 masters for bf16
-parameters, the global grad norm counted once across shards)::
+``fully_shard`` is applied to each FSDP unit of the module and to the module itself, on the data-parallel mesh, so
+its parameters become DTensors that ``get_megatron_optimizer`` steps through optstack's DTensor placement
+(``optstack.stage.dtensor``: state for the local shard only, fp32 masters for bf16 parameters)::
 
     ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
                                                data_parallel_sharding_strategy="optim_grads_params")
     model = FullyShardedDataParallel(transformer_config, ddp_config, model)
     optimizer = get_megatron_optimizer(OptimizerConfig(..., use_distributed_optimizer=True), [model])
 
-How Megatron's fields are carried out:
+Megatron's fields on FSDP2:
 
-- ``data_parallel_sharding_strategy``: ``"optim_grads_params"`` (ZeRO-3) shards parameters, gathered per unit
-  for its forward and backward (``reshard_after_forward=True``); ``"optim_grads"`` (ZeRO-2) keeps a unit's
-  parameters gathered from its forward until its backward (``reshard_after_forward=False``); ``"no_shard"``
-  replicates them: an HSDP mesh of dp x 1, gradients all-reduced, every rank stepping whole parameters.
-  ``"optim"`` (ZeRO-1 without gradient sharding) is refused: ``DistributedDataParallel`` with
-  ``use_distributed_optimizer=True`` is optstack's ZeRO-1.
-- ``num_distributed_optimizer_instances`` = R > 1: Megatron's hybrid sharding (HSDP), R replicas each sharding
-  over dp / R consecutive ranks: FSDP2 on a ("replicate", "shard") mesh of R x dp / R.
-- FSDP units (``fsdp_unit_modules``): module classes whose instances get their own ``fully_shard`` (gathered
-  and freed one at a time); None: with ``"optim_grads_params"`` every child of an ``nn.ModuleList`` /
-  ``nn.Sequential`` (the model's layers, Megatron's ``TransformerLayer`` default), otherwise the root alone.
+- ``data_parallel_sharding_strategy``: ``"optim_grads_params"`` (ZeRO-3) reshards after forward;
+  ``"optim_grads"`` (ZeRO-2) keeps a unit's parameters gathered from its forward to its backward; ``"no_shard"``
+  replicates (an HSDP mesh of dp x 1, gradients all-reduced). ``"optim"`` is refused: ``DistributedDataParallel``
+  with ``use_distributed_optimizer=True`` is optstack's ZeRO-1.
+- ``num_distributed_optimizer_instances`` = R > 1: HSDP, R replicas each sharding over dp / R consecutive ranks.
+- FSDP units (``fsdp_unit_modules``): module classes or submodules given their own ``fully_shard``; None: with
+  ``"optim_grads_params"`` every child of an ``nn.ModuleList`` / ``nn.Sequential`` (Megatron's
+  ``TransformerLayer`` default), otherwise the root alone.
 - ``grad_reduce_in_fp32`` -> ``MixedPrecisionPolicy(reduce_dtype=float32)``; ``config.calculate_per_token_loss``
-  -> gradients summed over ranks (FSDP2's divide factor 1) instead of averaged.
+  -> gradients summed over ranks (divide factor 1).
 - ``overlap_grad_reduce`` / ``overlap_param_gather`` / ``bucket_size`` / ``suggested_communication_unit_size`` /
-  ``average_in_collective`` / ``gradient_reduce_div_fusion``: FSDP2 always overlaps, per unit; accepted, same numbers.
+  ``average_in_collective`` / ``gradient_reduce_div_fusion``: accepted; FSDP2 always overlaps, per unit.
 - ``check_for_nan_in_grad``, ``preserve_fp32_weights=False``, ``fsdp_double_buffer``, ``keep_fp8_transpose_cache``,
   ``outer_dp_sharding_strategy`` other than "no_shard": refused, naming the field.
-
-Megatron's DDP surface, on FSDP2: ``zero_grad_buffer()`` drops the gradients; ``start_grad_sync()`` and
-``finish_grad_sync()`` are no-ops (FSDP2 reduce-scatters each unit's gradients inside backward and waits for them
-before ``backward()`` returns; ``force_all_reduce=True`` is refused: gradients stay sharded);
-``start_param_sync()`` / ``finish_param_sync()`` are no-ops (FSDP2 gathers parameters in each unit's forward
-pre-hook); ``no_sync()`` accumulates without reducing (``set_requires_gradient_sync(False)``);
-``scale_gradients(f)`` multiplies the local gradient shards; ``broadcast_params()`` is a no-op (no rank holds a
-replica of another's shard, and with replication FSDP2 builds every replica from rank 0's module at wrapping).
 """
 
 from __future__ import annotations
@@ -59,22 +46,11 @@ __all__ = ["FullyShardedDataParallel", "default_fsdp_units"]
 
 
 def default_fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The model's layers: every child of an ``nn.ModuleList`` or ``nn.Sequential`` inside ``module`` (outermost
-    containers only), the generic stand-in for Megatron's ``TransformerLayer`` units."""
-    units: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                units.extend(c for c in child.children() if any(p.requires_grad for p in c.parameters()))
-            else:
-                visit(child)
-
+    """The model's layers: every trainable child of an ``nn.ModuleList`` or ``nn.Sequential`` inside ``module``
+    (outermost containers only), the generic stand-in for Megatron's ``TransformerLayer`` units."""
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
-        units.extend(c for c in module.children() if any(p.requires_grad for p in c.parameters()))
-    else:
-        visit(module)
-    return units
+        return [c for c in module.children() if any(p.requires_grad for p in c.parameters())]
+    return [unit for child in module.children() for unit in default_fsdp_units(child)]
 
 
 def _units(module: nn.Module, unit_modules: Sequence[type[nn.Module] | nn.Module] | None,
@@ -218,7 +194,7 @@ class FullyShardedDataParallel(nn.Module):
                     p.grad.mul_(scaling_factor)
 
     def broadcast_params(self) -> None:
-        """A no-op (module docstring)."""
+        """A no-op: no rank holds a replica of another's shard, and FSDP2 builds replicas from rank 0's module."""
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (DTensor values, no ``module.`` prefix)."""

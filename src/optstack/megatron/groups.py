@@ -1,13 +1,9 @@
 """Megatron's ``_get_param_groups`` as ``get_param_groups``: model chunks + config + overrides -> group dicts.
 
-The work is the core's: each ``(ParamKey, override)`` becomes a ``Rule``, ``optstack.rules.resolve`` merges
-them per parameter (conflicting values raise), ``optstack.groups`` builds the groups, and when
-torch.distributed runs with more than one rank the group keys are unioned across ranks first (every rank gets
-the same groups, some empty). This module only renames the result into Megatron's group dicts and order.
-
-Names are matched as Megatron matches them: each chunk's own ``named_parameters`` names (a name glob such as
-``'decoder.*'`` works on every chunk), and a tensor shared by two chunks is grouped once. The groups are keyed
-by the core's names (``optstack.names.named_parameters``), the names the factory and checkpoints use.
+The work is the core's (``optstack.rules.resolve``, ``optstack.groups``; group keys unioned across ranks, so every
+rank gets the same groups, some empty); this module renames the result into Megatron's group dicts and order.
+Names are matched as Megatron matches them, against each chunk's own ``named_parameters`` (a glob such as
+``'decoder.*'`` works on every chunk); a tensor shared by two chunks is grouped once, under the core's name.
 """
 
 from __future__ import annotations

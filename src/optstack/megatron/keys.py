@@ -1,13 +1,8 @@
-"""Megatron Core's parameter keys and overrides, and their translation into optstack rules.
+"""Megatron Core's parameter keys and overrides, and ``to_rules``, their translation into optstack rules.
 
-A ``ParamKey`` selects parameters (name globs, truthy attributes, predicates; any of them); a
-``ParamGroupOverride`` is the dict of group settings applied to what a key selects. A
-``{ParamKey: ParamGroupOverride}`` mapping is what Megatron calls ``config_overrides``. ``to_rules`` turns
-one into ``optstack.rules.Rule`` values (each key becomes a core ``Matcher``) so that merging, conflict
-detection and grouping are the core's.
-
-The stock overrides (``get_standard_config_overrides``, ``get_mup_config_overrides``) give the same
-per-parameter settings as Megatron's.
+A ``ParamKey`` selects parameters; a ``ParamGroupOverride`` is the group settings for what a key selects; a
+``{ParamKey: ParamGroupOverride}`` mapping is Megatron's ``config_overrides``. Each key becomes a core
+``Matcher``, so merging, conflict detection and grouping are the core's.
 """
 
 from __future__ import annotations

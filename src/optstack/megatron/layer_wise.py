@@ -1,17 +1,12 @@
-"""The layer-wise optimizer's parts for Megatron's ``LayerWiseDistributedOptimizer`` (``layer_wise_optimizer.py``).
+"""The parts of Megatron's ``LayerWiseDistributedOptimizer`` (``layer_wise_optimizer.py``).
 
-- Megatron callers hand it plain torch optimizers (it wraps them for bf16 itself): ``torch_layer_wise_stage``
-  places such an optimizer's groups layer-wise over the data-parallel group, its gradients read from
-  ``param.main_grad`` (Megatron's ``DistributedDataParallel`` sets it) or ``param.grad``.
-- Megatron's current main can lay the wrapper's buffers out for it (``tag_params_for_buffer_routing``, then
-  ``LayerWiseDistributedOptimizer.compute_full_param_layout`` and a wrapper with ``use_distributed_optimizer``):
-  each matrix it manages (``is_managed_by_layer_wise_optimizer``) lies whole inside one rank's reduce-scatter
-  shard, so that rank steps it from its shard and the buckets' all-gather publishes it; the other parameters get
-  the distributed optimizer's layout in buffers of their own.
-- With ``overlap_param_gather`` the parameters an owner rank stepped reach the other ranks through the
-  ``DistributedDataParallel`` wrapper's bucket groups (``start_param_sync`` / the forward pre-hooks), as in
-  Megatron's current main: ``bucket_synced_layer_wise`` is the core ``LayerWise`` placement leaving the
-  gather to them, and ``plan_bucket_gathers`` writes each bucket's ``layerwise_params_list``.
+- ``torch_layer_wise_stage`` places a plain torch optimizer's groups layer-wise, its gradients read from
+  ``param.main_grad`` (set by Megatron's ``DistributedDataParallel``) or ``param.grad``.
+- Megatron's current main lays the wrapper's buffers out for it (``tag_params_for_buffer_routing``): each matrix
+  it manages lies whole inside one rank's reduce-scatter shard, so that rank steps it from its shard and the
+  buckets' all-gather publishes it.
+- With ``overlap_param_gather`` the wrapper's bucket groups send what each owner stepped
+  (``bucket_synced_layer_wise``; ``plan_bucket_gathers`` writes each bucket's ``layerwise_params_list``).
 """
 
 from __future__ import annotations
@@ -24,10 +19,10 @@ import torch
 from optstack.distributed.comm import Comm, NullComm
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.protocol import MakeOptimizer
-from optstack.stage import Precision, Remainders, Stage, zero1_stage
+from optstack.stage import Precision, Remainders, Stage, layerwise_stage, zero1_stage
 from optstack.stage.placement import LayerWise, assign_params
 
-__all__ = ["BucketGroupsPublisher", "publishing_wrapper", "bucket_synced_layer_wise", "comm_of", "fresh_precision",
+__all__ = ["BucketGroupsPublisher", "publishing_wrapper", "bucket_synced_layer_wise", "fresh_precision",
            "is_managed_by_layer_wise_optimizer", "main_grad_or_grad", "plan_bucket_gathers",
            "tag_params_for_buffer_routing", "torch_layer_wise_stage", "wrapper_of"]
 
@@ -38,11 +33,6 @@ def is_managed_by_layer_wise_optimizer(param: torch.Tensor) -> bool:
     optimizer. It must agree with Muon's routing (``get_megatron_optimizer`` routes the same way)."""
     return (bool(getattr(param, "use_muon", True)) and param.dim() == 2
             and not getattr(param, "is_embedding_or_output_parameter", False))
-
-
-def _is_muon_excluded(param: torch.Tensor) -> bool:
-    """Megatron's (``emerging_optimizers``): the parameters Muon leaves to its scalar optimizer."""
-    return not is_managed_by_layer_wise_optimizer(param)
 
 
 def tag_params_for_buffer_routing(model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -60,14 +50,6 @@ def main_grad_or_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient Megatron's optimizers read: ``param.main_grad`` when set, else ``param.grad``."""
     grad = getattr(param, "main_grad", None)
     return grad if grad is not None else param.grad
-
-
-def comm_of(group: Any, name: str) -> Comm | NullComm:
-    """optstack's communicator over a torch process group (None: the world; one rank: none)."""
-    if not torch.distributed.is_initialized():
-        return NullComm(name)
-    size = torch.distributed.get_world_size(group)
-    return NullComm(name) if size == 1 else Comm(group, name=name)
 
 
 def fresh_precision(precision: Precision) -> Precision:
@@ -144,14 +126,11 @@ def torch_layer_wise_stage(groups: list[dict[str, Any]], make: MakeOptimizer, *,
                              "use_distributed_optimizer=False")
         return zero1_stage(groups, make, ddp=ddp, expert=expert, overlap_param_gather=bucket_synced,
                            precision=precision)
+    if ddp is not None and bucket_synced:
+        return Stage(groups, make, placement=bucket_synced_layer_wise(ddp, expert=expert), precision=precision)
     if ddp is not None:
-        if bucket_synced:
-            return Stage(groups, make, placement=bucket_synced_layer_wise(ddp, expert=expert), precision=precision)
-        g = ddp.groups
-        placement = LayerWise(comm=g.expert_dp if expert else g.dp, grad_of=ddp.main_grad,
-                              reduce_over=[g.ep, g.mp] if expert else [g.mp], tp_rank=g.tp.rank, device=ddp.device)
-        return Stage(groups, make, placement=placement, precision=precision)
-    return Stage(groups, make, placement=LayerWise(comm=dp, grad_of=main_grad_or_grad), precision=precision)
+        return layerwise_stage(groups, make, ddp=ddp, expert=expert, precision=precision)
+    return layerwise_stage(groups, make, comm=dp, grad_of=main_grad_or_grad, precision=precision)
 
 
 def plan_bucket_gathers(stages: Sequence[Stage]) -> None:

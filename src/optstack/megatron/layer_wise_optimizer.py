@@ -1,6 +1,5 @@
-"""Megatron's ``LayerWiseDistributedOptimizer`` and how it places the optimizers it is given layer-wise (torch
-optimizers: ``_torch_layer_wise``; Megatron optimizers: ``_placed_layer_wise``); the parts it is built from are
-``optstack.megatron.layer_wise``'s.
+"""Megatron's ``LayerWiseDistributedOptimizer``: the optimizers it is given placed layer-wise (torch optimizers:
+``_torch_layer_wise``; Megatron optimizers: ``_placed_layer_wise``) from ``layer_wise``'s parts.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from optstack.megatron.core_chain import _core_chain, _plain_groups, _rebind
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.layer_wise import (
-    bucket_synced_layer_wise,
-    comm_of,
     fresh_precision,
     plan_bucket_gathers,
     publishing_wrapper,
@@ -29,14 +26,9 @@ from optstack.megatron.layer_wise import (
     wrapper_of,
 )
 from optstack.megatron.optimizers import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
-from optstack.megatron.param_and_grad_buffer import (
-    FullParamLayout,
-    PerBufferParamLayout,
-    bucket_end_divisor,
-    plan_buffer,
-)
+from optstack.megatron.param_and_grad_buffer import PerBufferParamLayout, bucket_end_divisor, plan_buffer
 from optstack.precision.scaler import NoScaler
-from optstack.stage import Direct, Masters, Stage, layerwise_stage
+from optstack.stage import Direct, Masters, Stage
 from optstack.stage.placement import LayerWise
 
 __all__ = ["LayerWiseDistributedOptimizer"]
@@ -45,44 +37,35 @@ __all__ = ["LayerWiseDistributedOptimizer"]
 class LayerWiseDistributedOptimizer(ChainedOptimizer):
     """Megatron's layer-wise distributed optimizer: whole parameters stepped by owner ranks of the
     data-parallel group (balanced by Newton-Schulz cost), then sent to every rank; what Muon needs.
+    ``get_megatron_optimizer`` builds it for ``use_layer_wise_distributed_optimizer`` over Muon's (layer-wise)
+    and the scalar optimizer's (replicated) optimizers. Built directly, as Megatron's callers do, over:
 
-    ``get_megatron_optimizer(OptimizerConfig(optimizer='muon', use_layer_wise_distributed_optimizer=True),
-    [model])`` builds it over the ``DistributedDataParallel`` model; its chained optimizers are Muon's
-    (layer-wise) and the scalar optimizer's (replicated).
+    - plain torch optimizers: each one's groups placed layer-wise, stepped as a
+      ``Float16OptimizerWithFloat16Params`` with ``config.bf16`` (else an ``FP32Optimizer``), gradients read from
+      ``param.main_grad`` or ``param.grad`` over ``pg_collection``'s ``dp_cp`` / ``expt_dp``, or over the
+      wrapper's groups and buffers when ``model_chunks`` holds the ``DistributedDataParallel`` model;
+    - Megatron optimizers over one whole-parameter stage: placed layer-wise with a fresh inner optimizer of the
+      same class and defaults (so they must not have stepped); with ``config.bf16`` an ``FP32Optimizer`` becomes a
+      ``Float16OptimizerWithFloat16Params`` (megatron-core 0.16 re-wraps it) and a
+      ``Float16OptimizerWithFloat16Params`` is refused, unless ``get_megatron_optimizer`` built it over bf16
+      parameters with ``bf16=False`` (``megatron_fp32``). Others are kept.
 
-    Built directly, as Megatron's callers do, over:
-
-    - plain torch optimizers (Megatron's way): each one's groups are placed layer-wise and, with
-      ``config.bf16``, stepped through fp32 masters as a ``Float16OptimizerWithFloat16Params`` (else an
-      ``FP32Optimizer``); gradients are read from ``param.main_grad`` (set by ``DistributedDataParallel``) or
-      ``param.grad``, over ``pg_collection``'s ``dp_cp`` / ``expt_dp`` groups; over the wrapper's own groups and
-      buffers when ``model_chunks`` holds the ``DistributedDataParallel`` model of their parameters;
-    - Megatron optimizers: those over one whole-parameter stage (what ``get_megatron_optimizer`` builds without
-      the distributed optimizer, or ``FP32Optimizer(torch_optimizer, config)``) are placed layer-wise with a
-      fresh inner optimizer of the same class and defaults (so they must not have stepped); with
-      ``config.bf16`` an ``FP32Optimizer`` becomes a ``Float16OptimizerWithFloat16Params`` (megatron-core 0.16
-      unwraps and re-wraps it; current main refuses it) and a ``Float16OptimizerWithFloat16Params`` is refused
-      (both releases), unless ``get_megatron_optimizer`` built it over bf16 parameters with ``bf16=False``
-      (Megatron's ``FP32Optimizer`` there: ``megatron_fp32``). Others are kept.
-
-    With ``config.overlap_param_gather`` (and the model's ``DistributedDataParallelConfig`` agreeing) the step
-    leaves the parameters other ranks stepped to the model's bucket groups, as Megatron does:
-    ``model.start_param_sync()`` starts their gathers, the forward pre-hooks finish them (each bucket's
-    ``layerwise_params_list`` says which rank sends what; the replicated scalar optimizer's parameters are sent by
-    one rank each). Until then other ranks' parameters are the previous step's here: read the model after a
-    forward, ``model.start_param_sync(force_sync=True)`` or ``optimizer.finish_param_sync()``.
+    With ``config.overlap_param_gather`` the model's bucket groups gather the parameters other ranks stepped, as
+    Megatron's: ``model.start_param_sync()`` starts them, the forward pre-hooks finish them. Until then other
+    ranks' parameters are the previous step's: read the model after a forward, or call
+    ``optimizer.finish_param_sync()``.
 
     Args:
-        optimizers: the optimizers (see above).
+        optimizers: the optimizers (above).
         config: the Megatron ``OptimizerConfig``.
-        pg_collection: Megatron's ``ProcessGroupCollection`` (its ``dp_cp`` or ``dp``, ``expt_dp``), or None
+        pg_collection: Megatron's ``ProcessGroupCollection`` (``dp_cp`` or ``dp``, ``expt_dp``), or None
             (torch.distributed's world); not needed when ``model_chunks`` holds the wrapper.
         init_state_fn_list: one per optimizer, kept as the wrapping optimizers' ``init_state_fn``.
         model_chunks: the ``DistributedDataParallel`` model chunks (needed with ``overlap_param_gather``).
 
     Attributes:
-        overlap_param_gather: whether the bucket groups gather the parameters (above). pg_collection,
-            model_chunks: as given.
+        overlap_param_gather: whether the bucket groups gather the parameters. pg_collection, model_chunks: as
+            given.
 
     Raises:
         TypeError: with ``config.bf16``, an optimizer already wrapped as ``Float16OptimizerWithFloat16Params``
@@ -158,16 +141,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         return plan_buffer(params, bucket_size, data_parallel_world_size, ddp_config, whole=True,
                            indices=param_indices)
 
-    @staticmethod
-    def compute_full_param_layout(params: Sequence[torch.nn.Parameter], bucket_size: int | None,
-                                  data_parallel_world_size: int, ddp_config: Any,
-                                  expert_data_parallel_world_size: int | None = None) -> FullParamLayout:
-        """Megatron's (current main): the layouts of the buffers of ``params`` (forward order) for a wrapper with
-        ``use_distributed_optimizer``, the parameters tagged ``is_managed_by_layer_wise_optimizer``
-        (``tag_params_for_buffer_routing``) each whole inside one rank's shard, the others in the distributed
-        optimizer's layout: the face's wrapper's plan, as ``DistributedOptimizer.compute_full_param_layout``."""
-        return compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
-                                         expert_data_parallel_world_size)
+    # Megatron's (current main): the tagged parameters each lie whole inside one rank's shard (its docstring)
+    compute_full_param_layout = staticmethod(compute_full_param_layout)
 
     def finish_param_sync(self) -> None:
         """Make every rank hold every updated parameter: with ``overlap_param_gather`` the bucket groups' gathers
@@ -209,8 +184,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             stage = getattr(member, "_stage", None)
             if stage is not None and isinstance(stage.placement, LayerWise):
                 grads = member.get_grads_for_grad_norm()
-                local = (norm_pows(grads, 2.0, stage.device).sum().reshape(1) if grads
-                         else torch.zeros(1, device=stage.device))
+                local = norm_pows(grads, 2.0, stage.device).sum().reshape(1)
                 # whole on every rank of the data-parallel group; other parts over the expert/model-parallel ones
                 total += float(stage.placement.comm.all_reduce(stage.placement.dp.all_reduce(local)).item())
             else:
@@ -286,13 +260,9 @@ def _placed_layer_wise(optimizer: Any, config: Any, *, bucket_synced: bool, to_b
     def make(gs: list[dict[str, Any]]) -> torch.optim.Optimizer:
         return type(inner)(gs, **defaults)
 
-    if bucket_synced:
-        placed = Stage(groups, make, placement=bucket_synced_layer_wise(ddp, expert=expert), precision=precision)
-    elif ddp is not None:
-        placed = layerwise_stage(groups, make, ddp=ddp, expert=expert, precision=precision)
-    else:
-        placed = torch_layer_wise_stage(groups, make, precision=precision, expert=expert, ddp=None,
-                                        dp=_dp_comm(pg_collection, expert), bucket_synced=False)
+    placed = torch_layer_wise_stage(groups, make, precision=precision, expert=expert, ddp=ddp,
+                                    dp=NullComm() if ddp is not None else _dp_comm(pg_collection, expert),
+                                    bucket_synced=bucket_synced)
     cls = Float16OptimizerWithFloat16Params if to_bf16 else type(optimizer)
     return cls._over(placed, config, _core_chain([placed], config, optimizer._chain.scaler, syncs))
 
@@ -303,4 +273,7 @@ def _dp_comm(pg_collection: Any, expert: bool) -> Comm | NullComm:
     group = None if pg_collection is None else (
         getattr(pg_collection, "expt_dp", None) if expert else
         getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None))
-    return comm_of(group, "expert data-parallel" if expert else "data-parallel")
+    name = "expert data-parallel" if expert else "data-parallel"
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return NullComm(name)
+    return Comm(group, name=name)

@@ -1,15 +1,11 @@
 """Megatron's separate gradient-norm groups (current main): multi-token-prediction (MTP) gradients clipped by
 their own norm.
 
-A parameter whose ``grad_norm_group`` attribute names a registered group (``'mtp'``; Megatron's MTP layers set
-it) is left out of the main gradient norm (the norm ``step()`` returns and the skip threshold reads) and is
-clipped by the norm of its group's gradients alone. ``GradNormGroups`` carries Megatron's methods for this
-(``get_grads_for_grad_norm``, ``has_grad_norm_group``, ``clip_grad_norm``, ...), written against what every
-Megatron optimizer offers: ``get_parameters()``, ``config`` and ``get_grad_stats_parallel_group()``.
-
-The optimizers built over core stages pass the groups to the core chain (``norm_group_kwargs``: its
-``norm_groups`` leave them out of the global norm and clip each by its own); the chained step over optimizers
-implementing Megatron's protocol honours them here (``ChainedOptimizer``).
+A parameter whose ``grad_norm_group`` attribute names a registered group (``'mtp'``) is left out of the main
+gradient norm (the one ``step()`` returns and the skip threshold reads) and clipped by its group's norm alone.
+``GradNormGroups`` carries Megatron's methods for this over ``get_parameters()``, ``config`` and
+``get_grad_stats_parallel_group()``; optimizers over core stages hand the groups to the core chain instead
+(``norm_group_kwargs``).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from optstack.clip import clip_coefficient, counts_toward_norm, norm_pows
 from optstack.distributed.comm import Comm, NullComm
 
 __all__ = ["MTP_GRAD_NORM_GROUP", "GRAD_NORM_GROUP_ATTR", "SEPARATE_GRAD_NORM_GROUPS", "GradNormGroups",
-           "grad_norm", "clip_by_norm", "norm_group_kwargs", "separate_group_of"]
+           "grad_norm", "clip_by_norm", "clip_by_groups", "norm_group_kwargs", "separate_group_of"]
 
 MTP_GRAD_NORM_GROUP = "mtp"
 GRAD_NORM_GROUP_ATTR = "grad_norm_group"
@@ -42,13 +38,6 @@ def _validate_grad_norm_group(grad_norm_group: str) -> None:
                          f"({list(SEPARATE_GRAD_NORM_GROUPS)}) before tagging parameters with it.")
 
 
-def _is_separate_grad_norm_group(grad_norm_group: str | None) -> bool:
-    if grad_norm_group is None:
-        return False
-    _validate_grad_norm_group(grad_norm_group)
-    return True
-
-
 def _comm(group: Any) -> Comm | NullComm:
     """None (Megatron's model-parallel group, one rank without tensor or pipeline parallelism): this rank."""
     return NullComm() if group is None or group.size() == 1 else Comm(group, name="grad_stats")
@@ -57,7 +46,7 @@ def _comm(group: Any) -> Comm | NullComm:
 def grad_norm(grads: Sequence[torch.Tensor], group: Any) -> float:
     """The L2 norm of ``grads`` across ``group`` (fp32), Megatron's ``get_grad_norm_fp32``."""
     device = grads[0].device if grads else torch.device("cpu")
-    total = norm_pows(list(grads), 2.0, device).sum().reshape(1) if grads else torch.zeros(1, device=device)
+    total = norm_pows(list(grads), 2.0, device).sum().reshape(1)  # [0.] without gradients
     return math.sqrt(float(_comm(group).all_reduce(total).item()))
 
 
@@ -69,11 +58,26 @@ def clip_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: fl
         torch._foreach_mul_(grads, coeff)
 
 
+def clip_by_groups(params: Iterable[torch.Tensor], clip_grad: float, main_norm: float,
+                   norms_by_group: dict[str, float]) -> None:
+    """Clip each parameter's gradient by its separate group's norm in ``norms_by_group`` (none there: left
+    alone), or by ``main_norm`` outside a separate group."""
+    by_group: dict[str | None, list[torch.Tensor]] = {}
+    for p in params:
+        by_group.setdefault(separate_group_of(p), []).append(p)
+    for group, members in by_group.items():
+        total = main_norm if group is None else norms_by_group.get(group)
+        if total is not None:
+            clip_by_norm(members, clip_grad, total)
+
+
 def separate_group_of(param: torch.Tensor) -> str | None:
     """The separate gradient-norm group of ``param`` (None: the main norm); an unregistered name is a
     ``ValueError``. The core chain's ``norm_group_of`` for Megatron models."""
     group = _get_param_grad_norm_group(param)
-    return group if _is_separate_grad_norm_group(group) else None
+    if group is not None:
+        _validate_grad_norm_group(group)
+    return group
 
 
 def norm_group_kwargs(params: Iterable[torch.Tensor]) -> dict[str, Any]:
@@ -112,8 +116,7 @@ class GradNormGroups:
             _validate_grad_norm_group(grad_norm_group)
             return self._filter_grads_for_norm(
                 self.get_parameters(), lambda p: _get_param_grad_norm_group(p) == grad_norm_group)
-        return self._filter_grads_for_norm(
-            self.get_parameters(), lambda p: not _is_separate_grad_norm_group(_get_param_grad_norm_group(p)))
+        return self._filter_grads_for_norm(self.get_parameters(), lambda p: separate_group_of(p) is None)
 
     def has_grad_norm_group(self, grad_norm_group: str) -> bool:
         """Whether any rank of the grad-stats group holds parameters of ``grad_norm_group`` (one reduction,
@@ -121,8 +124,7 @@ class GradNormGroups:
         _validate_grad_norm_group(grad_norm_group)
         cache = vars(self).setdefault("_has_grad_norm_group_cache", {})
         if grad_norm_group not in cache:
-            local = any(_is_separate_grad_norm_group(_get_param_grad_norm_group(p))
-                        and _get_param_grad_norm_group(p) == grad_norm_group for p in self.get_parameters())
+            local = any(separate_group_of(p) == grad_norm_group for p in self.get_parameters())
             flag = _comm(self.get_grad_stats_parallel_group()).all_reduce(torch.tensor([int(local)]), op="max")
             cache[grad_norm_group] = bool(flag.item() > 0)
         return cache[grad_norm_group]
@@ -133,10 +135,13 @@ class GradNormGroups:
         return grad_norm(self.get_grads_for_grad_norm(), self.get_grad_stats_parallel_group())
 
     @torch.no_grad()
+    def _get_grad_norm_for_group(self, grad_norm_group: str) -> float:
+        return grad_norm(self.get_grads_for_grad_norm(grad_norm_group), self.get_grad_stats_parallel_group())
+
+    @torch.no_grad()
     def _compute_grad_norms_by_group(self) -> dict[str, float]:
-        self.grad_norms_by_group = {
-            name: grad_norm(self.get_grads_for_grad_norm(name), self.get_grad_stats_parallel_group())
-            for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
+        self.grad_norms_by_group = {name: self._get_grad_norm_for_group(name)
+                                    for name in SEPARATE_GRAD_NORM_GROUPS if self.has_grad_norm_group(name)}
         return self.grad_norms_by_group
 
     @torch.no_grad()
@@ -146,13 +151,5 @@ class GradNormGroups:
         params = self.get_parameters()
         norm = grad_norm(self.get_grads_for_grad_norm() if params else [], self.get_grad_stats_parallel_group())
         if clip_grad > 0.0 and params:
-            self._compute_grad_norms_by_group()
-            by_group: dict[str | None, list[torch.Tensor]] = {}
-            for p in params:
-                group = _get_param_grad_norm_group(p)
-                by_group.setdefault(group if _is_separate_grad_norm_group(group) else None, []).append(p)
-            for group, members in by_group.items():
-                total = norm if group is None else self.grad_norms_by_group.get(group)
-                if total is not None:
-                    clip_by_norm(members, clip_grad, total)
+            clip_by_groups(params, clip_grad, norm, self._compute_grad_norms_by_group())
         return norm

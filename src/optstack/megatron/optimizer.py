@@ -1,11 +1,5 @@
-"""Megatron's ``get_megatron_optimizer``: the Megatron config and overrides in, optstack's stack underneath.
-
-``get_megatron_optimizer`` groups parameters exactly as ``get_param_groups`` does (Megatron's name matching,
-its override semantics), hands the settings it resolved to ``optstack.factory.build_optimizer``, and returns
-what Megatron returns: a ``ChainedOptimizer`` (a ``LayerWiseDistributedOptimizer`` for the layer-wise one) over
-one Megatron optimizer per core stage (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
-``DistributedOptimizer``), sharing the core chain's one norm, clip and skip; ``step()`` returns Megatron's
-``(update_successful, grad_norm, num_zeros_in_grad)`` tuple.
+"""Megatron's ``get_megatron_optimizer``: parameters grouped as ``get_param_groups`` groups them, the resolved
+settings handed to ``optstack.factory.build_optimizer``, and Megatron's classes over the core chain's stages.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from optstack.factory import BuiltOptimizer, algorithm_kwargs, build_optimizer
 from optstack.groups import group_map
 from optstack.megatron.chained import ChainedOptimizer
 from optstack.megatron.config import EMERGING_OPTIMIZERS, OptimizerConfig, to_core
+from optstack.megatron.core_chain import _chain_like
 from optstack.megatron.ddp import DistributedDataParallel
 from optstack.megatron.fsdp import FullyShardedDataParallel
 from optstack.megatron.groups import as_chunks, resolve_chunks
@@ -47,7 +42,6 @@ from optstack.megatron.optimizers import (
 )
 from optstack.megatron.process_groups import ProcessGroupCollection, check_optimizer_groups
 from optstack.megatron.torch_optimizers import Lion
-from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.rules import Ndim, Predicate, Rule, muon_routing_rule
 
 __all__ = ["get_megatron_optimizer", "get_megatron_muon_optimizer"]
@@ -88,15 +82,12 @@ def get_megatron_optimizer(
         (``allreduce=False``) get their own, chained with the dense one (one grad norm, one skip decision).
         ``.built`` is optstack's ``BuiltOptimizer`` (its ``param_groups`` carry the parameter names).
 
-    Data parallelism: pass the model wrapped in ``optstack.megatron.DistributedDataParallel`` (one chunk).
-    ``use_distributed_optimizer`` builds the ZeRO-1 optimizer over its gradient buffers (parameters
-    gathered after the step, overlapped with the next forward with ``overlap_param_gather``);
-    ``use_layer_wise_distributed_optimizer`` (or ``optimizer='dist_muon'``) the layer-wise one for Muon's
-    matrices; otherwise every rank steps the whole model on the all-reduced gradients (over a wrapper built
-    with ``use_distributed_optimizer=True`` too: it then all-reduces, where Megatron would step gradients
-    reduced only in each rank's shard). Bucket size and
-    gradient dtype are the wrapper's (``DistributedDataParallelConfig``). ``step()`` finishes the gradient
-    sync itself if the training loop did not; ``zero_grad()`` zeroes the wrapper's grad buffers.
+    Data parallelism: pass the model wrapped in ``optstack.megatron.DistributedDataParallel`` (one chunk), whose
+    buckets and gradient dtype are used. ``use_distributed_optimizer`` builds ZeRO-1 over its buffers,
+    ``use_layer_wise_distributed_optimizer`` (or ``'dist_muon'``) the layer-wise optimizer; otherwise every rank
+    steps whole parameters on all-reduced gradients (also over a wrapper built for the distributed optimizer,
+    where Megatron would step gradients reduced only in each rank's shard). ``step()`` finishes the gradient sync
+    if the loop did not; ``zero_grad()`` zeroes the wrapper's buffers.
 
     Raises:
         ValueError: an unsupported config value, an override changing a protected field, conflicting
@@ -185,10 +176,7 @@ def _as_megatron(built: BuiltOptimizer, config: OptimizerConfig) -> ChainedOptim
     chain = built.optimizer
     norm_groups = norm_group_kwargs(p for s in chain.stages for g in s.param_groups for p in g["params"])
     if norm_groups:  # MTP parameters: the same chain, their gradients clipped by their group's own norm
-        chain = CoreChained(chain.stages, scaler=chain.scaler, clip_grad=chain.clip_grad, norm_type=chain.norm_type,
-                            grad_norm_skip_threshold=chain.grad_norm_skip_threshold,
-                            log_num_zeros_in_grad=chain.log_num_zeros_in_grad, grad_syncs=chain.grad_syncs,
-                            defaults=chain.defaults, **norm_groups)
+        chain = _chain_like(chain, chain.stages, norm_type=chain.norm_type, defaults=chain.defaults, **norm_groups)
         built = dataclasses.replace(built, optimizer=chain)
     members: list[MegatronOptimizer] = []
     for stage in chain.stages:
@@ -252,11 +240,10 @@ def _get_megatron_optimizer_based_on_param_groups(
     if skip_megatron_wrapping:
         return optimizer, None
     init_state_fn = _lion_init_state if lion else None
+    scaler = core_config.loss_scale.build(core_config.precision)
     if config.use_distributed_optimizer:
-        scaler = core_config.loss_scale.build(core_config.precision)
         return DistributedOptimizer(optimizer, config, scaler, init_state_fn, model_chunks=list(model_chunks))
     if config.fp16 or config.bf16:
-        scaler = core_config.loss_scale.build(core_config.precision)
         return Float16OptimizerWithFloat16Params(optimizer, config, scaler, init_state_fn)
     return FP32Optimizer(optimizer, config, init_state_fn)
 
@@ -300,10 +287,10 @@ def _check_data_parallel(config: OptimizerConfig, chunks: list[nn.Module], pg_co
             f"got {type(pg_collection).__name__}; pass pg_collection=None"
         )
     layer_wise = config.use_layer_wise_distributed_optimizer or config.optimizer == "dist_muon"
-    if layer_wise and any(isinstance(c, FullyShardedDataParallel) for c in chunks):
-        raise ValueError("the layer-wise distributed optimizer needs DistributedDataParallel; over a "
-                         "FullyShardedDataParallel model use optimizer='muon' (DTensor Muon gathers each matrix)")
     if any(isinstance(c, FullyShardedDataParallel) for c in chunks):
+        if layer_wise:
+            raise ValueError("the layer-wise distributed optimizer needs DistributedDataParallel; over a "
+                             "FullyShardedDataParallel model use optimizer='muon' (DTensor Muon gathers each matrix)")
         return  # FSDP2 DTensor parameters: the DTensor placement is the distributed optimizer
     if not wrapped and (config.use_distributed_optimizer or layer_wise):
         field = "use_distributed_optimizer" if config.use_distributed_optimizer else (

@@ -1,22 +1,12 @@
-"""Megatron's optimizer interface and its classes over one torch optimizer, class for class, over optstack's stages.
+"""Megatron's optimizer interface and its classes over one torch optimizer, each one core ``Stage`` whose inner
+optimizer is that torch optimizer: ``FP32Optimizer`` steps the parameters (``Whole`` + ``Direct``),
+``Float16OptimizerWithFloat16Params`` fp32 masters of the bf16/fp16 ones (``Whole`` + ``Masters``),
+``DistributedOptimizer`` this rank's ranges of a ``DistributedDataParallel`` model's buckets (``Zero1`` +
+``Masters``). The step is the core ``ChainedOptimizer``'s over those stages (``core_chain``).
 
-``from megatron.core.optimizer import MegatronOptimizer, FP32Optimizer, ...`` becomes
-``from optstack.megatron import ...``. Each class is what Megatron's is to its caller, translated to the core:
-
-- a Megatron optimizer over one torch optimizer is one core ``Stage`` whose inner optimizer is that torch
-  optimizer: ``FP32Optimizer`` steps the parameters directly (``Whole`` + ``Direct``),
-  ``Float16OptimizerWithFloat16Params`` steps fp32 masters of the bf16/fp16 ones (``Whole`` + ``Masters``;
-  the torch optimizer's groups then hold the masters, as in Megatron), ``DistributedOptimizer`` steps this
-  rank's ranges of a ``DistributedDataParallel`` model's buckets (``Zero1`` + ``Masters``);
-- the step (finite check, one global norm, clip, skip, inner step, publish) is the core
-  ``optstack.optimizer.ChainedOptimizer``'s over those stages (``optstack.megatron.core_chain``). Several
-  optimizers stepped as one: ``optstack.megatron.chained``; the layer-wise optimizer:
-  ``optstack.megatron.layer_wise_optimizer``; the grad scalers: ``optstack.megatron.grad_scaler``.
-
-What Megatron callers read is Megatron's: ``param_groups`` and ``state`` are the inner torch optimizer's (the
-groups hold the tensors stepped: masters, or flat shards under the distributed optimizer; the scheduler's
-writes there reach the step), ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``,
-``get_loss_scale()`` a 1-element tensor.
+What callers read is Megatron's: ``param_groups`` and ``state`` are the torch optimizer's (its groups hold the
+tensors stepped, masters or flat shards; the scheduler's writes there reach the step), ``step()`` returns
+``(update_successful, grad_norm, num_zeros_in_grad)``, ``get_loss_scale()`` a 1-element tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +19,7 @@ import torch
 from optstack.distributed.ddp import DataParallel, is_expert_param
 from optstack.megatron.bucket_state import BucketRanges
 from optstack.megatron.core_chain import (
+    _chain_like,
     _core_chain,
     _norms_by_group,
     _plain_groups,
@@ -42,11 +33,7 @@ from optstack.megatron.core_chain import (
 from optstack.megatron.ddp_config import compute_full_param_layout
 from optstack.megatron.keys import ParamGroupOverride
 from optstack.megatron.norm_groups import GradNormGroups
-from optstack.megatron.param_and_grad_buffer import (
-    PerBufferParamLayout,
-    build_model_gbuf_range,
-    plan_buffer,
-)
+from optstack.megatron.param_and_grad_buffer import PerBufferParamLayout, build_model_gbuf_range, plan_buffer
 from optstack.optimizer import ChainedOptimizer as CoreChained
 from optstack.precision.scaler import LossScaler, NoScaler
 from optstack.stage import Direct, Masters, Stage, zero1_stage
@@ -122,14 +109,13 @@ class MegatronOptimizer(GradNormGroups):
         self._stage: Stage | None = None
         self._chain = _core_chain([], config, NoScaler())
 
-    def _attach(self, stage: Stage | None, chain: CoreChained) -> None:
+    def _attach(self, stage: Stage, chain: CoreChained) -> None:
         """Step through ``chain`` (over ``stage``); the inner groups lose optstack's ``param_names`` key."""
         self._stage, self._chain = stage, chain
-        if stage is not None:
-            self.optimizer = stage.optimizer
-            self.is_stub_optimizer = False
-            for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
-                group.pop("param_names", None)
+        self.optimizer = stage.optimizer
+        self.is_stub_optimizer = False
+        for group in stage.optimizer.param_groups:  # optstack's bookkeeping, not a Megatron group key
+            group.pop("param_names", None)
 
     @classmethod
     def _over(cls, stage: Stage, config: Any, chain: CoreChained, *, megatron_fp32: bool = False
@@ -150,11 +136,7 @@ class MegatronOptimizer(GradNormGroups):
         if self._chain.stages == self.stages:
             return self._chain
         if getattr(self, "_own", None) is None:
-            self._own = CoreChained(self.stages, scaler=self._chain.scaler, clip_grad=self._chain.clip_grad,
-                                    grad_norm_skip_threshold=self._chain.grad_norm_skip_threshold,
-                                    log_num_zeros_in_grad=self._chain.log_num_zeros_in_grad,
-                                    grad_syncs=self._chain.grad_syncs, norm_groups=self._chain.norm_groups,
-                                    norm_group_of=self._chain.norm_group_of)
+            self._own = _chain_like(self._chain, self.stages)
         return self._own
 
     # -- views ---------------------------------------------------------------------------------------
@@ -184,7 +166,7 @@ class MegatronOptimizer(GradNormGroups):
 
     def get_loss_scale(self) -> torch.Tensor:
         """The loss scale as a 1-element fp32 tensor on the parameters' device."""
-        device = self._stage.device if self._stage is not None else torch.device("cpu")
+        device = self.stages[0].device if self.stages else torch.device("cpu")
         return torch.tensor([self._chain.loss_scale], dtype=torch.float32, device=device)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -298,10 +280,8 @@ class FP32Optimizer(MegatronOptimizer):
                  init_state_fn: Callable | None = None) -> None:
         super().__init__(optimizer, config, init_state_fn)
         if optimizer is not None:
-            owner = type(self).__name__
-            groups = _plain_groups(optimizer, owner)
-            stage = Stage(groups, lambda groups: optimizer, placement=_whole_placement(groups),
-                          precision=Direct())
+            groups = _plain_groups(optimizer, type(self).__name__)
+            stage = Stage(groups, lambda groups: optimizer, placement=_whole_placement(groups), precision=Direct())
             self._attach(stage, _core_chain([stage], config, NoScaler()))
 
 

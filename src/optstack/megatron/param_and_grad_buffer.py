@@ -1,21 +1,13 @@
-"""Megatron's view of the wrapper's buffers: ``param_index_map``, ``bucket.param_to_index``, parameter layouts.
+"""Megatron's view of the wrapper's buffers and its ``param_layout`` names.
 
-Megatron code reads its ``_ParamAndGradBuffer`` and buckets by attribute (``param_index_map``, ``params_list``,
-``offset``, ``data_parallel_group``, ...) and, on current main, computes a ``FullParamLayout`` up front
-(``DistributedOptimizer.compute_full_param_layout``, or ``LayerWiseDistributedOptimizer``'s) and hands it to
-``DistributedDataParallel``. optstack's core buffers (``optstack.distributed.buffers``) hold the same layout
-under their own names; ``BufferView`` and ``BucketView`` present one core buffer with Megatron's names (reads
-only, plus Megatron's per-bucket scratch attribute ``layerwise_gather_list``). ``compute_full_param_layout``
-(``megatron.ddp_config``) is a view of the plan the wrapper is built from, so a precomputed layout is the layout
-the wrapper builds; ``plan_buffer`` lays out one buffer's parameters with the same rule (Megatron's per-buffer
-helpers).
-
-Megatron's ``param_layout`` names live here too: its ``BufferKey`` (``is_expert_parallel``,
-``is_managed_by_layer_wise_optimizer``: the core's ``BufferKey.is_expert`` and ``whole``), the padding helpers
-and ``group_params_for_buffers``. A buffer of parameters managed by the layer-wise optimizer is the core's
-whole-shard buffer: every parameter lies whole inside one rank's reduce-scatter shard, packed by Newton-Schulz
-cost as Megatron packs it; a GTP-sharded weight (``is_gtp_weight_remat``) costs the whole matrix it is gathered
-into (``update_shape``).
+``BufferView`` and ``BucketView`` present one core buffer (``optstack.distributed.buffers``) with the attribute
+names Megatron code reads (``param_index_map``, ``params_list``, ``offset``, ``data_parallel_group``, ...; reads
+only, plus Megatron's per-bucket scratch ``layerwise_gather_list``). ``plan_buffer`` lays out one buffer as the
+wrapper does, so a precomputed ``FullParamLayout`` (``ddp_config.compute_full_param_layout``) is the layout the
+wrapper builds. Megatron's ``BufferKey`` is the core's with Megatron's field names (``is_expert_parallel``,
+``is_managed_by_layer_wise_optimizer``: ``is_expert``, ``whole``). A buffer of parameters managed by the
+layer-wise optimizer is the core's whole-shard buffer, packed by Newton-Schulz cost as Megatron packs it; a
+GTP-sharded weight (``is_gtp_weight_remat``) costs the whole matrix it is gathered into (``update_shape``).
 """
 
 from __future__ import annotations
@@ -248,18 +240,6 @@ class BucketView:
         if name == "core":
             raise AttributeError(name)
         return getattr(self.core, name)
-
-    @property
-    def param_data(self) -> torch.Tensor:
-        return self.core.param_data
-
-    @property
-    def grad_data(self) -> torch.Tensor:
-        return self.core.grad_data
-
-    @property
-    def numel_unpadded(self) -> int:
-        return self.core.numel_unpadded
 
     @property
     def bucket_id(self) -> int:

@@ -1,9 +1,6 @@
-"""Megatron's ``ProcessGroupCollection`` and its translation to optstack's ``ParallelGroups``.
-
-Megatron hands process groups around as a ``ProcessGroupCollection`` (``pg_collection``): attributes named
-``dp``, ``dp_cp``, ``tp``, ``pp``, ``mp``, ``ep``, ``expt_dp``, ... set by keyword or one by one. optstack's
-core takes ``ParallelGroups`` (``optstack.distributed.parallel``); ``to_parallel_groups`` translates: the
-data-parallel group is ``dp_cp`` when set (context-parallel ranks reduce gradients together), else ``dp``.
+"""Megatron's ``ProcessGroupCollection`` and ``to_parallel_groups``, its translation to optstack's
+``ParallelGroups`` (the data-parallel group is ``dp_cp`` when set, since context-parallel ranks reduce gradients
+together, else ``dp``).
 """
 
 from __future__ import annotations

@@ -121,10 +121,7 @@ class OptimizerParamScheduler:
         self.override_opt_param_scheduler = bool(override_opt_param_scheduler)
 
     # -- Megatron's attributes, read from the schedules in force ---------------------------------------
-    @property
-    def num_steps(self) -> int:
-        return self._core.num_steps
-
+    num_steps = property(lambda self: self._core.num_steps)
     init_lr = property(lambda self: self._core.lr_schedule.init_lr)
     max_lr = property(lambda self: self._core.lr_schedule.max_lr)
     min_lr = property(lambda self: self._core.lr_schedule.min_lr)

@@ -33,15 +33,13 @@ def _accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 class HybridDeviceOptimizer(_CoreHybrid):
     """Megatron's ``HybridDeviceOptimizer``: the first ``offload_fraction`` of the parameters' elements (in
     group order) are stepped on the host by ``cpu_optimizer_cls``, the rest on their device by
-    ``gpu_optimizer_cls``; results equal the non-offloaded step.
+    ``gpu_optimizer_cls``; results equal the non-offloaded step. ``param_groups`` and ``state`` are keyed by the
+    model's parameters.
 
-    With ``param_update_in_fp32`` each bf16/fp16 parameter gets an fp32 copy (``param_to_fp32_param``; in host
-    memory for the offloaded ones, on the parameter's device otherwise) that is stepped in its place: the
-    gradient is copied into it, the step updates it in fp32 and its value is copied (rounded) back into the
-    parameter, as in Megatron. ``param_groups`` and ``state`` are keyed by the model's parameters; under
-    ``param_update_in_fp32`` each state entry of ``state_dict()`` carries the tensor stepped as
-    ``"master_param"``, and ``load_state_dict`` restores the fp32 copies from it (the model's parameters are
-    not written: they come from the model's checkpoint).
+    With ``param_update_in_fp32`` each bf16/fp16 parameter gets an fp32 copy (``param_to_fp32_param``; on the host
+    for the offloaded ones) that is stepped in its place and rounded back into the parameter, as in Megatron;
+    ``state_dict()`` entries carry it as ``"master_param"``, which ``load_state_dict`` restores (the model's
+    parameters come from the model's checkpoint).
 
     Args:
         params: parameters or param groups, as for a torch optimizer.

@@ -1,21 +1,15 @@
-"""Megatron's ``megatron.training.training.wrap_model_chunks_with_ddp``: the model chunks wrapped for data
-parallelism the way Megatron's training script (current main) wraps them, layouts included.
+"""Megatron's ``megatron.training.training.wrap_model_chunks_with_ddp`` (Megatron's training module needs its
+whole training stack to import; this is the one function of it that model wiring and tests call).
 
-Megatron's training module needs its whole training stack to import; this is the one function of it that model
-wiring and tests call, with Megatron's signature and semantics:
+Layouts, for ``DistributedDataParallel`` only (``DP``), as Megatron's current main computes them:
 
 - the layer-wise optimizer with its layout (``use_layer_wise_distributed_optimizer`` and
   ``use_layer_wise_param_layout``): the trainable parameters are tagged (``tag_params_for_buffer_routing``),
-  ``ddp_config.use_distributed_optimizer`` is set True in place (Megatron mutates the caller's config here, and
-  callers read it back), and each chunk's ``LayerWiseDistributedOptimizer.compute_full_param_layout`` is handed
-  to the wrapper: Muon's matrices whole inside one rank's reduce-scatter shard, the rest laid out for the
-  distributed optimizer;
-- the distributed optimizer alone (``ddp_config.use_distributed_optimizer``): each chunk's
-  ``DistributedOptimizer.compute_full_param_layout``;
-- otherwise no layout.
-
-Layouts are computed for ``DistributedDataParallel`` only (``DP``); other wrappers (the face's
-``FullyShardedDataParallel``) get none, as in Megatron.
+  ``ddp_config.use_distributed_optimizer`` is set True in place (Megatron mutates the caller's config, and callers
+  read it back), and each chunk gets ``LayerWiseDistributedOptimizer.compute_full_param_layout``: Muon's matrices
+  whole inside one rank's shard, the rest laid out for the distributed optimizer;
+- the distributed optimizer alone: ``DistributedOptimizer.compute_full_param_layout``;
+- otherwise none.
 """
 
 from __future__ import annotations
