@@ -205,7 +205,8 @@ def build_optimizer(
         topology = Topology(dp=ranks.size, rank=ranks.rank) if ranks is not None else Topology()
     else:  # the wrapper's plan's (its instances), else its groups'
         topology = ddp.plan.topology if ddp.plan is not None else topology_of(ddp.groups)
-    # the wrapper's plan where the settings and groups are the same; else the stages follow what the wrapper holds
+    # over the wrapper's topology this equals the wrapper's plan when settings and groups do (its digest); when
+    # they differ the stages follow what the wrapper holds (_build_stages)
     plan = ParamPlan.build(config, specs_of(named), resolved, topology, keys=keys, wrapped=ddp is not None,
                            dtensor=dtensor)
     optimizer = ChainedOptimizer(
