@@ -179,3 +179,30 @@ def test_distributed_optimizer_state_keys_follow_the_algorithm() -> None:
     assert bare.optimizer_state_keys == ("exp_avg", "exp_avg_sq")
     assert bare._get_state_key_dtype("exp_avg") == torch.bfloat16
     assert bare._get_state_key_dtype("step") == torch.float32
+
+
+def test_the_grad_norm_methods_work_copied_one_by_one_onto_a_mock() -> None:
+    # Megatron's own test (test_mtp_grad_clipping_uses_separate_norms) copies exactly these methods from
+    # MegatronOptimizer onto a plain class: none of them may lean on another method of the class
+    from optstack.megatron import MegatronOptimizer
+
+    class Mock:
+        _filter_grads_for_norm = MegatronOptimizer._filter_grads_for_norm
+        get_grads_for_grad_norm = MegatronOptimizer.get_grads_for_grad_norm
+        get_grad_stats_parallel_group = MegatronOptimizer.get_grad_stats_parallel_group
+        has_grad_norm_group = MegatronOptimizer.has_grad_norm_group
+        _compute_grad_norms_by_group = MegatronOptimizer._compute_grad_norms_by_group
+        clip_grad_norm = MegatronOptimizer.clip_grad_norm
+
+        def __init__(self, params: list[torch.Tensor]) -> None:
+            self.params, self.config = params, OptimizerConfig(lr=0.01)
+
+        def get_parameters(self) -> list[torch.Tensor]:
+            return self.params
+
+    main, mtp = _param(10.0), _param(1e-3, "mtp")
+    mtp_before = mtp.grad.clone()
+    norm = Mock([main, mtp]).clip_grad_norm(1.0)
+    assert norm == pytest.approx(10.0 * math.sqrt(12), rel=1e-5)  # the main norm only
+    assert main.grad.norm().item() == pytest.approx(1.0, rel=1e-4)
+    torch.testing.assert_close(mtp.grad, mtp_before)  # below the clip by its own norm: untouched
