@@ -217,14 +217,14 @@ class BufferLayout:
         held = largest = 0  # its elements, its largest parameter's
         work = [0.0] * dp_size  # each shard's cost over the buffer's buckets so far
 
-        def least(values: list[int] | list[float], among: Sequence[int] = range(dp_size)) -> int:
-            return min(among, key=lambda r: (values[r], r))  # ties: the lower rank
+        def least(values: list[int] | list[float], among: Sequence[int] | None = None) -> int:
+            # ties: the lower rank (min keeps the first of equal keys; index finds the first minimum)
+            return values.index(min(values)) if among is None else min(among, key=values.__getitem__)
 
         def close(alone: bool) -> None:
             nonlocal start, members, loads, held, largest
             filled, owner = [0] * dp_size, {}
-            cap = WHOLE_SHARD_SLACK * held / dp_size
-            by_cost = rule.whole_balance == "cost"
+            by_cost, cap = rule.whole_balance == "cost", WHOLE_SHARD_SLACK * held / dp_size
             for i in sorted(range(len(members)), key=lambda i: (-members[i][3 if by_cost else 2], i)):
                 numel = members[i][2]
                 fits = [r for r in range(dp_size) if filled[r] + numel <= cap] if by_cost else []

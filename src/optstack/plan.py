@@ -498,7 +498,7 @@ def _plan_buffers(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
         size = whole_bucket_sizes.get(expert, bucket_size) if whole else bucket_size
         layout = BufferLayout.plan([(s.name, s.shape) for s in specs], dp_size=ranks, bucket_size=size,
                                    shard_align=shard_align, param_align=param_align, bucketing=bucketing,
-                                   whole=whole, costs=[s.cost for s in specs])
+                                   whole=whole, costs=[s.cost for s in specs] if whole else None)
         out.append(PlannedBuffer(index, param_dtype, gdtype, expert, whole, reduction, layout))
     return tuple(out)
 
@@ -517,7 +517,11 @@ def _owners(rows: Sequence[tuple[ParamSpec, int, tuple[str, bool]]],
     for kind, placement in placements.items():
         if placement in ("layerwise", "zero1_owners", "dtensor_owner"):
             members = [spec for spec, _, k in rows if k == kind]
-            ranks = topology.expert_dp if kind[1] and placement != "dtensor_owner" else (
-                topology.shard_size if placement == "zero1_owners" else topology.dp)
+            if placement == "dtensor_owner":  # every rank holding a part of the DTensor model
+                ranks = topology.dp
+            elif kind[1]:
+                ranks = topology.expert_dp
+            else:
+                ranks = topology.shard_size if placement == "zero1_owners" else topology.dp
             owners |= zip((s.name for s in members), pack_owners([s.cost for s in members], ranks), strict=True)
     return owners

@@ -339,7 +339,8 @@ class _Route:
     """Who sends which part of one DTensor parameter to its owner, and who gets which part back, decided from the
     mesh on every rank without an exchange: a shard is fixed by its coordinates on the mesh dims the parameter is
     sharded over (its replicas differ only on the others); the owner sends itself what it holds, else the lowest
-    rank holding a shard sends it. Only the owner computes every rank's indices (``sends``, ``gets``)."""
+    rank holding a shard sends it. Only the owner computes every rank's region of the whole parameter (``sends``:
+    (rank, region, shape); ``gets``: (rank, region)), once, so a step only indexes."""
 
     def __init__(self, param: torch.Tensor, owner: int, comm: Comm | NullComm) -> None:
         me = comm.rank
@@ -357,13 +358,15 @@ class _Route:
         has_mine = mine is not None and bool(_shard(param).numel())
         self.sends_mine = has_mine and me != owner and sender(holders(mine)) == me
         self.gets_mine = has_mine and me != owner
-        self.sends: list[tuple[int, list[torch.Tensor | None]]] = []
-        self.gets: list[tuple[int, list[torch.Tensor | None]]] = []
+        self.sends: list[tuple[int, tuple[torch.Tensor, ...], list[int]]] = []
+        self.gets: list[tuple[int, tuple[torch.Tensor, ...]]] = []
         if me != owner:
             return
         per_dim = [_split_indices(int(n), [(i, p, sizes[i]) for i, p in enumerate(placements)
                                            if isinstance(p, (Shard, _StridedShard)) and p.dim == dim])
                    for dim, n in enumerate(param.shape)]
+        device = _shard(param).device
+        whole_dims = [torch.arange(int(n), device=device) for n in param.shape]  # shared by every region
         for key in itertools.product(*(range(sizes[i]) for i in sharded)):
             coordinate = [0] * len(sizes)
             for i, c in zip(sharded, key, strict=True):
@@ -372,8 +375,9 @@ class _Route:
             group = holders(coordinate)
             if any(x is not None and not x.numel() for x in indices) or not group:
                 continue
-            self.sends.append((sender(group), indices))
-            self.gets += [(rank, indices) for rank in group]
+            region, shape = _region(indices, whole_dims, device)
+            self.sends.append((sender(group), region, shape))
+            self.gets += [(rank, region) for rank in group]
         self.sends.sort(key=lambda item: item[0])
         self.gets.sort(key=lambda item: item[0])
 
@@ -399,13 +403,14 @@ def _split_indices(numel: int, splits: Sequence[tuple[int, Any, int]]) -> Callab
     return lambda coordinate: tree[tuple(coordinate[i] for i in dims)]
 
 
-def _region(indices: Sequence[torch.Tensor | None], shape: torch.Size, device: torch.device
+def _region(indices: Sequence[torch.Tensor | None], whole_dims: Sequence[torch.Tensor], device: torch.device
             ) -> tuple[tuple[torch.Tensor, ...], list[int]]:
-    """Advanced indices selecting a shard of a whole tensor of ``shape`` (broadcast per dim), and its shape."""
+    """Advanced indices selecting a shard of a whole tensor (broadcast per dim; ``whole_dims``: each dim's every
+    index, for a dim the shard holds whole), and the shard's shape."""
     index, sizes = [], []
     for dim, values in enumerate(indices):
-        values = torch.arange(shape[dim]) if values is None else values
-        index.append(values.to(device).view([1] * dim + [-1] + [1] * (len(shape) - dim - 1)))
+        values = whole_dims[dim] if values is None else values.to(device)
+        index.append(values.view([1] * dim + [-1] + [1] * (len(whole_dims) - dim - 1)))
         sizes.append(values.numel())
     return tuple(index), sizes
 
@@ -445,17 +450,14 @@ class OwnerRoutes:
                 continue
             whole = into[i]
             parts: list[torch.Tensor | None] = [None] * comm.size
-            regions = []
-            for rank, indices in route.sends:
-                region, sizes = _region(indices, whole.shape, whole.device)
-                parts[rank] = whole.new_empty(sizes)
-                regions.append((rank, region))
+            for rank, _, shape in route.sends:
+                parts[rank] = whole.new_empty(shape)
             handles.append(comm.gather_async(local, owner, parts, tag=i))
-            placed.append((whole, parts, regions))
+            placed.append((whole, parts, route.sends))
         for handle in handles:
             handle.wait()
-        for whole, parts, regions in placed:
-            for rank, region in regions:
+        for whole, parts, sends in placed:
+            for rank, region, _ in sends:
                 whole[region] = parts[rank]
 
     @torch.no_grad()
@@ -479,8 +481,8 @@ class OwnerRoutes:
                 continue
             whole = wholes[i]
             parts: list[torch.Tensor | None] = [None] * comm.size
-            for rank, indices in route.gets:
-                parts[rank] = whole[_region(indices, whole.shape, whole.device)[0]]
+            for rank, region in route.gets:
+                parts[rank] = whole[region]
             handles.append(comm.scatter_async(out if parts[me] is not None else None, owner, parts, tag=i))
         for handle in handles:
             handle.wait()
