@@ -35,18 +35,26 @@ def _grads(params: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in params]
 
 
-def test_batched_step_equals_reference_over_20_steps() -> None:
-    params = _params(SHAPES, 0)
+def _batched_and_reference(seed: int, steps: int, grad_seed: int, **options: bool
+                           ) -> tuple[SOAP, list[nn.Parameter], list[torch.Tensor], list[dict]]:
+    """``steps`` steps of the batched SOAP and of ``soap_reference`` on the same gradients: the optimizer, its
+    parameters, the reference's parameters and states."""
+    params = _params(SHAPES, seed)
     refs = [p.detach().clone() for p in params]
     states: list[dict] = [{} for _ in refs]
-    opt = SOAP(params, max_precond_dim=MAX_DIM, **HYPER)
-    for t in range(20):
-        grads = _grads(params, 100 + t)
+    opt = SOAP(params, max_precond_dim=MAX_DIM, **HYPER, **options)
+    for t in range(steps):
+        grads = _grads(params, grad_seed + t)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()
         for p, g, s in zip(refs, grads, states, strict=True):
-            soap_reference(p, g, s, max_precond_dim=MAX_DIM, **HYPER)
+            soap_reference(p, g, s, max_precond_dim=MAX_DIM, **HYPER, **options)
+    return opt, params, refs, states
+
+
+def test_batched_step_equals_reference_over_20_steps() -> None:
+    opt, params, refs, states = _batched_and_reference(0, 20, 100)
     start = _params(SHAPES, 0)
     for p, r, s0 in zip(params, refs, start, strict=True):
         assert (r - s0.detach()).abs().max() > 1e-2  # the steps moved it
@@ -241,17 +249,7 @@ EMERGING = dict(use_kl_shampoo=True, update_first_step=True, use_eigh=True)
 @pytest.mark.parametrize("options", [EMERGING, dict(use_kl_shampoo=True), dict(update_first_step=True)],
                          ids=["all", "kl", "first_step"])
 def test_batched_step_equals_reference_with_emerging_optimizers_options(options: dict) -> None:
-    params = _params(SHAPES, 1)
-    refs = [p.detach().clone() for p in params]
-    states: list[dict] = [{} for _ in refs]
-    opt = SOAP(params, max_precond_dim=MAX_DIM, **HYPER, **options)
-    for t in range(10):
-        grads = _grads(params, 200 + t)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-        for p, g, s in zip(refs, grads, states, strict=True):
-            soap_reference(p, g, s, max_precond_dim=MAX_DIM, **HYPER, **options)
+    opt, params, refs, states = _batched_and_reference(1, 10, 200, **options)
     for p, r, s0 in zip(params, refs, _params(SHAPES, 1), strict=True):
         assert (r - s0.detach()).abs().max() > 1e-2
         torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-6)
